@@ -1,0 +1,195 @@
+/*
+ * mok — deterministic MoE training megakernel for Hopper. C ABI.
+ *
+ * Shaped like NCCL's: opaque handles, one result enum returned by every call, a
+ * last-error detail string, a versioned config struct with an initializer macro.
+ * Exceptions never cross this boundary. No torch, no Python.
+ *
+ * Tensors are passed as non-owning views (mokTensor_t). Strides are in elements.
+ * device = -1 means host memory; device >= 0 is a CUDA ordinal.
+ */
+#ifndef MOK_MOK_H_
+#define MOK_MOK_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define MOK_API __declspec(dllexport)
+#else
+#define MOK_API __attribute__((visibility("default")))
+#endif
+
+#define MOK_VERSION_MAJOR 0
+#define MOK_VERSION_MINOR 1
+#define MOK_VERSION_PATCH 0
+#define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
+
+typedef enum mokResult_t {
+  mokSuccess = 0,
+  mokInvalidArgument = 1,  /* bad shape/dtype/device/stride/ids: detected before any launch */
+  mokInvalidUsage = 2,     /* wrong call order, config/workspace mismatch, null handle */
+  mokNotSupported = 3,     /* a path that is not built (yet) or not available on this machine */
+  mokCudaError = 4,        /* a CUDA runtime/driver call failed */
+  mokTimeout = 5,          /* a device-side wait passed its deadline (details in last error) */
+  mokDeviceInvalidRoute = 6, /* device-side validation found a bad route (details in last error) */
+  mokOutOfMemory = 7,
+  mokInternalError = 8,
+  mokNumResults = 9
+} mokResult_t;
+
+typedef enum mokDtype_t {
+  mokBFloat16 = 0,
+  mokFloat32 = 1,
+  mokInt32 = 2,
+  mokInt64 = 3,
+  mokFloat8E4M3 = 4,
+  mokUInt8 = 5,
+  mokNumDtypes = 6
+} mokDtype_t;
+
+typedef enum mokPrecision_t {
+  mokPrecisionBF16 = 0,
+  mokPrecisionMXFP8 = 1,
+  mokPrecisionFP8Block = 2
+} mokPrecision_t;
+
+#define MOK_MAX_DIMS 4
+#define MOK_DEVICE_CPU (-1)
+
+typedef struct mokTensor_t {
+  void* data;                     /* NULL with ndim == 0 means "absent" (optional tensors) */
+  int32_t dtype;                  /* mokDtype_t */
+  int32_t ndim;
+  int64_t shape[MOK_MAX_DIMS];
+  int64_t strides[MOK_MAX_DIMS];  /* in elements */
+  int32_t device;                 /* MOK_DEVICE_CPU or CUDA ordinal */
+  int32_t reserved;
+} mokTensor_t;
+
+/* Versioned config. Always start from MOK_CONFIG_INITIALIZER, then set fields.
+ * Every field is 8 bytes wide so that the layout is the same for every binding. */
+#define MOK_CONFIG_VERSION 1
+typedef struct mokConfig_t {
+  uint64_t size;          /* sizeof(mokConfig_t) as the caller compiled it */
+  uint64_t version;       /* MOK_CONFIG_VERSION */
+  /* layer dimensions (per rank) */
+  int64_t hidden;               /* H */
+  int64_t intermediate;         /* I of a routed expert */
+  int64_t shared_intermediate;  /* I_s of the shared expert; 0 = no shared expert */
+  int64_t num_experts;          /* E, total over the EP group */
+  int64_t topk;                 /* k */
+  int64_t ep_size;              /* P */
+  int64_t ep_rank;              /* r */
+  int64_t max_tokens;           /* T_max: the most tokens any rank passes in one call */
+  /* knobs */
+  int64_t fwd_num_comm_sms;
+  int64_t bwd_num_comm_sms;
+  int64_t minibatch_size;       /* rows; multiple of block_m */
+  int64_t macrobatch_size;      /* rows of the ring buffer; multiple of minibatch_size */
+  int64_t block_m;              /* GEMM row block the plan pads to (128 on Hopper) */
+  int64_t precision;            /* mokPrecision_t */
+  double schedule_capacity_multiplier; /* accepted for MoK compatibility; sizes are worst-case */
+  double timeout_s;             /* deadline of every device-side wait */
+  int64_t device;               /* MOK_DEVICE_CPU or CUDA ordinal */
+  int64_t num_threads;          /* CPU backend threads; 0 = hardware concurrency */
+} mokConfig_t;
+
+#define MOK_CONFIG_INITIALIZER                                                          \
+  {                                                                                     \
+    sizeof(mokConfig_t), MOK_CONFIG_VERSION, /*hidden*/ 0, /*intermediate*/ 0,          \
+        /*shared_intermediate*/ 0, /*num_experts*/ 0, /*topk*/ 0, /*ep_size*/ 1,        \
+        /*ep_rank*/ 0, /*max_tokens*/ 0, /*fwd_num_comm_sms*/ 8, /*bwd_num_comm_sms*/ 8, \
+        /*minibatch_size*/ 1024, /*macrobatch_size*/ 16384, /*block_m*/ 128,             \
+        /*precision*/ mokPrecisionBF16, /*schedule_capacity_multiplier*/ 1.0,           \
+        /*timeout_s*/ 60.0, /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0                \
+  }
+
+/* Weights of one rank: its E_l = E/P routed experts and the optional shared expert.
+ *   w_gate, w_up [E_l, I, H] bf16;  w_down [E_l, H, I] bf16
+ *   ws_gate, ws_up [I_s, H] bf16;   ws_down [H, I_s] bf16   (absent when I_s == 0) */
+typedef struct mokWeights_t {
+  mokTensor_t w_gate, w_up, w_down;
+  mokTensor_t ws_gate, ws_up, ws_down;
+} mokWeights_t;
+
+/* One rank's forward.  x [T, H] bf16; topk_ids [T, k] int32|int64 in [-1, E);
+ * topk_weights [T, k] fp32; y [T, H] bf16 (written). */
+typedef struct mokForwardArgs_t {
+  mokTensor_t x, topk_ids, topk_weights;
+  mokWeights_t weights;
+  mokTensor_t y;
+} mokForwardArgs_t;
+
+/* One rank's backward: the forward inputs, dy [T, H] bf16, and the gradients.
+ *   dx [T, H] bf16; d_topk_weights [T, k] fp32;
+ *   grads: bf16 tensors shaped like the weights (written);
+ *   main_grads: optional fp32 tensors shaped like the weights; when present the fp32
+ *   gradient is added into them (main_grad += grad), deterministically. */
+typedef struct mokBackwardArgs_t {
+  mokForwardArgs_t fwd;   /* fwd.y is ignored */
+  mokTensor_t dy;
+  mokTensor_t dx, d_topk_weights;
+  mokWeights_t grads;
+  mokWeights_t main_grads;
+} mokBackwardArgs_t;
+
+typedef struct mokWorkspace* mokWorkspace_t;
+
+/* The routing plan of one rank (see docs/design.md): arrays the caller allocates with the
+ * sizes mokPlanCapacity returns. */
+typedef struct mokPlanCapacity_t {
+  int64_t max_rows;    /* row records: P*T_max*min(k,E_l) + E_l*(block_m-1), rounded down to block_m */
+  int64_t max_blocks;  /* max_rows / block_m */
+  int64_t num_local_experts;
+} mokPlanCapacity_t;
+
+typedef struct mokPlanArgs_t {
+  int64_t num_ranks;            /* P: one topk_ids view per source rank */
+  const mokTensor_t* topk_ids;  /* [P] views, [T_s, k] int32|int64, all on the same device */
+  mokTensor_t rows;             /* [max_rows] int32 (uint32 row records) */
+  mokTensor_t expert_count;     /* [E_l] int32 */
+  mokTensor_t expert_offset;    /* [E_l + 1] int32 */
+  mokTensor_t block_expert;     /* [max_blocks] int32 */
+  mokTensor_t error;            /* [4] int64: device-side error record (see docs/design.md) */
+} mokPlanArgs_t;
+
+MOK_API const char* mokGetErrorString(mokResult_t result);
+/* Detail of the last failing call on this thread (empty when none). */
+MOK_API const char* mokGetLastError(void);
+MOK_API int mokGetVersion(void);
+/* 1 when the library was compiled with its CUDA part. */
+MOK_API int mokHasCuda(void);
+
+MOK_API mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace);
+MOK_API mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace);
+/* Writes a NUL-terminated description of the buffers and their size formulas. */
+MOK_API mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size);
+MOK_API mokResult_t mokWorkspaceGetConfig(mokWorkspace_t workspace, mokConfig_t* config);
+
+MOK_API mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacity_t* capacity);
+/* Builds the plan of rank config->ep_rank from the gathered routing.  Host views: built on
+ * the host (invalid ids are an error).  Device views: built by a CUDA kernel on `stream`
+ * with no host synchronisation; invalid routes are masked and recorded in args->error. */
+MOK_API mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, void* stream);
+
+/* One rank's layer (EP = 1 in this call).  CPU tensors run the reference backend. */
+MOK_API mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* stream);
+MOK_API mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream);
+
+/* The whole EP group emulated in one process on the CPU reference backend:
+ * args[r] holds rank r's inputs, its local weights and its outputs, for r in [0, ep_size). */
+MOK_API mokResult_t mokForwardEmulated(const mokConfig_t* config, const mokForwardArgs_t* args,
+                                       int64_t ep_size);
+MOK_API mokResult_t mokBackwardEmulated(const mokConfig_t* config, const mokBackwardArgs_t* args,
+                                        int64_t ep_size);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // MOK_MOK_H_

@@ -1,0 +1,254 @@
+// The C ABI: every entry point validates, runs, and turns exceptions into a result code
+// plus the thread's last-error string.
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "common/parallel.hpp"
+#include "cuda/cuda_api.hpp"
+#include "mok/mok.h"
+#include "plan/plan.hpp"
+#include "ref/reference.hpp"
+#include "runtime/errors.hpp"
+#include "runtime/layer.hpp"
+#include "runtime/tensor.hpp"
+
+struct mokWorkspace {
+  mok::Workspace impl;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+template <typename Fn>
+mokResult_t guarded(const char* where, Fn&& fn) {
+  try {
+    fn();
+    g_last_error.clear();
+    return mokSuccess;
+  } catch (const mok::Error& e) {
+    g_last_error = std::string(where) + ": " + e.what();
+    return e.code();
+  } catch (const std::bad_alloc&) {
+    g_last_error = std::string(where) + ": out of host memory";
+    return mokOutOfMemory;
+  } catch (const std::exception& e) {
+    g_last_error = std::string(where) + ": internal error: " + e.what();
+    return mokInternalError;
+  }
+}
+
+mok::Workspace& workspace_of(mokWorkspace_t ws) {
+  if (ws == nullptr) MOK_FAIL(mokInvalidUsage, "workspace is NULL");
+  return ws->impl;
+}
+
+void reject_cuda_layer(int32_t device) {
+  if (device >= 0)
+    MOK_FAIL(mokNotSupported, "tensors are on " << mok::device_str(device)
+                                                << ": the CUDA layer kernels are not built yet in this version of mok; "
+                                                   "use CPU tensors (reference backend)");
+}
+
+mok::plan::RoutingView routing_from(const mokConfig_t& c, const std::vector<mok::ref::RankInputs>& ranks) {
+  mok::plan::RoutingView v;
+  v.num_ranks = static_cast<int32_t>(ranks.size());
+  v.topk = static_cast<int32_t>(c.topk);
+  v.num_experts = c.num_experts;
+  v.ids_are_int64 = ranks.empty() ? 0 : ranks[0].ids_are_int64;
+  for (size_t s = 0; s < ranks.size(); ++s) {
+    MOK_CHECK_ARG(ranks[s].ids_are_int64 == ranks[0].ids_are_int64,
+                  "rank " << s << ": topk_ids dtype differs from rank 0's; use one dtype across the group");
+    v.ids[s] = ranks[s].topk_ids;
+    v.num_tokens[s] = ranks[s].num_tokens;
+  }
+  return v;
+}
+
+std::string rank_tag(int64_t P, int64_t r) { return P > 1 ? "rank " + std::to_string(r) + ": " : std::string(); }
+
+// Shared by the EP=1 and the emulated entry points: validate every rank, then run.
+void run_forward(const mokConfig_t& c, const mokForwardArgs_t* args, int64_t P, const char* what) {
+  MOK_CHECK_ARG(args != nullptr, what << " args is NULL");
+  std::vector<mok::ref::RankInputs> ranks;
+  std::vector<mok::bf16_t*> ys;
+  for (int64_t r = 0; r < P; ++r) {
+    reject_cuda_layer(args[r].x.device);
+    ranks.push_back(mok::check_forward_args(c, args[r], MOK_DEVICE_CPU, rank_tag(P, r), true));
+    ys.push_back(static_cast<mok::bf16_t*>(args[r].y.data));
+  }
+  const auto v = routing_from(c, ranks);
+  for (int64_t r = 0; r < P; ++r) mok::check_ids_host(v, static_cast<int>(r), rank_tag(P, r));
+  mok::ref::forward(mok::layer_dims(c), ranks, ys, mok::resolve_num_threads(c.num_threads));
+}
+
+void run_backward(const mokConfig_t& c, const mokBackwardArgs_t* args, int64_t P, const char* what) {
+  MOK_CHECK_ARG(args != nullptr, what << " args is NULL");
+  std::vector<mok::ref::RankInputs> ranks;
+  std::vector<const mok::bf16_t*> dys;
+  std::vector<mok::ref::RankGrads> grads;
+  for (int64_t r = 0; r < P; ++r) {
+    reject_cuda_layer(args[r].fwd.x.device);
+    ranks.push_back(mok::check_forward_args(c, args[r].fwd, MOK_DEVICE_CPU, rank_tag(P, r), false));
+    grads.push_back(mok::check_backward_args(c, args[r], MOK_DEVICE_CPU, rank_tag(P, r)));
+    dys.push_back(static_cast<const mok::bf16_t*>(args[r].dy.data));
+  }
+  const auto v = routing_from(c, ranks);
+  for (int64_t r = 0; r < P; ++r) mok::check_ids_host(v, static_cast<int>(r), rank_tag(P, r));
+  mok::ref::backward(mok::layer_dims(c), ranks, dys, grads, mok::resolve_num_threads(c.num_threads));
+}
+
+mokConfig_t emulated_config(const mokConfig_t* config, int64_t ep_size) {
+  mokConfig_t c = mok::normalize_config(config);
+  MOK_CHECK_ARG(ep_size == c.ep_size, "ep_size argument " << ep_size << " differs from config.ep_size " << c.ep_size);
+  c.ep_rank = 0;
+  c.device = MOK_DEVICE_CPU;
+  mok::check_config(c);
+  return c;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* mokGetErrorString(mokResult_t result) {
+  switch (result) {
+    case mokSuccess: return "no error";
+    case mokInvalidArgument: return "invalid argument";
+    case mokInvalidUsage: return "invalid usage";
+    case mokNotSupported: return "not supported";
+    case mokCudaError: return "CUDA error";
+    case mokTimeout: return "device-side wait timed out";
+    case mokDeviceInvalidRoute: return "device-side validation found an invalid route";
+    case mokOutOfMemory: return "out of memory";
+    case mokInternalError: return "internal error";
+    default: return "unknown result code";
+  }
+}
+
+const char* mokGetLastError(void) { return g_last_error.c_str(); }
+int mokGetVersion(void) { return MOK_VERSION_CODE; }
+int mokHasCuda(void) { return mok::cuda::built() ? 1 : 0; }
+
+mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace) {
+  return guarded("mokWorkspaceCreate", [&] {
+    if (workspace == nullptr) MOK_FAIL(mokInvalidUsage, "workspace out-pointer is NULL");
+    *workspace = nullptr;
+    mokConfig_t c = mok::normalize_config(config);
+    mok::check_config(c);
+    auto* ws = new mokWorkspace{mok::Workspace{c, mok::describe_buffers(c)}};
+    *workspace = ws;
+  });
+}
+
+mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace) {
+  return guarded("mokWorkspaceDestroy", [&] { delete workspace; });
+}
+
+mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size) {
+  return guarded("mokWorkspaceDescribe", [&] {
+    const std::string& d = workspace_of(workspace).description;
+    MOK_CHECK_ARG(buffer != nullptr && buffer_size > d.size(),
+                  "buffer of " << buffer_size << " bytes is too small; " << d.size() + 1 << " needed");
+    std::memcpy(buffer, d.c_str(), d.size() + 1);
+  });
+}
+
+mokResult_t mokWorkspaceGetConfig(mokWorkspace_t workspace, mokConfig_t* config) {
+  return guarded("mokWorkspaceGetConfig", [&] {
+    MOK_CHECK_ARG(config != nullptr, "config out-pointer is NULL");
+    *config = workspace_of(workspace).config;
+  });
+}
+
+mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacity_t* capacity) {
+  return guarded("mokPlanGetCapacity", [&] {
+    MOK_CHECK_ARG(capacity != nullptr, "capacity out-pointer is NULL");
+    const mokConfig_t c = mok::normalize_config(config);
+    const std::string why = mok::plan::check_plan_dims(mok::plan_dims(c));
+    MOK_CHECK_ARG(why.empty(), "config: " << why);
+    const auto d = mok::plan_dims(c);
+    *capacity = mokPlanCapacity_t{mok::plan::max_rows(d), mok::plan::max_blocks(d), d.local_experts()};
+  });
+}
+
+mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, void* stream) {
+  return guarded("mokPlanBuild", [&] {
+    const mokConfig_t c = mok::normalize_config(config);
+    const auto d = mok::plan_dims(c);
+    const std::string why = mok::plan::check_plan_dims(d);
+    MOK_CHECK_ARG(why.empty(), "config: " << why);
+    MOK_CHECK_ARG(args != nullptr && args->topk_ids != nullptr, "plan args or args->topk_ids is NULL");
+    MOK_CHECK_ARG(args->num_ranks == c.ep_size,
+                  "plan args hold " << args->num_ranks << " ranks' topk_ids, config.ep_size = " << c.ep_size);
+    const int32_t device = args->topk_ids[0].device;
+    mok::plan::RoutingView v;
+    v.num_ranks = d.num_ranks;
+    v.topk = d.topk;
+    v.num_experts = d.num_experts;
+    v.ids_are_int64 = args->topk_ids[0].dtype == mokInt64;
+    for (int s = 0; s < d.num_ranks; ++s) {
+      const mokTensor_t& ids = args->topk_ids[s];
+      const std::string who = "rank " + std::to_string(s) + " topk_ids";
+      const int64_t T = mok::leading_dim(ids, who);
+      MOK_CHECK_ARG(T <= c.max_tokens, who << " has " << T << " tokens > max_tokens = " << c.max_tokens);
+      mok::check_tensor(ids, who, {v.ids_are_int64 ? int32_t{mokInt64} : int32_t{mokInt32}}, {T, c.topk}, device);
+      v.ids[s] = ids.data;
+      v.num_tokens[s] = T;
+    }
+    const int64_t El = d.local_experts();
+    mok::check_tensor(args->rows, "plan rows", {mokInt32}, {mok::plan::max_rows(d)}, device);
+    mok::check_tensor(args->expert_count, "plan expert_count", {mokInt32}, {El}, device);
+    mok::check_tensor(args->expert_offset, "plan expert_offset", {mokInt32}, {El + 1}, device);
+    mok::check_tensor(args->block_expert, "plan block_expert", {mokInt32}, {mok::plan::max_blocks(d)}, device);
+    mok::check_tensor(args->error, "plan error", {mokInt64}, {mok::kErrorWords}, device);
+    const mok::plan::PlanView out{static_cast<uint32_t*>(args->rows.data), static_cast<int32_t*>(args->expert_count.data),
+                                  static_cast<int32_t*>(args->expert_offset.data),
+                                  static_cast<int32_t*>(args->block_expert.data)};
+    auto* err = static_cast<int64_t*>(args->error.data);
+    if (device >= 0) {
+      mok::cuda::build_plan(d, v, out, err, device, stream);
+      return;
+    }
+    for (int s = 0; s < d.num_ranks; ++s) mok::check_ids_host(v, s, "rank " + std::to_string(s) + ": ");
+    mok::plan::RouteError e;
+    mok::plan::build_plan_host(d, v, out, &e);
+    err[0] = e.key;
+    err[1] = e.id;
+    err[2] = static_cast<int64_t>(e.kind);
+    err[3] = 0;
+  });
+}
+
+mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* /*stream*/) {
+  return guarded("mokForward", [&] {
+    const mok::Workspace& ws = workspace_of(workspace);
+    MOK_CHECK_ARG(ws.config.ep_size == 1,
+                  "the workspace has ep_size = " << ws.config.ep_size
+                                                 << "; EP > 1 on the CPU runs through mokForwardEmulated");
+    run_forward(ws.config, args, 1, "mokForward");
+  });
+}
+
+mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* /*stream*/) {
+  return guarded("mokBackward", [&] {
+    const mok::Workspace& ws = workspace_of(workspace);
+    MOK_CHECK_ARG(ws.config.ep_size == 1,
+                  "the workspace has ep_size = " << ws.config.ep_size
+                                                 << "; EP > 1 on the CPU runs through mokBackwardEmulated");
+    run_backward(ws.config, args, 1, "mokBackward");
+  });
+}
+
+mokResult_t mokForwardEmulated(const mokConfig_t* config, const mokForwardArgs_t* args, int64_t ep_size) {
+  return guarded("mokForwardEmulated", [&] { run_forward(emulated_config(config, ep_size), args, ep_size, "mokForwardEmulated"); });
+}
+
+mokResult_t mokBackwardEmulated(const mokConfig_t* config, const mokBackwardArgs_t* args, int64_t ep_size) {
+  return guarded("mokBackwardEmulated",
+                 [&] { run_backward(emulated_config(config, ep_size), args, ep_size, "mokBackwardEmulated"); });
+}
+
+}  // extern "C"

@@ -1,0 +1,59 @@
+// One home for the definitions that cross host and device: limits, the row-record
+// encoding of the plan, the device error record.  Compiled by g++ and nvcc alike.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MOK_HD __host__ __device__ __forceinline__
+#else
+#define MOK_HD inline
+#endif
+
+namespace mok {
+
+// Limits.  The row record packs (rank, token, j) into 32 bits; these widths are the
+// contract between the plan builder and every kernel that decodes it.
+inline constexpr int kRankBits = 6;
+inline constexpr int kSlotBits = 5;   // j, the route index within a token
+inline constexpr int kTokenBits = 21;
+static_assert(kRankBits + kSlotBits + kTokenBits == 32, "row record must be one 32-bit word");
+
+inline constexpr int kMaxRanks = 1 << kRankBits;             // P <= 64
+inline constexpr int kMaxTopK = 1 << kSlotBits;              // k <= 32
+inline constexpr int64_t kMaxTokens = (1 << kTokenBits) - 1; // T_max < 2^21 - 1 (all-ones = padding)
+
+// Row record: bits [0, 21) token, [21, 26) j, [26, 32) source rank.
+// All ones marks a padding row (zero-filled, never combined).
+inline constexpr uint32_t kPadRow = 0xFFFFFFFFu;
+
+MOK_HD uint32_t encode_row(int rank, int64_t token, int j) {
+  return (static_cast<uint32_t>(rank) << (kTokenBits + kSlotBits)) |
+         (static_cast<uint32_t>(j) << kTokenBits) | static_cast<uint32_t>(token);
+}
+MOK_HD int row_rank(uint32_t r) { return static_cast<int>(r >> (kTokenBits + kSlotBits)); }
+MOK_HD int row_slot(uint32_t r) { return static_cast<int>((r >> kTokenBits) & ((1u << kSlotBits) - 1)); }
+MOK_HD int64_t row_token(uint32_t r) { return static_cast<int64_t>(r & ((1u << kTokenBits) - 1)); }
+MOK_HD bool row_is_pad(uint32_t r) { return r == kPadRow; }
+
+// What validation can say about one route id.
+enum class RouteCheck : int32_t {
+  kOk = 0,         // a real route
+  kMasked = 1,     // -1: no selection
+  kOutOfRange = 2, // id < -1 or id >= E
+  kDuplicate = 3,  // the same id at an earlier j of the same token
+};
+
+// Device error record, 4 x int64 in the workspace (or the plan arguments):
+//   [0] key of the first bad route: (rank << 40) | (token << 8) | j; INT64_MAX when none
+//   [1] the bad id, [2] RouteCheck, [3] reserved (timeouts use their own record)
+inline constexpr int kErrorWords = 4;
+inline constexpr int64_t kNoError = 0x7FFFFFFFFFFFFFFFll;
+MOK_HD int64_t error_key(int rank, int64_t token, int j) {
+  return (static_cast<int64_t>(rank) << 40) | (token << 8) | static_cast<int64_t>(j);
+}
+MOK_HD int error_key_rank(int64_t key) { return static_cast<int>(key >> 40); }
+MOK_HD int64_t error_key_token(int64_t key) { return (key >> 8) & ((1ll << 32) - 1); }
+MOK_HD int error_key_slot(int64_t key) { return static_cast<int>(key & 0xFF); }
+
+}  // namespace mok

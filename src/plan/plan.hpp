@@ -1,0 +1,119 @@
+// The routing plan ("schedule table"): pure functions usable on host and device.
+//
+// For rank `rank` of an EP group of `num_ranks`, the plan lists, for each local expert
+// e_l in [0, E_l), the routed rows (s, token, j) of every source rank s in canonical order
+// (by s, then token, then j), padded to `block_m` rows.  Segments are laid end to end:
+//
+//   rows[expert_offset[e] .. expert_offset[e] + expert_count[e])   real rows of expert e
+//   rows[expert_offset[e] + expert_count[e] .. expert_offset[e+1]) padding (kPadRow)
+//   rows[expert_offset[E_l] .. max_rows)                            unused (kPadRow)
+//   block_expert[b] = local expert of rows [b*block_m, (b+1)*block_m), -1 past the end
+//
+// Minibatch m = rows [m*minibatch_size, (m+1)*minibatch_size), the unit of overlap;
+// macrobatch M = rows [M*macrobatch_size, ...), the size of the ring; a row lives in ring
+// slot row % macrobatch_size.  Capacity is worst case by construction (DESIGN §3): a token
+// routes to each expert at most once, so an expert gets at most P*T_max rows and the rank
+// at most P*T_max*min(k, E_l), plus at most block_m-1 padding rows per expert.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/defs.hpp"
+
+namespace mok::plan {
+
+struct PlanDims {
+  int32_t num_ranks = 1;      // P
+  int32_t rank = 0;           // r, the expert-owning rank this plan is for
+  int64_t num_experts = 0;    // E (all ranks)
+  int32_t topk = 0;           // k
+  int32_t block_m = 128;
+  int64_t max_tokens = 0;     // T_max
+  int64_t minibatch_size = 1024;
+  int64_t macrobatch_size = 16384;
+
+  MOK_HD int64_t local_experts() const { return num_experts / num_ranks; }
+  MOK_HD int64_t first_expert() const { return static_cast<int64_t>(rank) * local_experts(); }
+};
+
+MOK_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+MOK_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Worst-case number of row records (always a multiple of block_m).
+MOK_HD int64_t max_rows(const PlanDims& d) {
+  const int64_t routed = static_cast<int64_t>(d.num_ranks) * d.max_tokens *
+                         min64(d.topk, d.local_experts());
+  const int64_t bound = routed + d.local_experts() * (d.block_m - 1);
+  return (bound / d.block_m) * d.block_m;
+}
+MOK_HD int64_t max_blocks(const PlanDims& d) { return max_rows(d) / d.block_m; }
+MOK_HD int64_t padded_rows(int64_t count, int32_t block_m) { return round_up(count, block_m); }
+
+MOK_HD int64_t num_minibatches(int64_t total_rows, int64_t minibatch_size) {
+  return ceil_div(total_rows, minibatch_size);
+}
+MOK_HD int64_t num_macrobatches(int64_t total_rows, int64_t macrobatch_size) {
+  return ceil_div(total_rows, macrobatch_size);
+}
+MOK_HD int64_t ring_slot(int64_t row, int64_t macrobatch_size) { return row % macrobatch_size; }
+
+// The gathered routing of the EP group: rank s's topk_ids, [T_s, k] row-major.
+struct RoutingView {
+  const void* ids[kMaxRanks] = {};
+  int64_t num_tokens[kMaxRanks] = {};
+  int64_t num_experts = 0;
+  int32_t num_ranks = 1;
+  int32_t topk = 0;
+  int32_t ids_are_int64 = 0;
+};
+
+MOK_HD int64_t load_id(const RoutingView& v, int s, int64_t token, int j) {
+  const int64_t i = token * v.topk + j;
+  return v.ids_are_int64 ? static_cast<const int64_t*>(v.ids[s])[i]
+                         : static_cast<int64_t>(static_cast<const int32_t*>(v.ids[s])[i]);
+}
+
+// Validation of one route.  A duplicate is the later occurrence of an id within a token.
+MOK_HD RouteCheck check_route(const RoutingView& v, int s, int64_t token, int j, int64_t* id_out) {
+  const int64_t id = load_id(v, s, token, j);
+  *id_out = id;
+  if (id == -1) return RouteCheck::kMasked;
+  if (id < -1 || id >= v.num_experts) return RouteCheck::kOutOfRange;
+  for (int jj = 0; jj < j; ++jj)
+    if (load_id(v, s, token, jj) == id) return RouteCheck::kDuplicate;
+  return RouteCheck::kOk;
+}
+
+// Local expert index of a checked id on this plan's rank, or -1.
+MOK_HD int32_t local_expert_of(int64_t id, const PlanDims& d) {
+  const int64_t e = id - d.first_expert();
+  return (e >= 0 && e < d.local_experts()) ? static_cast<int32_t>(e) : -1;
+}
+
+// Output arrays of a plan (host or device memory, capacities from max_rows/max_blocks).
+struct PlanView {
+  uint32_t* rows = nullptr;          // [max_rows]
+  int32_t* expert_count = nullptr;   // [E_l]
+  int32_t* expert_offset = nullptr;  // [E_l + 1]
+  int32_t* block_expert = nullptr;   // [max_blocks]
+};
+
+// The first bad route seen (lowest error_key), as the device records it.
+struct RouteError {
+  int64_t key = kNoError;
+  int64_t id = 0;
+  RouteCheck kind = RouteCheck::kOk;
+  bool any() const { return key != kNoError; }
+};
+
+// Host builder: the same plan the device kernel builds, bit for bit.  Bad routes are masked
+// (treated as -1) and the first one is returned in *error.
+void build_plan_host(const PlanDims& dims, const RoutingView& routing, const PlanView& out,
+                     RouteError* error);
+
+// Checks dims against the limits; returns an empty string when fine, else the reason.
+std::string check_plan_dims(const PlanDims& dims);
+
+}  // namespace mok::plan

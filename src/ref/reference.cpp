@@ -1,0 +1,379 @@
+// CPU reference backend (see reference.hpp for the numerics).  Compiled with
+// -ffp-contract=off: every multiply and add rounds as written, on every host.
+#include "ref/reference.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/parallel.hpp"
+#include "plan/plan.hpp"
+
+namespace mok::ref {
+namespace {
+
+constexpr int kLanes = 8;
+
+// The one fixed summation order of the reference (see dot_fixed).
+template <typename LoadA, typename LoadB>
+float dot_lanes(LoadA a, LoadB b, int64_t n) {
+  float acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] + a(i + l) * b(i + l);
+  for (int l = 0; i + l < n; ++l) acc[l] = acc[l] + a(i + l) * b(i + l);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+float dot_f_bf(const float* a, const bf16_t* b, int64_t n) {
+  return dot_lanes([a](int64_t i) { return a[i]; }, [b](int64_t i) { return bf16_to_float(b[i]); },
+                   n);
+}
+
+float silu(float g) { return g / (1.0f + std::exp(-g)); }
+float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+
+void to_float(const bf16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+// One expert's weights: gate/up [I, H], down [H, I].
+struct Expert {
+  const bf16_t* gate;
+  const bf16_t* up;
+  const bf16_t* down;
+  int64_t inter;
+};
+
+// One row an expert processes: source rank, token, route j (-1 = shared expert), weight.
+struct Row {
+  int32_t rank;
+  int32_t slot;
+  int64_t token;
+  float weight;
+};
+
+plan::RoutingView routing_of(const LayerDims& d, const std::vector<RankInputs>& ranks) {
+  plan::RoutingView v;
+  v.num_ranks = static_cast<int32_t>(ranks.size());
+  v.topk = static_cast<int32_t>(d.topk);
+  v.num_experts = d.num_experts;
+  v.ids_are_int64 = ranks.empty() ? 0 : ranks[0].ids_are_int64;
+  for (size_t s = 0; s < ranks.size(); ++s) {
+    v.ids[s] = ranks[s].topk_ids;
+    v.num_tokens[s] = ranks[s].num_tokens;
+  }
+  return v;
+}
+
+// Rows of each local expert of rank r, in plan order (the plan with block_m = 1: the
+// reference needs no padding).
+std::vector<std::vector<Row>> expert_rows(const LayerDims& d, const std::vector<RankInputs>& ranks,
+                                          const plan::RoutingView& v, int r) {
+  plan::PlanDims pd;
+  pd.num_ranks = static_cast<int32_t>(d.ep_size);
+  pd.rank = r;
+  pd.num_experts = d.num_experts;
+  pd.topk = static_cast<int32_t>(d.topk);
+  pd.block_m = 1;
+  int64_t t_max = 0;
+  for (const auto& rk : ranks) t_max = std::max(t_max, rk.num_tokens);
+  pd.max_tokens = t_max;
+  pd.minibatch_size = 1;
+  pd.macrobatch_size = 1;
+  const int64_t num_local = d.local_experts();
+  std::vector<uint32_t> rows(static_cast<size_t>(plan::max_rows(pd)));
+  std::vector<int32_t> count(static_cast<size_t>(num_local)), offset(static_cast<size_t>(num_local + 1));
+  std::vector<int32_t> block_expert(static_cast<size_t>(plan::max_blocks(pd)));
+  plan::build_plan_host(pd, v, plan::PlanView{rows.data(), count.data(), offset.data(), block_expert.data()},
+                        nullptr);
+  std::vector<std::vector<Row>> out(static_cast<size_t>(num_local));
+  for (int64_t e = 0; e < num_local; ++e) {
+    for (int64_t i = offset[e]; i < offset[e] + count[e]; ++i) {
+      const uint32_t rec = rows[static_cast<size_t>(i)];
+      const int s = row_rank(rec), j = row_slot(rec);
+      const int64_t t = row_token(rec);
+      out[static_cast<size_t>(e)].push_back(
+          Row{s, j, t, ranks[static_cast<size_t>(s)].topk_weights[t * d.topk + j]});
+    }
+  }
+  return out;
+}
+
+std::vector<Row> shared_rows(const RankInputs& rk, int s) {
+  std::vector<Row> rows(static_cast<size_t>(rk.num_tokens));
+  for (int64_t t = 0; t < rk.num_tokens; ++t) rows[static_cast<size_t>(t)] = Row{s, -1, t, 1.0f};
+  return rows;
+}
+
+// Forward of one expert over its rows; row i's output goes to dst(row).
+template <typename Dst>
+void expert_forward(const Expert& ex, const std::vector<Row>& rows, const std::vector<RankInputs>& ranks,
+                    int64_t hidden, Dst dst, int num_threads) {
+  const int64_t inter = ex.inter;
+  parallel_for(static_cast<int64_t>(rows.size()), num_threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(hidden)), af(static_cast<size_t>(inter));
+    for (int64_t ri = begin; ri < end; ++ri) {
+      const Row& row = rows[static_cast<size_t>(ri)];
+      to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf.data(), hidden);
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = dot_f_bf(xf.data(), ex.gate + i * hidden, hidden);
+        const float u = dot_f_bf(xf.data(), ex.up + i * hidden, hidden);
+        af[static_cast<size_t>(i)] = bf16_to_float(float_to_bf16(silu(g) * u));
+      }
+      bf16_t* out = dst(row);
+      for (int64_t h = 0; h < hidden; ++h)
+        out[h] = float_to_bf16(dot_f_bf(af.data(), ex.down + h * inter, inter));
+    }
+  });
+}
+
+bool route_ok(const plan::RoutingView& v, int s, int64_t t, int j) {
+  int64_t id;
+  return plan::check_route(v, s, t, j, &id) == RouteCheck::kOk;
+}
+
+// Transpose [rows, cols] bf16 -> [cols, rows].
+std::vector<bf16_t> transpose(const bf16_t* src, int64_t rows, int64_t cols) {
+  std::vector<bf16_t> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(c * rows + r)] = src[r * cols + c];
+  return out;
+}
+
+// Where one expert's backward writes: per-row dx and d_topk_weights, and the weight grads.
+struct ExpertGradOut {
+  bf16_t* dw_gate;    // [I, H]
+  bf16_t* dw_up;      // [I, H]
+  bf16_t* dw_down;    // [H, I]
+  float* main_gate;   // optional
+  float* main_up;
+  float* main_down;
+};
+
+void store_grad(const std::vector<float>& acc, bf16_t* out, float* main_grad) {
+  for (size_t i = 0; i < acc.size(); ++i) {
+    out[i] = float_to_bf16(acc[i]);
+    if (main_grad) main_grad[i] = main_grad[i] + acc[i];
+  }
+}
+
+// Backward of one expert over its rows.  dx_dst(row) gets the row's dx contribution;
+// dw_dst(row) (may return null) gets d topk_weight.
+template <typename DxDst, typename DwDst>
+void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::vector<RankInputs>& ranks,
+                     const std::vector<const bf16_t*>& dy, int64_t hidden, DxDst dx_dst, DwDst dw_dst,
+                     const ExpertGradOut& gout, int num_threads) {
+  const int64_t inter = ex.inter, num_rows = static_cast<int64_t>(rows.size());
+  const std::vector<bf16_t> down_t = transpose(ex.down, hidden, inter);  // [I, H]
+  // [H, 2I]: row h = (w_gate[:, h], w_up[:, h]), the K of the gate/up dgrad.
+  std::vector<bf16_t> gu_t(static_cast<size_t>(hidden * 2 * inter));
+  for (int64_t i = 0; i < inter; ++i)
+    for (int64_t h = 0; h < hidden; ++h) {
+      gu_t[static_cast<size_t>(h * 2 * inter + i)] = ex.gate[i * hidden + h];
+      gu_t[static_cast<size_t>(h * 2 * inter + inter + i)] = ex.up[i * hidden + h];
+    }
+  // Per-row operands of the weight-gradient sums, as the GEMMs would read them (bf16).
+  std::vector<float> xs(static_cast<size_t>(num_rows * hidden)), dys(static_cast<size_t>(num_rows * hidden));
+  std::vector<float> aws(static_cast<size_t>(num_rows * inter)), dgs(static_cast<size_t>(num_rows * inter)),
+      dus(static_cast<size_t>(num_rows * inter));
+
+  parallel_for(num_rows, num_threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> gf(static_cast<size_t>(inter)), uf(static_cast<size_t>(inter)),
+        daf(static_cast<size_t>(inter)), dguf(static_cast<size_t>(2 * inter));
+    for (int64_t ri = begin; ri < end; ++ri) {
+      const Row& row = rows[static_cast<size_t>(ri)];
+      float* xf = &xs[static_cast<size_t>(ri * hidden)];
+      float* dyf = &dys[static_cast<size_t>(ri * hidden)];
+      to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf, hidden);
+      to_float(dy[static_cast<size_t>(row.rank)] + row.token * hidden, dyf, hidden);
+      // Recompute gate/up; unweighted dgrad of down.
+      float dw = 0.f;
+      float dw_acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t i = 0; i < inter; ++i) {
+        gf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.gate + i * hidden, hidden);
+        uf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.up + i * hidden, hidden);
+        daf[static_cast<size_t>(i)] = dot_f_bf(dyf, &down_t[static_cast<size_t>(i * hidden)], hidden);
+      }
+      // SwiGLU backward with the router-weight gradient fused in.
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = gf[static_cast<size_t>(i)], u = uf[static_cast<size_t>(i)];
+        const float sg = sigmoid(g), sl = silu(g);
+        const float a = bf16_to_float(float_to_bf16(sl * u));
+        const float da = daf[static_cast<size_t>(i)];
+        dw_acc[i % kLanes] = dw_acc[i % kLanes] + da * a;
+        const float da_w = row.weight * da;
+        const float dsilu = sg * (1.0f + g * (1.0f - sg));
+        const float dg = bf16_to_float(float_to_bf16(da_w * u * dsilu));
+        const float du = bf16_to_float(float_to_bf16(da_w * sl));
+        dguf[static_cast<size_t>(i)] = dg;
+        dguf[static_cast<size_t>(inter + i)] = du;
+        dgs[static_cast<size_t>(ri * inter + i)] = dg;
+        dus[static_cast<size_t>(ri * inter + i)] = du;
+        aws[static_cast<size_t>(ri * inter + i)] = bf16_to_float(float_to_bf16(row.weight * a));
+      }
+      dw = ((dw_acc[0] + dw_acc[1]) + (dw_acc[2] + dw_acc[3])) +
+           ((dw_acc[4] + dw_acc[5]) + (dw_acc[6] + dw_acc[7]));
+      if (float* d = dw_dst(row)) *d = dw;
+      // dgrad of gate/up: one K = 2I reduction.
+      bf16_t* dx = dx_dst(row);
+      for (int64_t h = 0; h < hidden; ++h)
+        dx[h] = float_to_bf16(dot_f_bf(dguf.data(), &gu_t[static_cast<size_t>(h * 2 * inter)], 2 * inter));
+    }
+  });
+
+  // Weight gradients: fp32 sums over the rows in plan order; threads split output rows.
+  std::vector<float> acc_down(static_cast<size_t>(hidden * inter), 0.f);
+  std::vector<float> acc_gate(static_cast<size_t>(inter * hidden), 0.f), acc_up(acc_gate.size(), 0.f);
+  parallel_for(hidden, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < num_rows; ++r)
+      for (int64_t h = begin; h < end; ++h) {
+        const float d = dys[static_cast<size_t>(r * hidden + h)];
+        float* acc = &acc_down[static_cast<size_t>(h * inter)];
+        const float* aw = &aws[static_cast<size_t>(r * inter)];
+        for (int64_t i = 0; i < inter; ++i) acc[i] = acc[i] + d * aw[i];
+      }
+  });
+  parallel_for(inter, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < num_rows; ++r)
+      for (int64_t i = begin; i < end; ++i) {
+        const float dg = dgs[static_cast<size_t>(r * inter + i)];
+        const float du = dus[static_cast<size_t>(r * inter + i)];
+        float* ag = &acc_gate[static_cast<size_t>(i * hidden)];
+        float* au = &acc_up[static_cast<size_t>(i * hidden)];
+        const float* x = &xs[static_cast<size_t>(r * hidden)];
+        for (int64_t h = 0; h < hidden; ++h) {
+          ag[h] = ag[h] + dg * x[h];
+          au[h] = au[h] + du * x[h];
+        }
+      }
+  });
+  store_grad(acc_gate, gout.dw_gate, gout.main_gate);
+  store_grad(acc_up, gout.dw_up, gout.main_up);
+  store_grad(acc_down, gout.dw_down, gout.main_down);
+}
+
+}  // namespace
+
+float dot_fixed(const float* a, const float* b, int64_t n) {
+  return dot_lanes([a](int64_t i) { return a[i]; }, [b](int64_t i) { return b[i]; }, n);
+}
+
+void forward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std::vector<bf16_t*>& y,
+             int num_threads) {
+  const int64_t H = d.hidden, I = d.intermediate, k = d.topk, P = d.ep_size;
+  const plan::RoutingView v = routing_of(d, ranks);
+  // Home slots: one bf16 row per route (token*k + j) and one per token for the shared expert.
+  std::vector<std::vector<bf16_t>> slots(static_cast<size_t>(P)), shared(static_cast<size_t>(P));
+  for (int64_t s = 0; s < P; ++s) {
+    slots[static_cast<size_t>(s)].assign(static_cast<size_t>(ranks[s].num_tokens * k * H), 0);
+    if (d.shared_intermediate > 0)
+      shared[static_cast<size_t>(s)].assign(static_cast<size_t>(ranks[s].num_tokens * H), 0);
+  }
+  // Each expert-owning rank pulls its rows and pushes outputs home.
+  for (int64_t r = 0; r < P; ++r) {
+    const auto rows = expert_rows(d, ranks, v, static_cast<int>(r));
+    for (int64_t e = 0; e < d.local_experts(); ++e) {
+      const RankInputs& owner = ranks[static_cast<size_t>(r)];
+      const Expert ex{owner.w_gate + e * I * H, owner.w_up + e * I * H, owner.w_down + e * H * I, I};
+      expert_forward(ex, rows[static_cast<size_t>(e)], ranks, H,
+                     [&](const Row& row) {
+                       return &slots[static_cast<size_t>(row.rank)][static_cast<size_t>((row.token * k + row.slot) * H)];
+                     },
+                     num_threads);
+    }
+  }
+  for (int64_t s = 0; s < P; ++s) {
+    if (d.shared_intermediate <= 0) break;
+    const RankInputs& rk = ranks[static_cast<size_t>(s)];
+    const Expert ex{rk.ws_gate, rk.ws_up, rk.ws_down, d.shared_intermediate};
+    expert_forward(ex, shared_rows(rk, static_cast<int>(s)), ranks, H,
+                   [&](const Row& row) { return &shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },
+                   num_threads);
+  }
+  // Home reduction: ascending j, shared last, one rounding.
+  for (int64_t s = 0; s < P; ++s) {
+    const RankInputs& rk = ranks[static_cast<size_t>(s)];
+    parallel_for(rk.num_tokens, num_threads, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(static_cast<size_t>(H));
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < k; ++j) {
+          if (!route_ok(v, static_cast<int>(s), t, static_cast<int>(j))) continue;
+          const float w = rk.topk_weights[t * k + j];
+          const bf16_t* o = &slots[static_cast<size_t>(s)][static_cast<size_t>((t * k + j) * H)];
+          for (int64_t h = 0; h < H; ++h) acc[static_cast<size_t>(h)] = acc[static_cast<size_t>(h)] + w * bf16_to_float(o[h]);
+        }
+        if (d.shared_intermediate > 0) {
+          const bf16_t* o = &shared[static_cast<size_t>(s)][static_cast<size_t>(t * H)];
+          for (int64_t h = 0; h < H; ++h) acc[static_cast<size_t>(h)] = acc[static_cast<size_t>(h)] + bf16_to_float(o[h]);
+        }
+        for (int64_t h = 0; h < H; ++h) y[static_cast<size_t>(s)][t * H + h] = float_to_bf16(acc[static_cast<size_t>(h)]);
+      }
+    });
+  }
+}
+
+void backward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std::vector<const bf16_t*>& dy,
+              const std::vector<RankGrads>& grads, int num_threads) {
+  const int64_t H = d.hidden, I = d.intermediate, Is = d.shared_intermediate, k = d.topk, P = d.ep_size;
+  const plan::RoutingView v = routing_of(d, ranks);
+  std::vector<std::vector<bf16_t>> dx_slots(static_cast<size_t>(P)), dx_shared(static_cast<size_t>(P));
+  for (int64_t s = 0; s < P; ++s) {
+    dx_slots[static_cast<size_t>(s)].assign(static_cast<size_t>(ranks[s].num_tokens * k * H), 0);
+    if (Is > 0) dx_shared[static_cast<size_t>(s)].assign(static_cast<size_t>(ranks[s].num_tokens * H), 0);
+    // d topk_weights of masked routes are 0; real routes are overwritten below.
+    std::fill(grads[s].d_topk_weights, grads[s].d_topk_weights + ranks[s].num_tokens * k, 0.f);
+  }
+  for (int64_t r = 0; r < P; ++r) {
+    const auto rows = expert_rows(d, ranks, v, static_cast<int>(r));
+    const RankInputs& owner = ranks[static_cast<size_t>(r)];
+    const RankGrads& g = grads[static_cast<size_t>(r)];
+    for (int64_t e = 0; e < d.local_experts(); ++e) {
+      const Expert ex{owner.w_gate + e * I * H, owner.w_up + e * I * H, owner.w_down + e * H * I, I};
+      const ExpertGradOut gout{g.dw_gate + e * I * H, g.dw_up + e * I * H, g.dw_down + e * H * I,
+                               g.main_gate ? g.main_gate + e * I * H : nullptr,
+                               g.main_up ? g.main_up + e * I * H : nullptr,
+                               g.main_down ? g.main_down + e * H * I : nullptr};
+      expert_backward(
+          ex, rows[static_cast<size_t>(e)], ranks, dy, H,
+          [&](const Row& row) {
+            return &dx_slots[static_cast<size_t>(row.rank)][static_cast<size_t>((row.token * k + row.slot) * H)];
+          },
+          [&](const Row& row) { return &grads[static_cast<size_t>(row.rank)].d_topk_weights[row.token * k + row.slot]; },
+          gout, num_threads);
+    }
+  }
+  for (int64_t s = 0; s < P && Is > 0; ++s) {
+    const RankInputs& rk = ranks[static_cast<size_t>(s)];
+    const RankGrads& g = grads[static_cast<size_t>(s)];
+    const Expert ex{rk.ws_gate, rk.ws_up, rk.ws_down, Is};
+    const ExpertGradOut gout{g.dws_gate, g.dws_up, g.dws_down, g.main_s_gate, g.main_s_up, g.main_s_down};
+    expert_backward(
+        ex, shared_rows(rk, static_cast<int>(s)), ranks, dy, H,
+        [&](const Row& row) { return &dx_shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },
+        [](const Row&) -> float* { return nullptr; }, gout, num_threads);
+  }
+  for (int64_t s = 0; s < P; ++s) {
+    const RankInputs& rk = ranks[static_cast<size_t>(s)];
+    bf16_t* dx = grads[static_cast<size_t>(s)].dx;
+    parallel_for(rk.num_tokens, num_threads, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(static_cast<size_t>(H));
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < k; ++j) {
+          if (!route_ok(v, static_cast<int>(s), t, static_cast<int>(j))) continue;
+          const bf16_t* o = &dx_slots[static_cast<size_t>(s)][static_cast<size_t>((t * k + j) * H)];
+          for (int64_t h = 0; h < H; ++h) acc[static_cast<size_t>(h)] = acc[static_cast<size_t>(h)] + bf16_to_float(o[h]);
+        }
+        if (Is > 0) {
+          const bf16_t* o = &dx_shared[static_cast<size_t>(s)][static_cast<size_t>(t * H)];
+          for (int64_t h = 0; h < H; ++h) acc[static_cast<size_t>(h)] = acc[static_cast<size_t>(h)] + bf16_to_float(o[h]);
+        }
+        for (int64_t h = 0; h < H; ++h) dx[t * H + h] = float_to_bf16(acc[static_cast<size_t>(h)]);
+      }
+    });
+  }
+}
+
+}  // namespace mok::ref

@@ -1,0 +1,86 @@
+// CPU reference backend: the oracle of every test and the CPU fallback.
+//
+// It computes the layer of DESIGN §1 with the roundings every mok backend uses
+// (docs/design.md, "Numerics"):
+//   g, u   = x·w_gateᵀ, x·w_upᵀ              fp32 accumulation
+//   a      = bf16(silu(g) ⊙ u)                the intermediate, stored once in bf16
+//   o      = bf16(a·w_downᵀ)                  one routed (or shared) output row
+//   y[t]   = bf16(Σ_j↑ w[t,j]·o(t,j) + o_shared(t))   fp32, ascending j, shared last
+// and the backward:
+//   da     = dy·w_down                        fp32 (unweighted)
+//   dw[t,j]= Σ_i da[i]·a[i]                   exact for every weight, 0 and negatives too
+//   dg     = bf16(w·da ⊙ u ⊙ silu'(g)),  du = bf16(w·da ⊙ silu(g))
+//   dx     = bf16(Σ_j↑ bf16(dg·w_gate + du·w_up) + bf16(shared part))
+//   dW_down += dy ⊗ bf16(w·a),  dW_gate += dg ⊗ x,  dW_up += du ⊗ x   (fp32, rows in plan order)
+// Every dot product sums in a fixed 8-lane order; no result depends on the thread count.
+//
+// The EP group is emulated in-process: rank r's plan pulls rows from every source rank,
+// pushes each output row to its home slot token*k+j, and each home rank reduces its slots
+// in ascending j.  A token's bits therefore do not depend on P, on the rank holding it, or
+// on the other tokens.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/bf16.hpp"
+
+namespace mok::ref {
+
+struct LayerDims {
+  int64_t hidden = 0;               // H
+  int64_t intermediate = 0;         // I
+  int64_t shared_intermediate = 0;  // I_s (0 = none)
+  int64_t num_experts = 0;          // E over the group
+  int64_t topk = 0;                 // k
+  int64_t ep_size = 1;              // P
+  int64_t local_experts() const { return num_experts / ep_size; }
+};
+
+// One rank's inputs.  Pointers are to contiguous row-major arrays.
+struct RankInputs {
+  int64_t num_tokens = 0;                   // T of this rank
+  const bf16_t* x = nullptr;                // [T, H]
+  const void* topk_ids = nullptr;           // [T, k] int32 or int64
+  bool ids_are_int64 = false;
+  const float* topk_weights = nullptr;      // [T, k]
+  const bf16_t* w_gate = nullptr;           // [E_l, I, H]
+  const bf16_t* w_up = nullptr;             // [E_l, I, H]
+  const bf16_t* w_down = nullptr;           // [E_l, H, I]
+  const bf16_t* ws_gate = nullptr;          // [I_s, H] or null
+  const bf16_t* ws_up = nullptr;            // [I_s, H] or null
+  const bf16_t* ws_down = nullptr;          // [H, I_s] or null
+};
+
+// One rank's weight gradients: bf16 outputs, and optional fp32 main_grad accumulators.
+struct RankGrads {
+  bf16_t* dx = nullptr;                     // [T, H]
+  float* d_topk_weights = nullptr;          // [T, k]
+  bf16_t* dw_gate = nullptr;                // [E_l, I, H]
+  bf16_t* dw_up = nullptr;
+  bf16_t* dw_down = nullptr;                // [E_l, H, I]
+  bf16_t* dws_gate = nullptr;               // shared, or null
+  bf16_t* dws_up = nullptr;
+  bf16_t* dws_down = nullptr;
+  float* main_gate = nullptr;               // optional fp32 main_grad (+=)
+  float* main_up = nullptr;
+  float* main_down = nullptr;
+  float* main_s_gate = nullptr;
+  float* main_s_up = nullptr;
+  float* main_s_down = nullptr;
+};
+
+// y[r] [T_r, H] for every rank r.
+void forward(const LayerDims& dims, const std::vector<RankInputs>& ranks,
+             const std::vector<bf16_t*>& y, int num_threads);
+
+// dy[r] [T_r, H]; gradients into grads[r].
+void backward(const LayerDims& dims, const std::vector<RankInputs>& ranks,
+              const std::vector<const bf16_t*>& dy, const std::vector<RankGrads>& grads,
+              int num_threads);
+
+// Fixed-order dot product: 8 lanes, lane l sums elements l, l+8, ... in order, then
+// ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).  Exposed for tests.
+float dot_fixed(const float* a, const float* b, int64_t n);
+
+}  // namespace mok::ref

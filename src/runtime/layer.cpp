@@ -1,0 +1,179 @@
+#include "runtime/layer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "runtime/errors.hpp"
+#include "runtime/tensor.hpp"
+
+namespace mok {
+
+mokConfig_t normalize_config(const mokConfig_t* config) {
+  if (config == nullptr) MOK_FAIL(mokInvalidUsage, "config is NULL");
+  mokConfig_t out = MOK_CONFIG_INITIALIZER;
+  MOK_CHECK_ARG(config->size >= 2 * sizeof(uint64_t) && config->version >= 1,
+                "config.size = " << config->size << ", config.version = " << config->version
+                                 << ": start from MOK_CONFIG_INITIALIZER");
+  const size_t n = std::min<size_t>(config->size, sizeof(mokConfig_t));
+  std::memcpy(&out, config, n);
+  out.size = sizeof(mokConfig_t);
+  out.version = MOK_CONFIG_VERSION;
+  return out;
+}
+
+plan::PlanDims plan_dims(const mokConfig_t& c) {
+  plan::PlanDims d;
+  d.num_ranks = static_cast<int32_t>(c.ep_size);
+  d.rank = static_cast<int32_t>(c.ep_rank);
+  d.num_experts = c.num_experts;
+  d.topk = static_cast<int32_t>(c.topk);
+  d.block_m = static_cast<int32_t>(c.block_m);
+  d.max_tokens = c.max_tokens;
+  d.minibatch_size = c.minibatch_size;
+  d.macrobatch_size = c.macrobatch_size;
+  return d;
+}
+
+ref::LayerDims layer_dims(const mokConfig_t& c) {
+  ref::LayerDims d;
+  d.hidden = c.hidden;
+  d.intermediate = c.intermediate;
+  d.shared_intermediate = c.shared_intermediate;
+  d.num_experts = c.num_experts;
+  d.topk = c.topk;
+  d.ep_size = c.ep_size;
+  return d;
+}
+
+void check_config(const mokConfig_t& c) {
+  MOK_CHECK_ARG(c.hidden > 0, "config.hidden = " << c.hidden << " must be positive");
+  MOK_CHECK_ARG(c.intermediate > 0, "config.intermediate = " << c.intermediate << " must be positive");
+  MOK_CHECK_ARG(c.shared_intermediate >= 0,
+                "config.shared_intermediate = " << c.shared_intermediate << " must be >= 0 (0 = none)");
+  MOK_CHECK_ARG(c.ep_size >= 1 && c.ep_size <= kMaxRanks && c.ep_rank >= 0 && c.ep_rank < c.ep_size,
+                "config.ep_size = " << c.ep_size << ", ep_rank = " << c.ep_rank);
+  MOK_CHECK_ARG(c.precision == mokPrecisionBF16,
+                "config.precision = " << c.precision << ": only bf16 (0) is implemented in this build");
+  MOK_CHECK_ARG(c.timeout_s > 0, "config.timeout_s = " << c.timeout_s << " must be positive");
+  MOK_CHECK_ARG(c.fwd_num_comm_sms >= 0 && c.bwd_num_comm_sms >= 0, "num_comm_sms must be >= 0");
+  MOK_CHECK_ARG(c.schedule_capacity_multiplier > 0, "schedule_capacity_multiplier must be positive");
+  const std::string why = plan::check_plan_dims(plan_dims(c));
+  MOK_CHECK_ARG(why.empty(), "config: " << why);
+  MOK_CHECK_ARG(plan::max_rows(plan_dims(c)) < (int64_t{1} << 31),
+                "config: the plan of " << plan::max_rows(plan_dims(c))
+                                       << " rows does not fit 32-bit offsets; lower max_tokens");
+}
+
+std::string describe_buffers(const mokConfig_t& c) {
+  const plan::PlanDims d = plan_dims(c);
+  const int64_t El = d.local_experts(), rows = plan::max_rows(d), blocks = plan::max_blocks(d);
+  std::ostringstream os;
+  os << "mok workspace: H=" << c.hidden << " I=" << c.intermediate << " I_s=" << c.shared_intermediate
+     << " E=" << c.num_experts << " k=" << c.topk << " P=" << c.ep_size << " rank=" << c.ep_rank
+     << " T_max=" << c.max_tokens << " block_m=" << c.block_m << " on " << device_str(static_cast<int32_t>(c.device))
+     << "\n"
+     << "  plan.rows          = P*T_max*min(k,E_l) + E_l*(block_m-1), rounded down to block_m\n"
+     << "                     = " << c.ep_size << "*" << c.max_tokens << "*" << std::min<int64_t>(c.topk, El) << " + "
+     << El << "*" << (c.block_m - 1) << " -> " << rows << " rows x 4 B = " << rows * 4 << " B\n"
+     << "  plan.block_expert  = rows/block_m = " << blocks << " x 4 B = " << blocks * 4 << " B\n"
+     << "  plan.expert_count  = E_l = " << El << " x 4 B; expert_offset = E_l+1 x 4 B\n"
+     << "  ring               = macrobatch_size*H*2 B = " << c.macrobatch_size << "*" << c.hidden << "*2 = "
+     << c.macrobatch_size * c.hidden * 2 << " B (GPU backend)\n"
+     << "  error record       = 4 x 8 B\n";
+  if (c.device < 0) os << "  backend: CPU reference (buffers are allocated per call)\n";
+  return os.str();
+}
+
+void check_ids_host(const plan::RoutingView& v, int s, const std::string& tag) {
+  for (int64_t t = 0; t < v.num_tokens[s]; ++t)
+    for (int j = 0; j < v.topk; ++j) {
+      int64_t id = 0;
+      switch (plan::check_route(v, s, t, j, &id)) {
+        case RouteCheck::kOutOfRange:
+          MOK_FAIL(mokInvalidArgument, tag << "topk_ids[" << t << ", " << j << "] = " << id
+                                           << " is outside [-1, " << v.num_experts << ")");
+        case RouteCheck::kDuplicate: {
+          int first = 0;
+          while (plan::load_id(v, s, t, first) != id) ++first;
+          MOK_FAIL(mokInvalidArgument, tag << "topk_ids[" << t << ", " << j << "] = " << id << " duplicates topk_ids["
+                                           << t << ", " << first << "]: a token selects an expert at most once");
+        }
+        default: break;
+      }
+    }
+}
+
+namespace {
+
+void check_weights(const mokConfig_t& c, const mokWeights_t& w, int32_t device, const std::string& who,
+                   std::initializer_list<int32_t> dtypes, bool require_routed) {
+  const int64_t El = c.num_experts / c.ep_size, H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
+  if (require_routed || present(w.w_gate)) check_tensor(w.w_gate, who + "w_gate", dtypes, {El, I, H}, device);
+  if (require_routed || present(w.w_up)) check_tensor(w.w_up, who + "w_up", dtypes, {El, I, H}, device);
+  if (require_routed || present(w.w_down)) check_tensor(w.w_down, who + "w_down", dtypes, {El, H, I}, device);
+  if (Is > 0) {
+    if (require_routed || present(w.ws_gate)) check_tensor(w.ws_gate, who + "ws_gate", dtypes, {Is, H}, device);
+    if (require_routed || present(w.ws_up)) check_tensor(w.ws_up, who + "ws_up", dtypes, {Is, H}, device);
+    if (require_routed || present(w.ws_down)) check_tensor(w.ws_down, who + "ws_down", dtypes, {H, Is}, device);
+  } else {
+    MOK_CHECK_ARG(!present(w.ws_gate) && !present(w.ws_up) && !present(w.ws_down),
+                  who << "ws_gate/ws_up/ws_down given but config.shared_intermediate = 0");
+  }
+}
+
+}  // namespace
+
+ref::RankInputs check_forward_args(const mokConfig_t& c, const mokForwardArgs_t& a, int32_t device,
+                                   const std::string& tag, bool check_y) {
+  const int64_t H = c.hidden, k = c.topk;
+  const int64_t T = leading_dim(a.x, tag + "x");
+  MOK_CHECK_ARG(T <= c.max_tokens, tag << "x has " << T << " tokens but the workspace was built for max_tokens = "
+                                       << c.max_tokens);
+  check_tensor(a.x, tag + "x", {mokBFloat16}, {T, H}, device);
+  check_tensor(a.topk_ids, tag + "topk_ids", {mokInt32, mokInt64}, {T, k}, device);
+  check_tensor(a.topk_weights, tag + "topk_weights", {mokFloat32}, {T, k}, device);
+  if (check_y) check_tensor(a.y, tag + "y", {mokBFloat16}, {T, H}, device);
+  check_weights(c, a.weights, device, tag, {mokBFloat16}, true);
+  ref::RankInputs in;
+  in.num_tokens = T;
+  in.x = static_cast<const bf16_t*>(a.x.data);
+  in.topk_ids = a.topk_ids.data;
+  in.ids_are_int64 = a.topk_ids.dtype == mokInt64;
+  in.topk_weights = static_cast<const float*>(a.topk_weights.data);
+  in.w_gate = static_cast<const bf16_t*>(a.weights.w_gate.data);
+  in.w_up = static_cast<const bf16_t*>(a.weights.w_up.data);
+  in.w_down = static_cast<const bf16_t*>(a.weights.w_down.data);
+  in.ws_gate = static_cast<const bf16_t*>(a.weights.ws_gate.data);
+  in.ws_up = static_cast<const bf16_t*>(a.weights.ws_up.data);
+  in.ws_down = static_cast<const bf16_t*>(a.weights.ws_down.data);
+  return in;
+}
+
+ref::RankGrads check_backward_args(const mokConfig_t& c, const mokBackwardArgs_t& a, int32_t device,
+                                   const std::string& tag) {
+  const int64_t T = a.fwd.x.shape[0], H = c.hidden, k = c.topk;
+  check_tensor(a.dy, tag + "dy", {mokBFloat16}, {T, H}, device);
+  check_tensor(a.dx, tag + "dx", {mokBFloat16}, {T, H}, device);
+  check_tensor(a.d_topk_weights, tag + "d_topk_weights", {mokFloat32}, {T, k}, device);
+  check_weights(c, a.grads, device, tag + "grad of ", {mokBFloat16}, true);
+  check_weights(c, a.main_grads, device, tag + "main_grad of ", {mokFloat32}, false);
+  ref::RankGrads g;
+  g.dx = static_cast<bf16_t*>(a.dx.data);
+  g.d_topk_weights = static_cast<float*>(a.d_topk_weights.data);
+  g.dw_gate = static_cast<bf16_t*>(a.grads.w_gate.data);
+  g.dw_up = static_cast<bf16_t*>(a.grads.w_up.data);
+  g.dw_down = static_cast<bf16_t*>(a.grads.w_down.data);
+  g.dws_gate = static_cast<bf16_t*>(a.grads.ws_gate.data);
+  g.dws_up = static_cast<bf16_t*>(a.grads.ws_up.data);
+  g.dws_down = static_cast<bf16_t*>(a.grads.ws_down.data);
+  g.main_gate = static_cast<float*>(a.main_grads.w_gate.data);
+  g.main_up = static_cast<float*>(a.main_grads.w_up.data);
+  g.main_down = static_cast<float*>(a.main_grads.w_down.data);
+  g.main_s_gate = static_cast<float*>(a.main_grads.ws_gate.data);
+  g.main_s_up = static_cast<float*>(a.main_grads.ws_up.data);
+  g.main_s_down = static_cast<float*>(a.main_grads.ws_down.data);
+  return g;
+}
+
+}  // namespace mok

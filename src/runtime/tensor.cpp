@@ -1,0 +1,68 @@
+#include "runtime/tensor.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "runtime/errors.hpp"
+
+namespace mok {
+
+const char* dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case mokBFloat16: return "bfloat16";
+    case mokFloat32: return "float32";
+    case mokInt32: return "int32";
+    case mokInt64: return "int64";
+    case mokFloat8E4M3: return "float8_e4m3fn";
+    case mokUInt8: return "uint8";
+    default: return "unknown dtype";
+  }
+}
+
+std::string shape_str(const int64_t* dims, int ndim) {
+  std::ostringstream os;
+  os << "[";
+  for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << dims[i];
+  os << "]";
+  return os.str();
+}
+
+std::string device_str(int32_t device) {
+  return device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device);
+}
+
+void check_tensor(const mokTensor_t& t, const std::string& who, std::initializer_list<int32_t> dtypes,
+                  const std::vector<int64_t>& shape, int32_t device) {
+  MOK_CHECK_ARG(present(t), who << " is missing");
+  bool dtype_ok = false;
+  std::string allowed;
+  for (int32_t d : dtypes) {
+    dtype_ok |= (t.dtype == d);
+    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(d));
+  }
+  MOK_CHECK_ARG(dtype_ok, who << " must be " << allowed << ", got " << dtype_name(t.dtype));
+  MOK_CHECK_ARG(t.ndim == static_cast<int32_t>(shape.size()) &&
+                    std::equal(shape.begin(), shape.end(), t.shape),
+                who << " has shape " << shape_str(t.shape, t.ndim) << ", expected "
+                    << shape_str(shape.data(), static_cast<int>(shape.size())));
+  MOK_CHECK_ARG(t.device == device,
+                who << " is on " << device_str(t.device) << ", expected " << device_str(device));
+  int64_t numel = 1, expect = 1;
+  for (int i = 0; i < t.ndim; ++i) numel *= t.shape[i];
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    MOK_CHECK_ARG(numel == 0 || t.shape[i] == 1 || t.strides[i] == expect,
+                  who << " must be contiguous: strides " << shape_str(t.strides, t.ndim) << " for shape "
+                      << shape_str(t.shape, t.ndim));
+    expect *= t.shape[i];
+  }
+  MOK_CHECK_ARG(numel == 0 || t.data != nullptr, who << " has a null data pointer");
+}
+
+int64_t leading_dim(const mokTensor_t& t, const std::string& who) {
+  MOK_CHECK_ARG(present(t), who << " is missing");
+  MOK_CHECK_ARG(t.ndim == 2, who << " must be 2-D, got shape " << shape_str(t.shape, t.ndim));
+  MOK_CHECK_ARG(t.shape[0] >= 0, who << " has a negative dimension");
+  return t.shape[0];
+}
+
+}  // namespace mok

@@ -1,0 +1,26 @@
+// Checks of the non-owning tensor views that enter through the C ABI.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "mok/mok.h"
+
+namespace mok {
+
+const char* dtype_name(int32_t dtype);
+std::string shape_str(const int64_t* dims, int ndim);
+std::string device_str(int32_t device);
+inline bool present(const mokTensor_t& t) { return t.data != nullptr || t.ndim != 0; }
+
+// Throws mokInvalidArgument naming `who` (e.g. "forward: w_gate") unless t has one of
+// `dtypes`, exactly `shape`, lives on `device`, and is contiguous row-major.
+void check_tensor(const mokTensor_t& t, const std::string& who, std::initializer_list<int32_t> dtypes,
+                  const std::vector<int64_t>& shape, int32_t device);
+
+// First dimension of a 2-D tensor after checking it is 2-D (used to read T).
+int64_t leading_dim(const mokTensor_t& t, const std::string& who);
+
+}  // namespace mok
