@@ -1,0 +1,269 @@
+"""ctypes binding over the C ABI of libmok (include/mok/mok.h).
+
+The binding depends only on the C ABI, never on the Python ABI: any CPython and any torch
+that can hand out data pointers can drive the same libmok.so.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, byref, c_char_p, c_double, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+# Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
+ABI_VERSION = (0, 1)
+CONFIG_VERSION = 1
+MAX_DIMS = 4
+DEVICE_CPU = -1
+
+# mokResult_t
+SUCCESS = 0
+INVALID_ARGUMENT = 1
+INVALID_USAGE = 2
+NOT_SUPPORTED = 3
+CUDA_ERROR = 4
+TIMEOUT = 5
+DEVICE_INVALID_ROUTE = 6
+OUT_OF_MEMORY = 7
+INTERNAL_ERROR = 8
+
+# mokDtype_t
+DTYPES = {
+    torch.bfloat16: 0,
+    torch.float32: 1,
+    torch.int32: 2,
+    torch.int64: 3,
+    torch.float8_e4m3fn: 4,
+    torch.uint8: 5,
+}
+
+# mokPrecision_t
+PRECISIONS = {"bf16": 0, "mxfp8": 1, "fp8_block": 2}
+
+
+class mokTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("dtype", c_int32),
+        ("ndim", c_int32),
+        ("shape", c_int64 * MAX_DIMS),
+        ("strides", c_int64 * MAX_DIMS),
+        ("device", c_int32),
+        ("reserved", c_int32),
+    ]
+
+
+_CONFIG_INT_FIELDS = (
+    "hidden", "intermediate", "shared_intermediate", "num_experts", "topk", "ep_size", "ep_rank",
+    "max_tokens", "fwd_num_comm_sms", "bwd_num_comm_sms", "minibatch_size", "macrobatch_size",
+    "block_m", "precision",
+)
+
+
+class mokConfig(ctypes.Structure):
+    _fields_ = (
+        [("size", c_uint64), ("version", c_uint64)]
+        + [(name, c_int64) for name in _CONFIG_INT_FIELDS]
+        + [
+            ("schedule_capacity_multiplier", c_double),
+            ("timeout_s", c_double),
+            ("device", c_int64),
+            ("num_threads", c_int64),
+        ]
+    )
+
+
+# MOK_CONFIG_INITIALIZER, field by field.
+CONFIG_DEFAULTS = dict(
+    hidden=0, intermediate=0, shared_intermediate=0, num_experts=0, topk=0, ep_size=1, ep_rank=0,
+    max_tokens=0, fwd_num_comm_sms=8, bwd_num_comm_sms=8, minibatch_size=1024, macrobatch_size=16384,
+    block_m=128, precision=PRECISIONS["bf16"], schedule_capacity_multiplier=1.0, timeout_s=60.0,
+    device=DEVICE_CPU, num_threads=0,
+)
+
+
+def default_config() -> mokConfig:
+    """A mokConfig equal to MOK_CONFIG_INITIALIZER."""
+    return mokConfig(size=ctypes.sizeof(mokConfig), version=CONFIG_VERSION, **CONFIG_DEFAULTS)
+
+
+class mokWeights(ctypes.Structure):
+    _fields_ = [(name, mokTensor) for name in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")]
+
+
+class mokForwardArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", mokTensor),
+        ("topk_ids", mokTensor),
+        ("topk_weights", mokTensor),
+        ("weights", mokWeights),
+        ("y", mokTensor),
+    ]
+
+
+class mokBackwardArgs(ctypes.Structure):
+    _fields_ = [
+        ("fwd", mokForwardArgs),
+        ("dy", mokTensor),
+        ("dx", mokTensor),
+        ("d_topk_weights", mokTensor),
+        ("grads", mokWeights),
+        ("main_grads", mokWeights),
+    ]
+
+
+class mokPlanCapacity(ctypes.Structure):
+    _fields_ = [("max_rows", c_int64), ("max_blocks", c_int64), ("num_local_experts", c_int64)]
+
+
+class mokPlanArgs(ctypes.Structure):
+    _fields_ = [
+        ("num_ranks", c_int64),
+        ("topk_ids", POINTER(mokTensor)),
+        ("rows", mokTensor),
+        ("expert_count", mokTensor),
+        ("expert_offset", mokTensor),
+        ("block_expert", mokTensor),
+        ("error", mokTensor),
+    ]
+
+
+def _candidates() -> List[Path]:
+    here = Path(__file__).resolve().parent
+    paths = []
+    if os.environ.get("MOK_LIBRARY"):
+        paths.append(Path(os.environ["MOK_LIBRARY"]))
+    paths.append(here.parent.parent / "build" / "lib" / "libmok.so")
+    paths.append(here / "lib" / "libmok.so")
+    return paths
+
+
+def _load() -> ctypes.CDLL:
+    tried = _candidates()
+    for path in tried:
+        if path.is_file():
+            return ctypes.CDLL(str(path))
+    raise ImportError(
+        "mok: libmok.so not found; build it (cmake -S . -B build -G Ninja && ninja -C build) or set "
+        "MOK_LIBRARY to its full path. Tried: " + ", ".join(str(p) for p in tried)
+    )
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    signatures = {
+        "mokGetErrorString": (c_char_p, [c_int]),
+        "mokGetLastError": (c_char_p, []),
+        "mokGetVersion": (c_int, []),
+        "mokHasCuda": (c_int, []),
+        "mokWorkspaceCreate": (c_int, [POINTER(mokConfig), POINTER(c_void_p)]),
+        "mokWorkspaceDestroy": (c_int, [c_void_p]),
+        "mokWorkspaceDescribe": (c_int, [c_void_p, c_char_p, c_size_t]),
+        "mokWorkspaceGetConfig": (c_int, [c_void_p, POINTER(mokConfig)]),
+        "mokPlanGetCapacity": (c_int, [POINTER(mokConfig), POINTER(mokPlanCapacity)]),
+        "mokPlanBuild": (c_int, [POINTER(mokConfig), POINTER(mokPlanArgs), c_void_p]),
+        "mokForward": (c_int, [c_void_p, POINTER(mokForwardArgs), c_void_p]),
+        "mokBackward": (c_int, [c_void_p, POINTER(mokBackwardArgs), c_void_p]),
+        "mokForwardEmulated": (c_int, [POINTER(mokConfig), POINTER(mokForwardArgs), c_int64]),
+        "mokBackwardEmulated": (c_int, [POINTER(mokConfig), POINTER(mokBackwardArgs), c_int64]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+
+
+lib = _load()
+_declare(lib)
+
+
+def version_code() -> int:
+    return int(lib.mokGetVersion())
+
+
+def version_string() -> str:
+    code = version_code()
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
+if (version_code() // 10000, version_code() // 100 % 100) != ABI_VERSION:
+    raise ImportError(f"mok: libmok.so is version {version_string()}, this binding mirrors the "
+                      f"{ABI_VERSION[0]}.{ABI_VERSION[1]} C ABI")
+
+
+def has_cuda() -> bool:
+    """True when libmok was compiled with its CUDA part."""
+    return bool(lib.mokHasCuda())
+
+
+def error_string(result: int) -> str:
+    return lib.mokGetErrorString(result).decode()
+
+
+def last_error() -> str:
+    return lib.mokGetLastError().decode(errors="replace")
+
+
+def check(result: int) -> None:
+    """Raises the Python exception that matches a mokResult_t (message: mokGetLastError)."""
+    if result == SUCCESS:
+        return
+    message = last_error() or error_string(result)
+    if result == INVALID_ARGUMENT:
+        raise ValueError(message)
+    if result == NOT_SUPPORTED:
+        raise NotImplementedError(message)
+    raise RuntimeError(f"{message} [{error_string(result)}]")
+
+
+def device_index(device: torch.device) -> int:
+    """MOK_DEVICE_CPU for host memory, the CUDA ordinal otherwise."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return DEVICE_CPU
+    if device.type == "cuda":
+        return device.index if device.index is not None else torch.cuda.current_device()
+    raise ValueError(f"mok runs on cpu and cuda tensors, not on {device}")
+
+
+def stream_of(device_idx: int) -> Optional[int]:
+    """The current torch CUDA stream of a device (None on the host)."""
+    if device_idx < 0:
+        return None
+    return torch.cuda.current_stream(device_idx).cuda_stream
+
+
+class Views:
+    """Turns tensors into mokTensor views and keeps every viewed tensor alive while it lives."""
+
+    def __init__(self) -> None:
+        self._alive: List[torch.Tensor] = []
+
+    def __call__(self, t: Optional[torch.Tensor], name: str = "tensor") -> mokTensor:
+        view = mokTensor()
+        if t is None:
+            return view
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}, which mok does not take")
+        if t.dim() > MAX_DIMS:
+            raise ValueError(f"{name} has {t.dim()} dimensions; mok views hold at most {MAX_DIMS}")
+        self._alive.append(t)
+        view.data = t.data_ptr() or None
+        view.dtype = DTYPES[t.dtype]
+        view.ndim = t.dim()
+        for i, (size, stride) in enumerate(zip(t.shape, t.stride())):
+            view.shape[i] = size
+            view.strides[i] = stride
+        view.device = device_index(t.device)
+        return view
+
+    def weights(self, tensors: dict, prefix: str = "") -> mokWeights:
+        """A mokWeights from a dict name -> tensor (absent names stay absent)."""
+        w = mokWeights()
+        for name, _ in mokWeights._fields_:
+            setattr(w, name, self(tensors.get(name), prefix + name))
+        return w

@@ -1,0 +1,225 @@
+// The C ABI: result codes, messages naming tensor/index/value, and a workspace that stays
+// usable after a rejected call.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "mok/mok.h"
+#include "test_util.hpp"
+
+namespace mok::test {
+namespace {
+
+mokTensor_t view(void* data, mokDtype_t dtype, std::vector<int64_t> shape, int32_t device = MOK_DEVICE_CPU) {
+  mokTensor_t t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[static_cast<size_t>(i)];
+    t.strides[i] = stride;
+    stride *= shape[static_cast<size_t>(i)];
+  }
+  t.device = device;
+  return t;
+}
+
+// A small EP=1 layer with its host buffers.
+struct Layer {
+  static constexpr int64_t H = 32, I = 16, E = 4, k = 2, T = 8;
+  mokConfig_t config = MOK_CONFIG_INITIALIZER;
+  std::vector<bf16_t> x, y, wg, wu, wd;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  mokForwardArgs_t args{};
+
+  explicit Layer(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    config.hidden = H;
+    config.intermediate = I;
+    config.num_experts = E;
+    config.topk = k;
+    config.max_tokens = T;
+    config.block_m = 4;
+    config.minibatch_size = 8;
+    config.macrobatch_size = 16;
+    x = random_bf16(rng, T * H, 1.f);
+    y.assign(T * H, 0);
+    wg = random_bf16(rng, E * I * H, 0.2f);
+    wu = random_bf16(rng, E * I * H, 0.2f);
+    wd = random_bf16(rng, E * H * I, 0.2f);
+    ids = to_int32(make_ids(rng, T, k, E, E, Routing::kUniform));
+    w = random_f32(rng, T * k, 0, 1);
+    args.x = view(x.data(), mokBFloat16, {T, H});
+    args.topk_ids = view(ids.data(), mokInt32, {T, k});
+    args.topk_weights = view(w.data(), mokFloat32, {T, k});
+    args.weights.w_gate = view(wg.data(), mokBFloat16, {E, I, H});
+    args.weights.w_up = view(wu.data(), mokBFloat16, {E, I, H});
+    args.weights.w_down = view(wd.data(), mokBFloat16, {E, H, I});
+    args.y = view(y.data(), mokBFloat16, {T, H});
+  }
+};
+
+class CApi : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(mokWorkspaceCreate(&layer.config, &ws), mokSuccess) << mokGetLastError(); }
+  void TearDown() override { EXPECT_EQ(mokWorkspaceDestroy(ws), mokSuccess); }
+
+  // Expects `args` to be rejected with `code` and a message containing every needle; then
+  // checks that the workspace still runs the valid call.
+  void expect_rejected(const mokForwardArgs_t& args, mokResult_t code, std::vector<std::string> needles) {
+    EXPECT_EQ(mokForward(ws, &args, nullptr), code);
+    const std::string msg = mokGetLastError();
+    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "message: " << msg << "\nmissing: " << n;
+    std::fill(layer.y.begin(), layer.y.end(), float_to_bf16(NAN));
+    ASSERT_EQ(mokForward(ws, &layer.args, nullptr), mokSuccess) << mokGetLastError();
+    for (auto v : layer.y) ASSERT_FALSE(std::isnan(bf16_to_float(v))) << "valid call after a rejected one";
+    EXPECT_STREQ(mokGetLastError(), "");
+  }
+
+  Layer layer{fresh_seed()};
+  mokWorkspace_t ws = nullptr;
+};
+
+TEST_F(CApi, ForwardRunsAndIsDeterministic) {
+  ASSERT_EQ(mokForward(ws, &layer.args, nullptr), mokSuccess) << mokGetLastError();
+  const auto first = layer.y;
+  std::fill(layer.y.begin(), layer.y.end(), float_to_bf16(NAN));
+  ASSERT_EQ(mokForward(ws, &layer.args, nullptr), mokSuccess);
+  EXPECT_EQ(0, std::memcmp(first.data(), layer.y.data(), first.size() * 2));
+}
+
+TEST_F(CApi, OutOfRangeIdNamesTensorIndexAndValue) {
+  auto args = layer.args;
+  auto ids = layer.ids;
+  ids[5 * 2 + 1] = 4;
+  args.topk_ids = view(ids.data(), mokInt32, {8, 2});
+  expect_rejected(args, mokInvalidArgument, {"topk_ids[5, 1] = 4", "[-1, 4)"});
+  ids[5 * 2 + 1] = -2;
+  expect_rejected(args, mokInvalidArgument, {"topk_ids[5, 1] = -2"});
+}
+
+TEST_F(CApi, DuplicateIdIsRejected) {
+  auto args = layer.args;
+  auto ids = layer.ids;
+  ids[3 * 2 + 1] = ids[3 * 2];
+  args.topk_ids = view(ids.data(), mokInt32, {8, 2});
+  expect_rejected(args, mokInvalidArgument, {"topk_ids[3, 1]", "duplicates topk_ids[3, 0]"});
+}
+
+TEST_F(CApi, ShapeDtypeDeviceStrideMismatches) {
+  auto args = layer.args;
+  args.x.dtype = mokFloat32;
+  expect_rejected(args, mokInvalidArgument, {"x must be bfloat16, got float32"});
+  args = layer.args;
+  args.weights.w_gate = view(layer.wg.data(), mokBFloat16, {4, 8, 64});
+  expect_rejected(args, mokInvalidArgument, {"w_gate has shape [4, 8, 64], expected [4, 16, 32]"});
+  args = layer.args;
+  args.topk_weights.device = 0;
+  expect_rejected(args, mokInvalidArgument, {"topk_weights is on cuda:0, expected cpu"});
+  args = layer.args;
+  std::swap(args.x.strides[0], args.x.strides[1]);
+  expect_rejected(args, mokInvalidArgument, {"x must be contiguous"});
+  args = layer.args;
+  args.weights.ws_gate = args.weights.w_gate;
+  expect_rejected(args, mokInvalidArgument, {"shared_intermediate = 0"});
+  args = layer.args;
+  args.topk_ids.dtype = mokFloat32;
+  expect_rejected(args, mokInvalidArgument, {"topk_ids must be int32 or int64"});
+}
+
+TEST_F(CApi, TooManyTokensForTheWorkspace) {
+  std::vector<bf16_t> x(9 * 32), y(9 * 32);
+  std::vector<int32_t> ids(18, 0);
+  std::vector<float> w(18);
+  auto args = layer.args;
+  args.x = view(x.data(), mokBFloat16, {9, 32});
+  args.topk_ids = view(ids.data(), mokInt32, {9, 2});
+  args.topk_weights = view(w.data(), mokFloat32, {9, 2});
+  args.y = view(y.data(), mokBFloat16, {9, 32});
+  expect_rejected(args, mokInvalidArgument, {"9 tokens", "max_tokens = 8"});
+}
+
+TEST_F(CApi, CudaTensorsAreNotSupportedYet) {
+  auto args = layer.args;
+  args.x.device = 0;
+  expect_rejected(args, mokNotSupported, {"cuda:0", "not built yet"});
+}
+
+TEST_F(CApi, DescribePrintsTheCapacityFormula) {
+  char buf[4096];
+  ASSERT_EQ(mokWorkspaceDescribe(ws, buf, sizeof(buf)), mokSuccess);
+  EXPECT_NE(std::string(buf).find("P*T_max*min(k,E_l) + E_l*(block_m-1)"), std::string::npos) << buf;
+  EXPECT_EQ(mokWorkspaceDescribe(ws, buf, 4), mokInvalidArgument);
+}
+
+TEST(CApiConfig, BadConfigsAreRejected) {
+  mokWorkspace_t ws = nullptr;
+  mokConfig_t c = MOK_CONFIG_INITIALIZER;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokInvalidArgument);  // hidden = 0
+  EXPECT_NE(std::string(mokGetLastError()).find("config.hidden"), std::string::npos) << mokGetLastError();
+  c.hidden = 16;
+  c.intermediate = 16;
+  c.num_experts = 6;
+  c.topk = 2;
+  c.ep_size = 4;
+  c.max_tokens = 8;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokInvalidArgument);
+  EXPECT_NE(std::string(mokGetLastError()).find("multiple of ep_size"), std::string::npos) << mokGetLastError();
+  c.ep_size = 2;
+  c.minibatch_size = 100;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokInvalidArgument);
+  c.minibatch_size = 128;
+  c.macrobatch_size = 256;
+  c.precision = mokPrecisionMXFP8;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokInvalidArgument);
+  EXPECT_NE(std::string(mokGetLastError()).find("precision"), std::string::npos);
+  c.precision = mokPrecisionBF16;
+  c.size = 0;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokInvalidArgument);
+  EXPECT_EQ(mokWorkspaceCreate(nullptr, &ws), mokInvalidUsage);
+  EXPECT_EQ(mokForward(nullptr, nullptr, nullptr), mokInvalidUsage);
+  EXPECT_STRNE(mokGetErrorString(mokTimeout), "unknown result code");
+}
+
+TEST(CApiPlan, HostBuildMatchesCapacityAndRejectsBadIds) {
+  mokConfig_t c = MOK_CONFIG_INITIALIZER;
+  c.num_experts = 8;
+  c.topk = 2;
+  c.ep_size = 2;
+  c.ep_rank = 1;
+  c.max_tokens = 5;
+  c.block_m = 4;
+  c.minibatch_size = 4;
+  c.macrobatch_size = 8;
+  mokPlanCapacity_t cap{};
+  ASSERT_EQ(mokPlanGetCapacity(&c, &cap), mokSuccess) << mokGetLastError();
+  EXPECT_EQ(cap.num_local_experts, 4);
+  EXPECT_EQ(cap.max_rows, ((2 * 5 * 2 + 4 * 3) / 4) * 4);
+  std::vector<int32_t> ids0 = {4, 5, 0, 1, 6, -1, 7, 4, 2, 3}, ids1 = {5, 6, 7, 0};
+  std::vector<int32_t> rows(static_cast<size_t>(cap.max_rows)), count(4), offset(5),
+      blocks(static_cast<size_t>(cap.max_blocks));
+  std::vector<int64_t> err(4);
+  mokTensor_t ids[2] = {view(ids0.data(), mokInt32, {5, 2}), view(ids1.data(), mokInt32, {2, 2})};
+  mokPlanArgs_t pa{2, ids, view(rows.data(), mokInt32, {cap.max_rows}), view(count.data(), mokInt32, {4}),
+                   view(offset.data(), mokInt32, {5}), view(blocks.data(), mokInt32, {cap.max_blocks}),
+                   view(err.data(), mokInt64, {4})};
+  ASSERT_EQ(mokPlanBuild(&c, &pa, nullptr), mokSuccess) << mokGetLastError();
+  EXPECT_EQ(count, (std::vector<int32_t>{2, 2, 2, 2}));  // experts 4..7 of rank 1
+  EXPECT_EQ(offset, (std::vector<int32_t>{0, 4, 8, 12, 16}));
+  EXPECT_EQ(static_cast<uint32_t>(rows[0]), encode_row(0, 0, 0));  // expert 4
+  EXPECT_EQ(static_cast<uint32_t>(rows[1]), encode_row(0, 3, 1));
+  EXPECT_EQ(static_cast<uint32_t>(rows[2]), kPadRow);
+  EXPECT_EQ(static_cast<uint32_t>(rows[3]), kPadRow);
+  EXPECT_EQ(static_cast<uint32_t>(rows[4]), encode_row(0, 0, 1));  // expert 5
+  EXPECT_EQ(static_cast<uint32_t>(rows[5]), encode_row(1, 0, 0));
+  EXPECT_EQ(blocks, (std::vector<int32_t>{0, 1, 2, 3, -1, -1, -1, -1}));
+  EXPECT_EQ(err[0], kNoError);
+  ids0[3] = 8;
+  EXPECT_EQ(mokPlanBuild(&c, &pa, nullptr), mokInvalidArgument);
+  EXPECT_NE(std::string(mokGetLastError()).find("rank 0: topk_ids[1, 1] = 8"), std::string::npos) << mokGetLastError();
+}
+
+}  // namespace
+}  // namespace mok::test
