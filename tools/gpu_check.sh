@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: build if needed, run every GPU test (C++ and Python) and the ceiling
+# probe, write logs and JSON under $OUT (default ./out).  Carry `build` to skip the build.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
+if [ ! -x build/tests/cpp/test_plan_gpu ] || [ ! -f build/lib/libmok.so ]; then
+  echo "== building on the device"
+  cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 && ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+fi
+echo "== C++ tests (binaries run directly: the carried CTest files hold this machine's paths)"
+for t in build/tests/cpp/test_*; do
+  [ -x "$t" ] || continue
+  name=$(basename "$t")
+  "$t" --gtest_brief=1 --gtest_output="json:$OUT/$name.json" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name: rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$OUT/$name.log" | tr '\n' ' ')"
+  [ $rc -eq 0 ] || { status=1; tail -30 "$OUT/$name.log"; }
+done
+echo "== Python tests"
+PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "== ceilings"
+python3 tools/ceilings.py "$OUT/ceilings.json" | tail -40
+exit $status
