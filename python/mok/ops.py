@@ -1,0 +1,133 @@
+"""mok's torch.library ops (namespace `mok`), with fake implementations for torch.compile
+and autograd for mok::forward.
+
+The workspace is not an op argument: the ops take the config knobs as plain ints/floats and
+look the workspace up in functional's cache (max_tokens = 0: T rounded up to a power of two).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import functional as F
+
+_PRECISION_NAMES = {code: name for name, code in F._lib.PRECISIONS.items()}
+
+
+def config_args(config: Optional[F.MoKConfig] = None) -> dict:
+    """The op arguments that carry a MoKConfig (precision as its mokPrecision_t code)."""
+    args = dataclasses.asdict(config or F.MoKConfig())
+    args["precision"] = F._lib.PRECISIONS[args["precision"]]
+    return args
+
+
+def _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
+            schedule_capacity_multiplier, precision, timeout_s, num_threads) -> F.MoKConfig:
+    if precision not in _PRECISION_NAMES:
+        raise ValueError(f"precision = {precision}; expected one of {sorted(_PRECISION_NAMES)}")
+    return F.MoKConfig(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
+                       schedule_capacity_multiplier, _PRECISION_NAMES[precision], timeout_s, num_threads)
+
+
+def _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config) -> Optional[F.Workspace]:
+    if max_tokens <= 0:
+        return None
+    shared = 0 if ws_gate is None else ws_gate.shape[0]
+    return F.get_workspace(w_gate.shape[2], w_gate.shape[1], w_gate.shape[0], topk_ids.shape[1], max_tokens,
+                           shared_intermediate=shared, device=x.device, config=config)
+
+
+@torch.library.custom_op("mok::forward", mutates_args=())
+def forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+            ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
+            max_tokens: int = 0, fwd_num_comm_sms: int = 8, bwd_num_comm_sms: int = 8,
+            minibatch_size: int = 1024, macrobatch_size: int = 16384, block_m: int = 128,
+            schedule_capacity_multiplier: float = 1.0, precision: int = 0, timeout_s: float = 60.0,
+            num_threads: int = 0) -> Tensor:
+    """y [T, H] bf16 of the MoE layer (EP = 1)."""
+    config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads)
+    ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
+    y, _ = F.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, workspace=ws,
+                     config=None if ws is not None else config)
+    return y
+
+
+@forward.register_fake
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None, *args):
+    return x.new_empty((x.shape[0], w_down.shape[1]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("mok::backward", mutates_args=())
+def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
+             w_down: Tensor, ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
+             ws_down: Optional[Tensor] = None, max_tokens: int = 0, fwd_num_comm_sms: int = 8,
+             bwd_num_comm_sms: int = 8, minibatch_size: int = 1024, macrobatch_size: int = 16384,
+             block_m: int = 128, schedule_capacity_multiplier: float = 1.0, precision: int = 0,
+             timeout_s: float = 60.0, num_threads: int = 0
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, d_topk_weights, d w_gate, d w_up, d w_down, d ws_gate, d ws_up, d ws_down); the
+    shared-expert gradients are empty tensors when there is no shared expert."""
+    config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads)
+    ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
+    ctx = F.recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
+                                      workspace=ws, config=None if ws is not None else config)
+    g = F.backward(ctx, dy)
+    absent = x.new_empty((0,), dtype=torch.bfloat16)
+    shared = [t if t is not None else absent.clone() for t in (g.ws_gate, g.ws_up, g.ws_down)]
+    return (g.dx, g.d_topk_weights, g.w_gate, g.w_up, g.w_down, *shared)
+
+
+@backward.register_fake
+def _(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None, *args):
+    def like(w):
+        return x.new_empty((0,) if w is None else w.shape, dtype=torch.bfloat16)
+
+    return (x.new_empty(x.shape, dtype=torch.bfloat16), topk_weights.new_empty(topk_ids.shape, dtype=torch.float32),
+            like(w_gate), like(w_up), like(w_down), like(ws_gate), like(ws_up), like(ws_down))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *config = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    ctx.config = config
+
+
+def _backward(ctx, dy):
+    saved = ctx.saved_tensors
+    has_shared = saved[6] is not None
+    grads = torch.ops.mok.backward(dy.contiguous(), *saved, *ctx.config)
+    dx, d_topk_weights, d_gate, d_up, d_down, ds_gate, ds_up, ds_down = grads
+    shared = (ds_gate, ds_up, ds_down) if has_shared else (None, None, None)
+    return (dx, None, d_topk_weights, d_gate, d_up, d_down, *shared) + (None,) * len(ctx.config)
+
+
+forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("mok::build_schedule", mutates_args=())
+def build_schedule(topk_ids: List[Tensor], num_experts: int, ep_rank: int = 0, max_tokens: int = 0,
+                   block_m: int = 128, minibatch_size: int = 1024, macrobatch_size: int = 16384
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(rows, expert_count, expert_offset, block_expert, error) of rank ep_rank's plan from the
+    gathered routing (P = len(topk_ids)); max_tokens = 0: the largest T."""
+    config = F.MoKConfig(block_m=block_m, minibatch_size=minibatch_size, macrobatch_size=macrobatch_size)
+    return F.build_schedule_tensors(topk_ids, num_experts, ep_rank=ep_rank,
+                                    max_tokens=max_tokens if max_tokens > 0 else None, config=config)
+
+
+@build_schedule.register_fake
+def _(topk_ids, num_experts, ep_rank=0, max_tokens=0, block_m=128, minibatch_size=1024, macrobatch_size=16384):
+    if max_tokens <= 0:
+        max_tokens = max(t.shape[0] for t in topk_ids)
+    config = F.MoKConfig(block_m=block_m, minibatch_size=minibatch_size, macrobatch_size=macrobatch_size)
+    max_rows, max_blocks, num_local = F.plan_capacity(num_experts, topk_ids[0].shape[1], int(max_tokens),
+                                                      len(topk_ids), config)
+    ids = topk_ids[0]
+    return (ids.new_empty((max_rows,), dtype=torch.int32), ids.new_empty((num_local,), dtype=torch.int32),
+            ids.new_empty((num_local + 1,), dtype=torch.int32), ids.new_empty((max_blocks,), dtype=torch.int32),
+            ids.new_empty((4,), dtype=torch.int64))
