@@ -264,7 +264,7 @@ class Schedule:
             more = f" ... +{len(rows) - 8}" if len(rows) > 8 else ""
             lines.append(f"{first + e:>8} {len(rows):>7} {offsets[e]:>7} {offsets[e + 1] - offsets[e]:>7}  "
                          f"{shown}{more}")
-        bad = None if self.error.device.type == "cuda" else self.first_error()
+        bad = self.first_error()
         if bad is not None:
             lines.append(f"first bad route: rank {bad[0]} token {bad[1]} j {bad[2]} id {bad[3]}")
         return "\n".join(lines)
@@ -398,6 +398,8 @@ def _resolve_workspace(workspace, config, x, topk_ids, weights) -> Workspace:
         return _auto_workspace(x, topk_ids, weights, config)
     if config is not None and config != workspace.config:
         raise ValueError(f"config {config} differs from the workspace's {workspace.config}; pass one of them")
+    if _canonical_device(x.device) != workspace.device:
+        raise ValueError(f"x is on {x.device} but the workspace was built for {workspace.device}")
     return workspace
 
 

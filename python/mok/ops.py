@@ -4,8 +4,6 @@ and autograd for mok::forward.
 The workspace is not an op argument: the ops take the config knobs as plain ints/floats and
 look the workspace up in functional's cache (max_tokens = 0: T rounded up to a power of two).
 """
-from __future__ import annotations
-
 import dataclasses
 from typing import List, Optional, Tuple
 

@@ -142,6 +142,21 @@ def test_workspace_describe_and_cache():
     assert F.token_bucket(0) == 1 and F.token_bucket(1) == 1 and F.token_bucket(5) == 8 and F.token_bucket(64) == 64
 
 
+def test_workspace_from_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        ws = F.get_workspace(64, 32, 8, 2, 16, ep_size=4, ep_rank=3, group=group)
+        assert (ws.dims.ep_size, ws.dims.ep_rank) == (1, 0)
+        assert F.get_workspace(64, 32, 8, 2, 16, group=group) is ws
+        assert F.get_workspace(64, 32, 8, 2, 16) is not ws
+    finally:
+        F.clear_workspace_cache()
+        dist.destroy_process_group()
+
+
 def test_bad_config_raises():
     with pytest.raises(ValueError, match="minibatch_size"):
         F.create_workspace(64, 32, 8, 2, 16, config=F.MoKConfig(minibatch_size=100))

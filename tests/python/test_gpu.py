@@ -131,3 +131,11 @@ def test_cuda_layer_not_built_yet(gen):
         F.backward(ctx, cuda_args[0])
     with pytest.raises(NotImplementedError, match="CUDA"):
         mok.nn.MoE(64, 32, 8, 2, device="cuda")(cuda_args[0])
+
+
+def test_workspace_device_must_match(gen):
+    w = make_weights(gen, 64, 32, 8)
+    ids, tw = make_routing(gen, 10, 8, 2)
+    cuda_ws = F.create_workspace(64, 32, 8, 2, max_tokens=16, device="cuda:0")
+    with pytest.raises(ValueError, match="workspace was built for cuda:0"):
+        F.forward(make_x(gen, 10, 64), ids, tw, w["w_gate"], w["w_up"], w["w_down"], workspace=cuda_ws)

@@ -66,6 +66,15 @@ def test_given_routing_and_no_router(seed, gen):
         model(x, ids)
 
 
+def test_empty_batch(seed):
+    model = _model(seed, 16)
+    x = torch.zeros(0, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = model(x)
+    y.sum().backward()
+    assert y.shape == (0, 5, 64) and x.grad.shape == x.shape
+    assert torch.all(model.w_gate.grad == 0) and torch.all(model.ws_gate.grad == 0)
+
+
 def test_init_is_not_zero(seed):
     model = _model(seed, 16)
     for n in WEIGHTS:
