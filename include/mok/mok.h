@@ -158,6 +158,18 @@ typedef struct mokPlanArgs_t {
   mokTensor_t error;            /* [4] int64: device-side error record (see docs/design.md) */
 } mokPlanArgs_t;
 
+/* Grouped GEMM over 128-row blocks (the engine of the CUDA layer, exposed for tests and
+ * benchmarks).  a [M, K] bf16; b0, b1 [E, N, K] bf16; block_expert [ceil(M/128)] int32, the
+ * expert of each 128-row block of a, -1 for blocks past the end.
+ *   swiglu == 0: out [M, N] = a · b0[e]ᵀ            (N a multiple of 256; b1 ignored)
+ *   swiglu == 1: out [M, N] = silu(a · b0[e]ᵀ) ⊙ (a · b1[e]ᵀ)   (N a multiple of 128)
+ * num_blocks: grid size, 0 = one block per SM.  CUDA tensors only. */
+typedef struct mokGroupedGemmArgs_t {
+  mokTensor_t a, b0, b1, block_expert, out;
+  int64_t swiglu;
+  int64_t num_blocks;
+} mokGroupedGemmArgs_t;
+
 MOK_API const char* mokGetErrorString(mokResult_t result);
 /* Detail of the last failing call on this thread (empty when none). */
 MOK_API const char* mokGetLastError(void);
@@ -170,6 +182,11 @@ MOK_API mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace);
 /* Writes a NUL-terminated description of the buffers and their size formulas. */
 MOK_API mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size);
 MOK_API mokResult_t mokWorkspaceGetConfig(mokWorkspace_t workspace, mokConfig_t* config);
+/* Reports what device-side checks recorded in earlier calls (an invalid route masked by the
+ * device: mokDeviceInvalidRoute; a wait past its deadline: mokTimeout), with details in the
+ * last error.  wait = 0 looks only at copies that already landed (no synchronisation);
+ * wait = 1 synchronises on the last call first.  Calls also check, without waiting. */
+MOK_API mokResult_t mokWorkspaceCheckErrors(mokWorkspace_t workspace, int wait);
 
 MOK_API mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacity_t* capacity);
 /* Builds the plan of rank config->ep_rank from the gathered routing.  Host views: built on
@@ -177,7 +194,11 @@ MOK_API mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacit
  * with no host synchronisation; invalid routes are masked and recorded in args->error. */
 MOK_API mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, void* stream);
 
-/* One rank's layer (EP = 1 in this call).  CPU tensors run the reference backend. */
+MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream);
+
+/* One rank's layer (EP = 1 in this call).  CPU tensors run the reference backend; CUDA
+ * tensors run the GPU forward on `stream` (a cudaStream_t; NULL = default stream) with no
+ * host synchronisation. */
 MOK_API mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* stream);
 MOK_API mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream);
 

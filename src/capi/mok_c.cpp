@@ -45,11 +45,25 @@ mok::Workspace& workspace_of(mokWorkspace_t ws) {
   return ws->impl;
 }
 
-void reject_cuda_layer(int32_t device) {
+void reject_cuda_layer(int32_t device, const char* what) {
   if (device >= 0)
-    MOK_FAIL(mokNotSupported, "tensors are on " << mok::device_str(device)
-                                                << ": the CUDA layer kernels are not built yet in this version of mok; "
-                                                   "use CPU tensors (reference backend)");
+    MOK_FAIL(mokNotSupported, "tensors are on " << mok::device_str(device) << ": the CUDA " << what
+                                                << " is not built yet in this version of mok; use CPU tensors "
+                                                   "(reference backend)");
+}
+
+// EP=1 forward on the workspace's GPU: checks, then launches with no host synchronisation.
+void run_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, void* stream) {
+  const mokConfig_t& c = ws.config;
+  MOK_CHECK_ARG(args != nullptr, "mokForward args is NULL");
+  if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
+  MOK_CHECK_ARG(ws.device != nullptr, "x is on " << mok::device_str(args->x.device)
+                                                 << " but the workspace was created for the CPU (config.device = -1)");
+  const std::string why = mok::cuda::unsupported_shape(c);
+  if (!why.empty()) MOK_FAIL(mokNotSupported, why);
+  const mok::ref::RankInputs in =
+      mok::check_forward_args(c, *args, static_cast<int32_t>(c.device), std::string(), true);
+  mok::cuda::forward(*ws.device, c, in, args->y.data, stream);
 }
 
 mok::plan::RoutingView routing_from(const mokConfig_t& c, const std::vector<mok::ref::RankInputs>& ranks) {
@@ -75,7 +89,7 @@ void run_forward(const mokConfig_t& c, const mokForwardArgs_t* args, int64_t P, 
   std::vector<mok::ref::RankInputs> ranks;
   std::vector<mok::bf16_t*> ys;
   for (int64_t r = 0; r < P; ++r) {
-    reject_cuda_layer(args[r].x.device);
+    reject_cuda_layer(args[r].x.device, P > 1 ? "emulated EP group" : "forward");
     ranks.push_back(mok::check_forward_args(c, args[r], MOK_DEVICE_CPU, rank_tag(P, r), true));
     ys.push_back(static_cast<mok::bf16_t*>(args[r].y.data));
   }
@@ -90,7 +104,7 @@ void run_backward(const mokConfig_t& c, const mokBackwardArgs_t* args, int64_t P
   std::vector<const mok::bf16_t*> dys;
   std::vector<mok::ref::RankGrads> grads;
   for (int64_t r = 0; r < P; ++r) {
-    reject_cuda_layer(args[r].fwd.x.device);
+    reject_cuda_layer(args[r].fwd.x.device, P > 1 ? "emulated EP group" : "backward");
     ranks.push_back(mok::check_forward_args(c, args[r].fwd, MOK_DEVICE_CPU, rank_tag(P, r), false));
     grads.push_back(mok::check_backward_args(c, args[r], MOK_DEVICE_CPU, rank_tag(P, r)));
     dys.push_back(static_cast<const mok::bf16_t*>(args[r].dy.data));
@@ -138,13 +152,26 @@ mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* worksp
     *workspace = nullptr;
     mokConfig_t c = mok::normalize_config(config);
     mok::check_config(c);
-    auto* ws = new mokWorkspace{mok::Workspace{c, mok::describe_buffers(c)}};
+    auto* ws = new mokWorkspace{mok::Workspace{c, mok::describe_buffers(c), nullptr}};
+    if (c.device >= 0) {
+      try {
+        ws->impl.device = mok::cuda::create_workspace(c);
+      } catch (...) {
+        delete ws;
+        throw;
+      }
+      ws->impl.description += "  device buffers: " + std::to_string(mok::cuda::workspace_bytes(ws->impl.device)) +
+                              " B on " + mok::device_str(static_cast<int32_t>(c.device)) + "\n";
+    }
     *workspace = ws;
   });
 }
 
 mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace) {
-  return guarded("mokWorkspaceDestroy", [&] { delete workspace; });
+  return guarded("mokWorkspaceDestroy", [&] {
+    if (workspace) mok::cuda::destroy_workspace(workspace->impl.device);
+    delete workspace;
+  });
 }
 
 mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size) {
@@ -160,6 +187,38 @@ mokResult_t mokWorkspaceGetConfig(mokWorkspace_t workspace, mokConfig_t* config)
   return guarded("mokWorkspaceGetConfig", [&] {
     MOK_CHECK_ARG(config != nullptr, "config out-pointer is NULL");
     *config = workspace_of(workspace).config;
+  });
+}
+
+mokResult_t mokWorkspaceCheckErrors(mokWorkspace_t workspace, int wait) {
+  return guarded("mokWorkspaceCheckErrors", [&] {
+    mok::Workspace& ws = workspace_of(workspace);
+    if (ws.device) mok::cuda::check_errors(*ws.device, static_cast<int>(ws.config.ep_rank), wait != 0);
+  });
+}
+
+mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
+  return guarded("mokGroupedGemm", [&] {
+    MOK_CHECK_ARG(args != nullptr, "args is NULL");
+    const int32_t dev = args->a.device;
+    MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemm runs on CUDA tensors");
+    MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, N, K]");
+    const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0], N = args->b0.shape[1];
+    const int64_t blocks = (M + 127) / 128;
+    mok::check_tensor(args->a, "a", {mokBFloat16}, {M, K}, dev);
+    mok::check_tensor(args->b0, "b0", {mokBFloat16}, {E, N, K}, dev);
+    if (args->swiglu) mok::check_tensor(args->b1, "b1", {mokBFloat16}, {E, N, K}, dev);
+    mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
+    mok::check_tensor(args->out, "out", {mokBFloat16}, {M, N}, dev);
+    MOK_CHECK_ARG(args->swiglu ? N % 128 == 0 : N % 256 == 0,
+                  "N = " << N << " must be a multiple of " << (args->swiglu ? 128 : 256));
+    MOK_CHECK_ARG(K % 64 == 0, "K = " << K << " must be a multiple of 64");
+    mok::cuda::grouped_gemm(mok::cuda::GroupedGemmCall{args->a.data, M, K, args->b0.data,
+                                                       args->swiglu ? args->b1.data : args->b0.data, E, N,
+                                                       static_cast<const int32_t*>(args->block_expert.data),
+                                                       static_cast<int32_t>(blocks), args->out.data,
+                                                       args->swiglu != 0, static_cast<int32_t>(args->num_blocks)},
+                            stream);
   });
 }
 
@@ -222,9 +281,13 @@ mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, v
   });
 }
 
-mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* /*stream*/) {
+mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* stream) {
   return guarded("mokForward", [&] {
-    const mok::Workspace& ws = workspace_of(workspace);
+    mok::Workspace& ws = workspace_of(workspace);
+    if (args != nullptr && args->x.device >= 0) {
+      run_forward_cuda(ws, args, stream);
+      return;
+    }
     MOK_CHECK_ARG(ws.config.ep_size == 1,
                   "the workspace has ep_size = " << ws.config.ep_size
                                                  << "; EP > 1 on the CPU runs through mokForwardEmulated");

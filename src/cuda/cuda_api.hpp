@@ -4,11 +4,35 @@
 
 #include <cstdint>
 
+#include "mok/mok.h"
 #include "plan/plan.hpp"
+#include "ref/reference.hpp"
 
 namespace mok::cuda {
 
 bool built();
+
+// Device buffers of a workspace (src/cuda/forward.hpp has the byte map).
+struct DeviceWorkspace;
+DeviceWorkspace* create_workspace(const mokConfig_t& config);
+void destroy_workspace(DeviceWorkspace* ws);
+size_t workspace_bytes(const DeviceWorkspace* ws);
+// Raises (mokDeviceInvalidRoute / mokTimeout) what the last call recorded once its copy has
+// landed; with `wait`, synchronises on it first.
+void check_errors(DeviceWorkspace& ws, int rank, bool wait);
+// y = layer(x) at EP=1 on device pointers (already checked by the caller).
+void forward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream);
+// Shape limits of the CUDA layer, checked before launch; empty when supported.
+std::string unsupported_shape(const mokConfig_t& config);
+
+// Grouped GEMM over 128-row blocks: out = a·b0ᵀ (swiglu = 0), or silu(a·b0ᵀ) ⊙ (a·b1ᵀ).
+struct GroupedGemmCall {
+  const void* a; int64_t a_rows; int64_t k;
+  const void* b0; const void* b1; int64_t num_experts; int64_t n;  // b*: [num_experts, n, k]
+  const int32_t* block_expert; int32_t num_m_blocks;
+  void* out; bool swiglu; int32_t num_blocks;
+};
+void grouped_gemm(const GroupedGemmCall& call, void* stream);
 
 // Builds `out` on `device` from device-resident ids on `stream`, with no host
 // synchronisation.  Invalid routes are masked and the first one (lowest key) is written to

@@ -11,4 +11,16 @@ void build_plan(const plan::PlanDims&, const plan::RoutingView&, const plan::Pla
   MOK_FAIL(mokNotSupported, "tensors are on cuda:" << device << " but this libmok was built without CUDA (no nvcc)");
 }
 
+namespace {
+[[noreturn]] void no_cuda() { MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)"); }
+}  // namespace
+
+DeviceWorkspace* create_workspace(const mokConfig_t&) { no_cuda(); }
+void destroy_workspace(DeviceWorkspace*) {}
+size_t workspace_bytes(const DeviceWorkspace*) { return 0; }
+void check_errors(DeviceWorkspace&, int, bool) {}
+void forward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*) { no_cuda(); }
+std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
+void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
+
 }  // namespace mok::cuda

@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "cuda/cuda_api.hpp"
+#include "cuda/cuda_check.hpp"
 #include "runtime/errors.hpp"
 
 namespace mok::cuda {
@@ -26,13 +27,6 @@ constexpr int kMaskWords = kChunkTokens / 32;  // 32-bit words of one expert's c
 constexpr int kOffsetsThreads = 1024;
 constexpr unsigned long long kNoKey = ~0ull;
 
-#define MOK_CUDA_CHECK(expr)                                                                 \
-  do {                                                                                       \
-    const cudaError_t mok_err_ = (expr);                                                     \
-    if (mok_err_ != cudaSuccess)                                                             \
-      MOK_FAIL(mokCudaError, #expr << " failed: " << cudaGetErrorString(mok_err_) << " (" \
-                                   << __FILE__ << ":" << __LINE__ << ")");                   \
-  } while (0)
 
 struct ChunkGeom {
   int64_t chunks_per_rank;

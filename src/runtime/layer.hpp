@@ -29,9 +29,14 @@ ref::RankGrads check_backward_args(const mokConfig_t& config, const mokBackwardA
 // Host check of ids: out of [-1, E) or a duplicate within a token.
 void check_ids_host(const plan::RoutingView& routing, int rank, const std::string& rank_tag);
 
+namespace cuda {
+struct DeviceWorkspace;
+}
+
 struct Workspace {
   mokConfig_t config;
   std::string description;
+  cuda::DeviceWorkspace* device = nullptr;  // CUDA buffers when config.device >= 0
 };
 
 }  // namespace mok

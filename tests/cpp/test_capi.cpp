@@ -141,10 +141,27 @@ TEST_F(CApi, TooManyTokensForTheWorkspace) {
   expect_rejected(args, mokInvalidArgument, {"9 tokens", "max_tokens = 8"});
 }
 
-TEST_F(CApi, CudaTensorsAreNotSupportedYet) {
+TEST_F(CApi, CudaTensorsNeedACudaWorkspace) {
   auto args = layer.args;
   args.x.device = 0;
-  expect_rejected(args, mokNotSupported, {"cuda:0", "not built yet"});
+  const mokResult_t expected = mokHasCuda() ? mokInvalidArgument : mokNotSupported;
+  expect_rejected(args, expected, {mokHasCuda() ? "workspace was created for the CPU" : "without its CUDA part"});
+}
+
+TEST_F(CApi, CudaBackwardIsNotBuiltYet) {
+  std::vector<bf16_t> dy(8 * 32), dx(8 * 32), gg(4 * 16 * 32), gu(4 * 16 * 32), gd(4 * 32 * 16);
+  std::vector<float> dw(16);
+  mokBackwardArgs_t b{};
+  b.fwd = layer.args;
+  b.fwd.x.device = 0;
+  b.dy = view(dy.data(), mokBFloat16, {8, 32});
+  b.dx = view(dx.data(), mokBFloat16, {8, 32});
+  b.d_topk_weights = view(dw.data(), mokFloat32, {8, 2});
+  b.grads.w_gate = view(gg.data(), mokBFloat16, {4, 16, 32});
+  b.grads.w_up = view(gu.data(), mokBFloat16, {4, 16, 32});
+  b.grads.w_down = view(gd.data(), mokBFloat16, {4, 32, 16});
+  EXPECT_EQ(mokBackward(ws, &b, nullptr), mokNotSupported);
+  EXPECT_NE(std::string(mokGetLastError()).find("CUDA backward is not built yet"), std::string::npos) << mokGetLastError();
 }
 
 TEST_F(CApi, DescribePrintsTheCapacityFormula) {

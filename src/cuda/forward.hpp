@@ -1,0 +1,45 @@
+// The CUDA layer at EP=1: device workspace and the forward pipeline.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mok/mok.h"
+#include "cuda/cuda_api.hpp"
+#include "ref/reference.hpp"
+
+namespace mok::cuda {
+
+// Device buffers of one workspace.  Byte map (docs/design.md, "Workspace"):
+//   plan.rows          max_rows x 4        plan.block_expert  max_blocks x 4
+//   plan.expert_count  E_l x 4             plan.expert_offset (E_l+1) x 4
+//   plan.scratch       chunks*E_l x 4      (chunk bases of the device plan build)
+//   ring               max_rows x H x 2    routed rows gathered from x, dense, expert-sorted
+//   act                max_rows x I x 2    SwiGLU output of gate/up, the down GEMM's A
+//   slots              T_max*k x H x 2     one output row per route, slot token*k + j
+//   shared_block       ceil(T_max/128) x 4 (zeros: every block of the shared expert is expert 0)
+//   shared_act         T_max x I_s x 2     shared_out  T_max x H x 2
+//   errors             9 x 8               route error [4] + timeout record [5]
+struct DeviceWorkspace {
+  int device = 0;
+  int64_t max_rows = 0, max_blocks = 0, shared_blocks = 0;
+  uint32_t* rows = nullptr;
+  int32_t* expert_count = nullptr;
+  int32_t* expert_offset = nullptr;
+  int32_t* block_expert = nullptr;
+  int32_t* shared_block = nullptr;
+  void* ring = nullptr;
+  void* act = nullptr;
+  void* slots = nullptr;
+  void* shared_act = nullptr;
+  void* shared_out = nullptr;
+  int64_t* errors = nullptr;       // device: [0,4) route error, [4,9) timeout record
+  int64_t* host_errors = nullptr;  // pinned copy of `errors` from the last call
+  cudaEvent_t errors_ready = nullptr;
+  bool pending = false;            // a call's error copy is in flight
+  size_t bytes = 0;
+};
+
+}  // namespace mok::cuda

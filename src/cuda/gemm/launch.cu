@@ -1,0 +1,138 @@
+#include "cuda/gemm/launch.hpp"
+
+#include <cuda.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/gemm/grouped_gemm.cuh"
+#include "runtime/errors.hpp"
+
+namespace mok::gemm {
+namespace {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver entry point, fetched through the runtime so libmok needs no -lcuda.
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(ptr);
+  });
+  if (fn == nullptr) MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled is not available from the driver");
+  return fn;
+}
+
+// 2-D bf16 map over [rows, cols] (cols contiguous), box (box_rows, 64 cols), 128 B swizzle.
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 2)};
+  const cuuint32_t box[2] = {TileConfig::kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
+                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ") for a [" << rows << ", "
+                                                             << cols << "] bf16 tensor at " << base);
+  return map;
+}
+
+}  // namespace
+
+GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate, const void* w_up,
+                             int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
+                             void* out) {
+  GroupedGemmArgs g;
+  g.a = a;
+  g.a_rows = a_rows;
+  g.k = hidden;
+  g.b0 = w_gate;
+  g.b1 = w_up;
+  g.num_experts = num_experts;
+  g.b_rows_per_expert = inter;
+  g.b_n_step = 128;
+  g.b_half_offset = 0;
+  g.num_n_blocks = static_cast<int32_t>(inter / 128);
+  g.block_expert = block_expert;
+  g.max_m_blocks = max_m_blocks;
+  g.epilogue = static_cast<int32_t>(Epilogue::kSwiGLU);
+  g.out = out;
+  g.out_ld = inter;
+  g.out_rows = a_rows;
+  return g;
+}
+
+GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
+                          int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out) {
+  GroupedGemmArgs g;
+  g.a = a;
+  g.a_rows = a_rows;
+  g.k = inter;
+  g.b0 = w_down;
+  g.b1 = w_down;
+  g.num_experts = num_experts;
+  g.b_rows_per_expert = hidden;
+  g.b_n_step = 256;
+  g.b_half_offset = 128;
+  g.num_n_blocks = static_cast<int32_t>(hidden / 256);
+  g.block_expert = block_expert;
+  g.max_m_blocks = max_m_blocks;
+  g.epilogue = static_cast<int32_t>(Epilogue::kStore);
+  g.out = out;
+  g.out_ld = hidden;
+  g.out_rows = a_rows;
+  return g;
+}
+
+void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
+  using C = TileConfig;
+  MOK_CHECK_ARG(g.k > 0 && g.k % C::kBlockK == 0, "grouped GEMM: K = " << g.k << " must be a multiple of " << C::kBlockK);
+  // NOTES: A may have fewer rows than max_m_blocks*BLOCK_M: TMA fills rows past the end
+  // with zeros (and still counts their bytes), and the epilogue skips rows >= out_rows.
+  MOK_CHECK_ARG(g.a_rows > 0, "grouped GEMM: A has no rows");
+  MOK_CHECK_ARG(g.b_rows_per_expert % 128 == 0, "grouped GEMM: N per expert = " << g.b_rows_per_expert
+                                                                               << " must be a multiple of 128");
+  MOK_CHECK_ARG(int64_t{g.num_n_blocks} * g.b_n_step == g.b_rows_per_expert,
+                "grouped GEMM: N per expert = " << g.b_rows_per_expert << " is not a multiple of " << g.b_n_step);
+  if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
+  int device = 0, sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
+  const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
+  const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
+  GroupedGemmParams p{};
+  p.num_n_blocks = g.num_n_blocks;
+  p.num_k_blocks = static_cast<int32_t>(g.k / C::kBlockK);
+  p.max_m_blocks = g.max_m_blocks;
+  p.b_rows_per_expert = static_cast<int32_t>(g.b_rows_per_expert);
+  p.b_n_step = g.b_n_step;
+  p.b_half_offset = g.b_half_offset;
+  p.block_expert = g.block_expert;
+  p.epilogue = static_cast<Epilogue>(g.epilogue);
+  p.out = static_cast<__nv_bfloat16*>(g.out);
+  p.out_ld = g.out_ld;
+  p.out_rows = g.out_rows;
+  p.plan_rows = g.plan_rows;
+  p.topk = g.topk;
+  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
+  p.timeout_record = g.timeout_record;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kGemmSmemBytes)));
+  const int total_tiles = g.max_m_blocks * g.num_n_blocks;
+  const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, total_tiles);
+  grouped_gemm_kernel<<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mok::gemm

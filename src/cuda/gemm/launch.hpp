@@ -1,0 +1,47 @@
+// Host launchers of the grouped-GEMM engine (src/cuda/gemm/grouped_gemm.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemm/config.hpp"
+
+namespace mok::gemm {
+
+struct GroupedGemmArgs {
+  const void* a = nullptr;       // [a_rows, K] bf16, row-major
+  int64_t a_rows = 0;
+  int64_t k = 0;
+  const void* b0 = nullptr;      // [num_experts * b_rows_per_expert, K] bf16
+  const void* b1 = nullptr;      // second half's source (== b0 for down)
+  int64_t num_experts = 0;
+  int64_t b_rows_per_expert = 0;
+  int32_t b_n_step = 256;
+  int32_t b_half_offset = 128;
+  int32_t num_n_blocks = 0;
+  const int32_t* block_expert = nullptr;  // device, [max_m_blocks]
+  int32_t max_m_blocks = 0;
+  int32_t epilogue = 0;          // gemm::Epilogue
+  void* out = nullptr;
+  int64_t out_ld = 0;
+  int64_t out_rows = 0;
+  const uint32_t* plan_rows = nullptr;
+  int32_t topk = 0;
+  double timeout_s = 60.0;
+  int64_t* timeout_record = nullptr;  // device [5], zeroed by the caller
+  int32_t num_blocks = 0;        // grid; 0 = SM count
+};
+
+// Gate/up with the SwiGLU epilogue: out[rows, I] from w_gate/w_up [E, I, H].
+GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate, const void* w_up,
+                             int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
+                             void* out);
+// Down: out rows [*, H] from w_down [E, H, I]; epilogue kStore or kScatter.
+GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
+                          int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out);
+
+// Throws mok::Error on a CUDA failure or an unsupported shape.
+void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+}  // namespace mok::gemm

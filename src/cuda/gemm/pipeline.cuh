@@ -1,0 +1,63 @@
+// The one pipeline-state type of mok's kernels, and deadline-bounded barrier waits.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/ptx/ptx.cuh"
+
+namespace mok::gemm {
+
+// Position in a ring of kStages mbarrier-guarded slots: index and the parity to wait for.
+template <int kStages>
+struct PipelineState {
+  int index = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Where a timed-out wait reports: words of the kernel's error record (see common/defs.hpp
+// kTimeout* layout).  The first expiry wins; the others only leave.
+struct WaitContext {
+  uint64_t deadline_ns;     // %globaltimer value; set at kernel entry from the timeout
+  int64_t* timeout_record;  // [5]: flag, role, block, phase/stage, expected
+};
+
+enum class WaitSite : int32_t {
+  kProducerEmpty = 1,  // producer waits for a consumer to free a stage
+  kConsumerFull = 2,   // consumer waits for TMA to fill a stage
+  kCounter = 3,        // a global dependency counter
+};
+
+static __device__ __forceinline__ void report_timeout(const WaitContext& ctx, WaitSite site, int64_t detail, int64_t expected) {
+  if (ctx.timeout_record == nullptr) return;
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(ctx.timeout_record), 0ull, 1ull) == 0ull) {
+    ctx.timeout_record[1] = static_cast<int64_t>(site);
+    ctx.timeout_record[2] = blockIdx.x;
+    ctx.timeout_record[3] = detail;
+    ctx.timeout_record[4] = expected;
+    __threadfence();
+  }
+}
+
+// Spins on an mbarrier phase; false after the deadline (recorded once).
+__device__ __forceinline__ bool wait_barrier(uint64_t* bar, uint32_t phase, const WaitContext& ctx, WaitSite site,
+                                             int64_t detail) {
+  if (ptx::mbar_try_wait(bar, phase)) return true;
+  for (uint32_t spin = 1;; ++spin) {
+    if (ptx::mbar_try_wait(bar, phase)) return true;
+    if ((spin & 255u) != 0) continue;
+    // Leave when another wait of this launch already expired, or at our own deadline.
+    if (ctx.timeout_record && *reinterpret_cast<volatile int64_t*>(ctx.timeout_record) != 0) return false;
+    if (ptx::globaltimer_ns() > ctx.deadline_ns) {
+      report_timeout(ctx, site, detail, phase);
+      return false;
+    }
+  }
+}
+
+}  // namespace mok::gemm

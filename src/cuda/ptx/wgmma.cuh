@@ -1,0 +1,23 @@
+// wgmma operand descriptors and the generated mma wrappers.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/ptx/ptx.cuh"
+#include "cuda/ptx/wgmma_gen.cuh"
+
+namespace mok::ptx {
+
+// Descriptor of a K-major tile in shared memory written by TMA with 128-byte swizzle:
+// rows of 128 B (64 bf16 / 128 fp8), 8-row swizzle atoms of 1024 B.  The tile must be
+// 1024-byte aligned.  Advancing along K by 32 B (16 bf16) adds 2 to the descriptor.
+__device__ __forceinline__ uint64_t desc_kmajor_sw128(const void* smem) {
+  const uint64_t addr = smem_u32(smem);
+  uint64_t desc = (addr & 0x3FFFFull) >> 4;  // [0, 14): start address >> 4
+  desc |= uint64_t{1} << 16;                 // [16, 30): leading byte offset (unused when swizzled)
+  desc |= uint64_t{1024 >> 4} << 32;         // [32, 46): stride byte offset = one 8-row atom
+  desc |= uint64_t{1} << 62;                 // [62, 64): 128-byte swizzle
+  return desc;
+}
+
+}  // namespace mok::ptx

@@ -1,0 +1,319 @@
+// The grouped-GEMM engine alone (TMA + mbarrier pipeline + wgmma tiles) against a double
+// reference on the host, and the EP=1 CUDA forward against the CPU reference backend.
+// Skips cleanly without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "mok/mok.h"
+#include "test_util.hpp"
+
+namespace mok::test {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+struct Dev {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit Dev(size_t b, int fill = 0xFF) : bytes(b) {
+    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(b, 1)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(ptr, fill, std::max<size_t>(b, 1)), cudaSuccess);  // 0xFF..: bf16 NaN poison
+  }
+  template <typename T>
+  Dev(const std::vector<T>& h) : Dev(h.size() * sizeof(T)) {
+    EXPECT_EQ(cudaMemcpy(ptr, h.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~Dev() { cudaFree(ptr); }
+  template <typename T>
+  std::vector<T> get() const {
+    std::vector<T> h(bytes / sizeof(T));
+    EXPECT_EQ(cudaMemcpy(h.data(), ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+mokTensor_t view(void* data, mokDtype_t dtype, std::vector<int64_t> shape, int32_t device) {
+  mokTensor_t t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[static_cast<size_t>(i)];
+    t.strides[i] = stride;
+    stride *= shape[static_cast<size_t>(i)];
+  }
+  t.device = device;
+  return t;
+}
+
+double silu(double g) { return g / (1.0 + std::exp(-g)); }
+
+struct ErrStats {
+  double rel = 0, max_abs = 0;
+  int64_t nan = 0;
+};
+
+// Compares got (bf16) with want (double) over the rows where `row_ok`.
+template <typename RowOk>
+ErrStats compare_rows(const std::vector<bf16_t>& got, const std::vector<double>& want, int64_t rows, int64_t cols,
+                      RowOk row_ok) {
+  ErrStats s;
+  double num = 0, den = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!row_ok(r)) continue;
+    for (int64_t c = 0; c < cols; ++c) {
+      const double g = bf16_to_float(got[r * cols + c]), w = want[r * cols + c];
+      if (std::isnan(g)) ++s.nan;
+      num += (g - w) * (g - w);
+      den += w * w;
+      s.max_abs = std::max(s.max_abs, std::fabs(g - w));
+    }
+  }
+  s.rel = std::sqrt(num / std::max(den, 1e-300));
+  return s;
+}
+
+// One grouped GEMM through the C ABI vs a double reference.
+void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vector<int32_t> block_expert, bool swiglu,
+                        int64_t num_blocks) {
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " E=" + std::to_string(E) + " K=" + std::to_string(K) +
+               " N=" + std::to_string(N) + (swiglu ? " swiglu" : " store") + " grid=" + std::to_string(num_blocks));
+  std::mt19937_64 rng(seed);
+  const int64_t M = static_cast<int64_t>(block_expert.size()) * 128;
+  const auto a = random_bf16(rng, static_cast<size_t>(M * K), 1.0f);
+  const auto b0 = random_bf16(rng, static_cast<size_t>(E * N * K), 1.0f / std::sqrt(static_cast<float>(K)));
+  const auto b1 = random_bf16(rng, static_cast<size_t>(E * N * K), 1.0f / std::sqrt(static_cast<float>(K)));
+  Dev da(a), db0(b0), db1(b1), dblk(block_expert), dout(static_cast<size_t>(M * N) * 2);
+  mokGroupedGemmArgs_t args{};
+  args.a = view(da.ptr, mokBFloat16, {M, K}, 0);
+  args.b0 = view(db0.ptr, mokBFloat16, {E, N, K}, 0);
+  args.b1 = view(db1.ptr, mokBFloat16, {E, N, K}, 0);
+  args.block_expert = view(dblk.ptr, mokInt32, {M / 128}, 0);
+  args.out = view(dout.ptr, mokBFloat16, {M, N}, 0);
+  args.swiglu = swiglu;
+  args.num_blocks = num_blocks;
+  ASSERT_EQ(mokGroupedGemm(&args, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto out = dout.get<bf16_t>();
+  // Reference in double; rows of blocks at or past the first -1 are never written.
+  int64_t live_blocks = 0;
+  while (live_blocks < static_cast<int64_t>(block_expert.size()) && block_expert[static_cast<size_t>(live_blocks)] >= 0)
+    ++live_blocks;
+  std::vector<double> want(static_cast<size_t>(M * N), 0.0);
+  for (int64_t r = 0; r < live_blocks * 128; ++r) {
+    const int64_t e = block_expert[static_cast<size_t>(r / 128)];
+    for (int64_t n = 0; n < N; ++n) {
+      double g = 0, u = 0;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        const double x = bf16_to_float(a[static_cast<size_t>(r * K + kk)]);
+        g += x * bf16_to_float(b0[static_cast<size_t>((e * N + n) * K + kk)]);
+        if (swiglu) u += x * bf16_to_float(b1[static_cast<size_t>((e * N + n) * K + kk)]);
+      }
+      want[static_cast<size_t>(r * N + n)] = swiglu ? silu(g) * u : g;
+    }
+  }
+  const ErrStats s = compare_rows(out, want, M, N, [&](int64_t r) { return r < live_blocks * 128; });
+  EXPECT_EQ(s.nan, 0) << "unwritten (NaN-poisoned) outputs";
+  EXPECT_LT(s.rel, 1e-2) << "relative Frobenius " << s.rel << ", max-abs " << s.max_abs;
+  for (int64_t r = live_blocks * 128; r < M; ++r)
+    for (int64_t n = 0; n < N; ++n)
+      ASSERT_TRUE(std::isnan(bf16_to_float(out[static_cast<size_t>(r * N + n)]))) << "row " << r << " past the end was written";
+  std::printf("grouped GEMM %s E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", swiglu ? "swiglu" : "store",
+              static_cast<long>(E), static_cast<long>(K), static_cast<long>(N), block_expert.size(), s.rel, s.max_abs);
+}
+
+TEST(GemmGpu, StoreTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, false, 0);
+  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, false, 0);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, false, 0);
+}
+
+TEST(GemmGpu, SwiGLUTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 2, 256, 128, {0, 1}, true, 0);
+  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, true, 0);
+}
+
+// A pipeline whose only job is to finish: many tiles over a tiny grid wrap the stage ring
+// many times (phases flip hundreds of times per block).
+TEST(GemmGpu, PipelineFinishesWithFewBlocks) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, false, 3);
+  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 1, 1, 0, 1, 0, 0, 1}, true, 1);
+}
+
+// ---- the EP=1 forward through the C ABI vs the CPU reference --------------------------------
+
+struct Layer {
+  int64_t H, I, Is, E, k, T;
+  std::vector<bf16_t> x, wg, wu, wd, sg, su, sd;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+Layer make_layer(uint64_t seed, int64_t H, int64_t I, int64_t Is, int64_t E, int64_t k, int64_t T, Routing routing) {
+  std::mt19937_64 rng(seed);
+  Layer l{H, I, Is, E, k, T, {}, {}, {}, {}, {}, {}, {}, {}, {}};
+  l.x = random_bf16(rng, static_cast<size_t>(T * H), 1.f);
+  const float sh = 1.f / std::sqrt(static_cast<float>(H)), si = 1.f / std::sqrt(static_cast<float>(I));
+  l.wg = random_bf16(rng, static_cast<size_t>(E * I * H), sh);
+  l.wu = random_bf16(rng, static_cast<size_t>(E * I * H), sh);
+  l.wd = random_bf16(rng, static_cast<size_t>(E * H * I), si);
+  l.sg = random_bf16(rng, static_cast<size_t>(Is * H), sh);
+  l.su = random_bf16(rng, static_cast<size_t>(Is * H), sh);
+  l.sd = random_bf16(rng, static_cast<size_t>(H * std::max<int64_t>(Is, 1)), 1.f / std::sqrt(static_cast<float>(std::max<int64_t>(Is, 1))));
+  l.ids = to_int32(make_ids(rng, T, static_cast<int>(k), E, E, routing));
+  l.w = random_f32(rng, static_cast<size_t>(T * k), -0.2f, 1.f);
+  return l;
+}
+
+mokConfig_t layer_config(const Layer& l, int32_t device) {
+  mokConfig_t c = MOK_CONFIG_INITIALIZER;
+  c.hidden = l.H;
+  c.intermediate = l.I;
+  c.shared_intermediate = l.Is;
+  c.num_experts = l.E;
+  c.topk = l.k;
+  c.max_tokens = std::max<int64_t>(l.T, 1);
+  c.device = device;
+  c.timeout_s = 10;
+  return c;
+}
+
+// Runs the layer on the CPU reference.
+std::vector<bf16_t> cpu_forward(Layer& l) {
+  mokConfig_t c = layer_config(l, MOK_DEVICE_CPU);
+  mokWorkspace_t ws;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
+  std::vector<bf16_t> y(static_cast<size_t>(l.T * l.H));
+  mokForwardArgs_t a{};
+  a.x = view(l.x.data(), mokBFloat16, {l.T, l.H}, -1);
+  a.topk_ids = view(l.ids.data(), mokInt32, {l.T, l.k}, -1);
+  a.topk_weights = view(l.w.data(), mokFloat32, {l.T, l.k}, -1);
+  a.weights.w_gate = view(l.wg.data(), mokBFloat16, {l.E, l.I, l.H}, -1);
+  a.weights.w_up = view(l.wu.data(), mokBFloat16, {l.E, l.I, l.H}, -1);
+  a.weights.w_down = view(l.wd.data(), mokBFloat16, {l.E, l.H, l.I}, -1);
+  if (l.Is > 0) {
+    a.weights.ws_gate = view(l.sg.data(), mokBFloat16, {l.Is, l.H}, -1);
+    a.weights.ws_up = view(l.su.data(), mokBFloat16, {l.Is, l.H}, -1);
+    a.weights.ws_down = view(l.sd.data(), mokBFloat16, {l.H, l.Is}, -1);
+  }
+  a.y = view(y.data(), mokBFloat16, {l.T, l.H}, -1);
+  EXPECT_EQ(mokForward(ws, &a, nullptr), mokSuccess) << mokGetLastError();
+  mokWorkspaceDestroy(ws);
+  return y;
+}
+
+// The same layer on the GPU; `runs` forwards, each into a freshly poisoned y.
+struct GpuLayer {
+  Layer& l;
+  mokWorkspace_t ws = nullptr;
+  Dev x, ids, w, wg, wu, wd, sg, su, sd, y;
+  mokForwardArgs_t a{};
+  explicit GpuLayer(Layer& layer)
+      : l(layer), x(l.x), ids(l.ids), w(l.w), wg(l.wg), wu(l.wu), wd(l.wd), sg(l.sg), su(l.su), sd(l.sd),
+        y(static_cast<size_t>(l.T * l.H) * 2) {
+    mokConfig_t c = layer_config(l, 0);
+    EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
+    a.x = view(x.ptr, mokBFloat16, {l.T, l.H}, 0);
+    a.topk_ids = view(ids.ptr, mokInt32, {l.T, l.k}, 0);
+    a.topk_weights = view(w.ptr, mokFloat32, {l.T, l.k}, 0);
+    a.weights.w_gate = view(wg.ptr, mokBFloat16, {l.E, l.I, l.H}, 0);
+    a.weights.w_up = view(wu.ptr, mokBFloat16, {l.E, l.I, l.H}, 0);
+    a.weights.w_down = view(wd.ptr, mokBFloat16, {l.E, l.H, l.I}, 0);
+    if (l.Is > 0) {
+      a.weights.ws_gate = view(sg.ptr, mokBFloat16, {l.Is, l.H}, 0);
+      a.weights.ws_up = view(su.ptr, mokBFloat16, {l.Is, l.H}, 0);
+      a.weights.ws_down = view(sd.ptr, mokBFloat16, {l.H, l.Is}, 0);
+    }
+    a.y = view(y.ptr, mokBFloat16, {l.T, l.H}, 0);
+  }
+  ~GpuLayer() { mokWorkspaceDestroy(ws); }
+  std::vector<bf16_t> run() {
+    EXPECT_EQ(cudaMemset(y.ptr, 0xFF, y.bytes), cudaSuccess);
+    EXPECT_EQ(mokForward(ws, &a, nullptr), mokSuccess) << mokGetLastError();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(mokWorkspaceCheckErrors(ws, 1), mokSuccess) << mokGetLastError();
+    return y.get<bf16_t>();
+  }
+};
+
+void check_forward(uint64_t seed, int64_t H, int64_t I, int64_t Is, int64_t E, int64_t k, int64_t T, Routing routing) {
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " H=" + std::to_string(H) + " I=" + std::to_string(I) + " Is=" +
+               std::to_string(Is) + " E=" + std::to_string(E) + " k=" + std::to_string(k) + " T=" + std::to_string(T) +
+               " routing=" + routing_name(routing));
+  Layer l = make_layer(seed, H, I, Is, E, k, T, routing);
+  const auto want = cpu_forward(l);
+  GpuLayer g(l);
+  const auto got = g.run();
+  std::vector<double> wantd(want.size());
+  for (size_t i = 0; i < want.size(); ++i) wantd[i] = bf16_to_float(want[i]);
+  const ErrStats s = compare_rows(got, wantd, T, H, [](int64_t) { return true; });
+  EXPECT_EQ(s.nan, 0) << "NaN in y (unwritten rows?)";
+  EXPECT_LT(s.rel, 1e-2) << "y vs CPU reference: relative Frobenius " << s.rel << ", max-abs " << s.max_abs;
+  std::printf("forward H=%ld I=%ld Is=%ld E=%ld k=%ld T=%ld %s: rel %.3e max-abs %.3e\n", (long)H, (long)I, (long)Is,
+              (long)E, (long)k, (long)T, routing_name(routing), s.rel, s.max_abs);
+  // Run to run: bitwise identical.
+  for (int rep = 0; rep < 20; ++rep) ASSERT_EQ(0, std::memcmp(got.data(), g.run().data(), got.size() * 2)) << "run " << rep;
+}
+
+TEST(ForwardGpu, MatchesCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_forward(fresh_seed(), 256, 128, 0, 8, 2, 300, Routing::kUniform);
+  check_forward(fresh_seed(), 512, 256, 128, 16, 4, 257, Routing::kZipf);
+  check_forward(fresh_seed(), 256, 384, 0, 4, 4, 129, Routing::kOneExpert);   // every token on experts 0..3
+  check_forward(fresh_seed(), 256, 128, 128, 8, 3, 200, Routing::kMasked);    // -1 routes, all-masked tokens
+  check_forward(fresh_seed(), 768, 256, 0, 32, 8, 64, Routing::kUniform);     // experts with 0 rows
+  check_forward(fresh_seed(), 256, 128, 128, 8, 1, 1, Routing::kUniform);     // T = 1, k = 1
+}
+
+TEST(ForwardGpu, BatchInvariance) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  Layer a = make_layer(seed, 512, 256, 128, 8, 2, 400, Routing::kUniform);
+  Layer b = make_layer(seed + 1, 512, 256, 128, 8, 2, 400, Routing::kZipf);
+  b.wg = a.wg; b.wu = a.wu; b.wd = a.wd; b.sg = a.sg; b.su = a.su; b.sd = a.sd;
+  // b holds a's tokens 10..59 at 300..349; every other token differs.
+  for (int64_t t = 10; t < 60; ++t) {
+    std::copy_n(&a.x[t * 512], 512, &b.x[(t + 290) * 512]);
+    std::copy_n(&a.ids[t * 2], 2, &b.ids[(t + 290) * 2]);
+    std::copy_n(&a.w[t * 2], 2, &b.w[(t + 290) * 2]);
+  }
+  GpuLayer ga(a), gb(b);
+  const auto ya = ga.run(), yb = gb.run();
+  for (int64_t t = 10; t < 60; ++t)
+    ASSERT_EQ(0, std::memcmp(&ya[t * 512], &yb[(t + 290) * 512], 1024)) << "token " << t;
+}
+
+TEST(ForwardGpu, DeviceValidationReportsBadIds) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Layer l = make_layer(fresh_seed(), 256, 128, 0, 8, 2, 50, Routing::kUniform);
+  l.ids[17 * 2 + 1] = 99;
+  GpuLayer g(l);
+  EXPECT_EQ(cudaMemset(g.y.ptr, 0xFF, g.y.bytes), cudaSuccess);
+  ASSERT_EQ(mokForward(g.ws, &g.a, nullptr), mokSuccess) << "no host-side id check for device tensors (no sync)";
+  EXPECT_EQ(mokWorkspaceCheckErrors(g.ws, 1), mokDeviceInvalidRoute);
+  const std::string msg = mokGetLastError();
+  EXPECT_NE(msg.find("[17, 1] = 99"), std::string::npos) << msg;
+  // The bad route was masked: the other tokens are still right, and the workspace runs on.
+  l.ids[17 * 2 + 1] = -1;
+  const auto want = cpu_forward(l);
+  const auto got = g.y.get<bf16_t>();
+  std::vector<double> wantd(want.size());
+  for (size_t i = 0; i < want.size(); ++i) wantd[i] = bf16_to_float(want[i]);
+  const ErrStats s = compare_rows(got, wantd, 50, 256, [](int64_t) { return true; });
+  EXPECT_LT(s.rel, 1e-2) << s.rel;
+  EXPECT_EQ(s.nan, 0);
+}
+
+}  // namespace
+}  // namespace mok::test
