@@ -7,11 +7,15 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
+#include <string>
 
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/fused/forward_kernel.cuh"
 #include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/tensor_map.hpp"
 #include "plan/plan.hpp"
 #include "runtime/layer.hpp"
 
@@ -98,6 +102,133 @@ T* device_alloc(size_t count, size_t* total) {
   return static_cast<T*>(p);
 }
 
+
+// MOK_FORWARD_PATH=unfused selects the unfused sequence of launches (same tiles, same
+// reduction order): the bitwise reference of the fused kernel in tests.
+bool use_unfused_path() {
+  const char* v = std::getenv("MOK_FORWARD_PATH");
+  return v != nullptr && std::string(v) == "unfused";
+}
+
+void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
+                     void* y, cudaStream_t stream) {
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
+  const int64_t El = plan_dims(c).local_experts();
+  size_t unused = 0;
+  if (ws.unfused_ring == nullptr) {
+    ws.unfused_ring = device_alloc<uint16_t>(static_cast<size_t>(ws.max_rows * H), &unused);
+    ws.unfused_act = device_alloc<uint16_t>(static_cast<size_t>(ws.max_rows * I), &unused);
+  }
+  // Gather routed rows into the ring
+  const int64_t row_vecs = H * 2 / 16;
+  if (T > 0) {
+    gather_rows_kernel<<<528, 256, 0, stream>>>(static_cast<const uint4*>(static_cast<const void*>(in.x)), ws.rows,
+                                                ws.expert_offset, static_cast<int32_t>(El), row_vecs,
+                                                static_cast<uint4*>(ws.unfused_ring));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
+  int64_t* timeout = ws.errors + kRouteErrorWords;
+
+  // Gate/up with SwiGLU, then down scattering to the route slots
+  gemm::GroupedGemmArgs gu = gemm::gate_up_args(ws.unfused_ring, ws.max_rows, H, in.w_gate, in.w_up, El, I, ws.block_expert,
+                                                max_blocks, ws.unfused_act);
+  gu.timeout_s = c.timeout_s;
+  gu.timeout_record = timeout;
+  gemm::launch_grouped_gemm(gu, stream);
+  gemm::GroupedGemmArgs dn = gemm::down_args(ws.unfused_act, ws.max_rows, I, in.w_down, El, H, ws.block_expert, max_blocks,
+                                             ws.slots);
+  dn.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
+  dn.plan_rows = ws.rows;
+  dn.topk = static_cast<int32_t>(k);
+  dn.timeout_s = c.timeout_s;
+  dn.timeout_record = timeout;
+  gemm::launch_grouped_gemm(dn, stream);
+
+  // Shared expert: every token, one "expert" over x itself
+  if (Is > 0 && T > 0) {
+    const int32_t blocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
+    gemm::GroupedGemmArgs sg = gemm::gate_up_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is, ws.shared_block, blocks,
+                                                  ws.shared_act);
+    sg.timeout_s = c.timeout_s;
+    sg.timeout_record = timeout;
+    gemm::launch_grouped_gemm(sg, stream);
+    gemm::GroupedGemmArgs sd = gemm::down_args(ws.shared_act, T, Is, in.ws_down, 1, H, ws.shared_block, blocks,
+                                               ws.shared_out);
+    sd.timeout_s = c.timeout_s;
+    sd.timeout_record = timeout;
+    gemm::launch_grouped_gemm(sd, stream);
+  }
+
+  // Fixed-order combine
+  if (T > 0) {
+    combine_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(
+        v, in.topk_weights, static_cast<const uint4*>(ws.slots),
+        Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr, row_vecs, static_cast<uint4*>(y));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+
+}
+
+void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
+                   void* y, cudaStream_t stream) {
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
+  const plan::PlanDims d = plan_dims(c);
+  const int32_t num_comm = static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.num_sms - 1));
+  MOK_CHECK_ARG(num_comm >= 1, "fwd_num_comm_sms = " << c.fwd_num_comm_sms << " must be at least 1 (the comm blocks gather)");
+  fused::ForwardParams p{};
+  p.hidden = static_cast<int32_t>(H);
+  p.inter = static_cast<int32_t>(I);
+  p.shared_inter = static_cast<int32_t>(Is);
+  p.topk = static_cast<int32_t>(c.topk);
+  p.num_tokens = T;
+  p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / 128);
+  p.minibatch_blocks = static_cast<int32_t>(c.minibatch_size / 128);
+  p.num_comm = num_comm;
+  p.max_blocks = static_cast<int32_t>(ws.max_blocks);
+  p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
+  p.rows = ws.rows;
+  p.expert_offset = ws.expert_offset;
+  p.block_expert = ws.block_expert;
+  p.num_local = static_cast<int32_t>(d.local_experts());
+  p.x = static_cast<const __nv_bfloat16*>(static_cast<const void*>(in.x));
+  p.topk_weights = in.topk_weights;
+  p.routing = v;
+  p.ring = static_cast<__nv_bfloat16*>(ws.ring);
+  p.act = static_cast<__nv_bfloat16*>(ws.act);
+  p.slots = static_cast<__nv_bfloat16*>(ws.slots);
+  p.shared_act = static_cast<__nv_bfloat16*>(ws.shared_act);
+  p.shared_out = static_cast<__nv_bfloat16*>(ws.shared_out);
+  p.y = static_cast<__nv_bfloat16*>(y);
+  p.counters = ws.counters;
+  p.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
+  p.timeout_record = ws.errors + kRouteErrorWords;
+
+  // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones)
+  fused::Maps m{};
+  const int64_t El = d.local_experts();
+  m.ring = gemm::tensor_map_2d(ws.ring, ws.ring_rows, H, 128);
+  m.w_gate = gemm::tensor_map_2d(in.w_gate, El * I, H, 128);
+  m.w_up = gemm::tensor_map_2d(in.w_up, El * I, H, 128);
+  m.act = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, 128);
+  m.w_down = gemm::tensor_map_2d(in.w_down, El * H, I, 128);
+  if (Is > 0 && T > 0) {
+    m.x = gemm::tensor_map_2d(in.x, T, H, 128);
+    m.ws_gate = gemm::tensor_map_2d(in.ws_gate, Is, H, 128);
+    m.ws_up = gemm::tensor_map_2d(in.ws_up, Is, H, 128);
+    m.shared_act = gemm::tensor_map_2d(ws.shared_act, c.max_tokens, Is, 128);
+    m.ws_down = gemm::tensor_map_2d(in.ws_down, H, Is, 128);
+  } else {
+    m.x = m.ws_gate = m.ws_up = m.ring;
+    m.shared_act = m.act;
+    m.ws_down = m.w_down;
+  }
+  MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(fused::fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(fused::kFusedSmemBytes)));
+  fused::fused_forward_kernel<<<ws.num_sms, gemm::TileConfig::kThreads, fused::kFusedSmemBytes, stream>>>(m, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
 }  // namespace
 
 DeviceWorkspace* create_workspace(const mokConfig_t& c) {
@@ -115,8 +246,12 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c) {
     ws->expert_count = device_alloc<int32_t>(static_cast<size_t>(El), &b);
     ws->expert_offset = device_alloc<int32_t>(static_cast<size_t>(El + 1), &b);
     ws->block_expert = device_alloc<int32_t>(static_cast<size_t>(ws->max_blocks), &b);
-    ws->ring = device_alloc<uint16_t>(static_cast<size_t>(ws->max_rows * H), &b);
-    ws->act = device_alloc<uint16_t>(static_cast<size_t>(ws->max_rows * I), &b);
+    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&ws->num_sms, cudaDevAttrMultiProcessorCount, ws->device));
+    ws->ring_rows = std::min<int64_t>(c.macrobatch_size, ws->max_rows);
+    ws->ring = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * H), &b);
+    ws->act = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * I), &b);
+    ws->num_counters = 2 + 3 * ws->max_blocks + ws->shared_blocks;
+    ws->counters = device_alloc<int32_t>(static_cast<size_t>(ws->num_counters), &b);
     ws->slots = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * c.topk * H), &b);
     if (Is > 0) {
       ws->shared_block = device_alloc<int32_t>(static_cast<size_t>(ws->shared_blocks), &b);
@@ -141,7 +276,7 @@ void destroy_workspace(DeviceWorkspace* ws) {
   for (void* p : {static_cast<void*>(ws->rows), static_cast<void*>(ws->expert_count),
                   static_cast<void*>(ws->expert_offset), static_cast<void*>(ws->block_expert),
                   static_cast<void*>(ws->shared_block), ws->ring, ws->act, ws->slots, ws->shared_act, ws->shared_out,
-                  static_cast<void*>(ws->errors)})
+                  static_cast<void*>(ws->errors), static_cast<void*>(ws->counters), ws->unfused_ring, ws->unfused_act})
     if (p) cudaFree(p);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
   if (ws->errors_ready) cudaEventDestroy(ws->errors_ready);
@@ -189,6 +324,11 @@ std::string unsupported_shape(const mokConfig_t& c) {
     why << "block_m = " << c.block_m << " must be " << gemm::TileConfig::kBlockM << " on the CUDA backend";
   else if (c.ep_size != 1)
     why << "ep_size = " << c.ep_size << ": the multi-GPU CUDA forward is not built yet";
+  else if (c.hidden > 8192)
+    why << "hidden = " << c.hidden << " exceeds 8192: the comm blocks stage 12 rows of H bf16 in shared memory";
+  else if (plan::ceil_div(plan::max_rows(plan_dims(c)), c.minibatch_size) > fused::kMaxSegments / 2 - 1)
+    why << "minibatch_size = " << c.minibatch_size << " makes more than " << (fused::kMaxSegments / 2 - 1)
+        << " minibatches for max_tokens = " << c.max_tokens << "; raise minibatch_size";
   return why.str();
 }
 
@@ -223,53 +363,10 @@ void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& i
   const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
   build_plan(d, v, pv, ws.errors, ws.device, stream_ptr);
 
-  // Gather routed rows into the ring
-  const int64_t row_vecs = H * 2 / 16;
-  if (T > 0) {
-    gather_rows_kernel<<<528, 256, 0, stream>>>(static_cast<const uint4*>(static_cast<const void*>(in.x)), ws.rows,
-                                                ws.expert_offset, static_cast<int32_t>(El), row_vecs,
-                                                static_cast<uint4*>(ws.ring));
-    MOK_CUDA_CHECK(cudaGetLastError());
-  }
-  const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
-  int64_t* timeout = ws.errors + kRouteErrorWords;
-
-  // Gate/up with SwiGLU, then down scattering to the route slots
-  gemm::GroupedGemmArgs gu = gemm::gate_up_args(ws.ring, ws.max_rows, H, in.w_gate, in.w_up, El, I, ws.block_expert,
-                                                max_blocks, ws.act);
-  gu.timeout_s = c.timeout_s;
-  gu.timeout_record = timeout;
-  gemm::launch_grouped_gemm(gu, stream);
-  gemm::GroupedGemmArgs dn = gemm::down_args(ws.act, ws.max_rows, I, in.w_down, El, H, ws.block_expert, max_blocks,
-                                             ws.slots);
-  dn.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
-  dn.plan_rows = ws.rows;
-  dn.topk = static_cast<int32_t>(k);
-  dn.timeout_s = c.timeout_s;
-  dn.timeout_record = timeout;
-  gemm::launch_grouped_gemm(dn, stream);
-
-  // Shared expert: every token, one "expert" over x itself
-  if (Is > 0 && T > 0) {
-    const int32_t blocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
-    gemm::GroupedGemmArgs sg = gemm::gate_up_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is, ws.shared_block, blocks,
-                                                  ws.shared_act);
-    sg.timeout_s = c.timeout_s;
-    sg.timeout_record = timeout;
-    gemm::launch_grouped_gemm(sg, stream);
-    gemm::GroupedGemmArgs sd = gemm::down_args(ws.shared_act, T, Is, in.ws_down, 1, H, ws.shared_block, blocks,
-                                               ws.shared_out);
-    sd.timeout_s = c.timeout_s;
-    sd.timeout_record = timeout;
-    gemm::launch_grouped_gemm(sd, stream);
-  }
-
-  // Fixed-order combine
-  if (T > 0) {
-    combine_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(
-        v, in.topk_weights, static_cast<const uint4*>(ws.slots),
-        Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr, row_vecs, static_cast<uint4*>(y));
-    MOK_CUDA_CHECK(cudaGetLastError());
+  if (use_unfused_path()) {
+    forward_unfused(ws, c, in, v, y, stream);
+  } else {
+    forward_fused(ws, c, in, v, y, stream);
   }
 
   // Error words to pinned memory; read at the next call or at check_errors(wait)

@@ -16,15 +16,17 @@ namespace mok::cuda {
 //   plan.rows          max_rows x 4        plan.block_expert  max_blocks x 4
 //   plan.expert_count  E_l x 4             plan.expert_offset (E_l+1) x 4
 //   plan.scratch       chunks*E_l x 4      (chunk bases of the device plan build)
-//   ring               max_rows x H x 2    routed rows gathered from x, dense, expert-sorted
-//   act                max_rows x I x 2    SwiGLU output of gate/up, the down GEMM's A
+//   ring               ring_rows x H x 2   routed rows gathered from x (ring_rows = min(macrobatch, max_rows))
+//   act                ring_rows x I x 2   SwiGLU output of gate/up, the down GEMM's A
+//   counters           (2 + 3*max_blocks + shared_blocks) x 4   dependency counters of the fused kernel
 //   slots              T_max*k x H x 2     one output row per route, slot token*k + j
 //   shared_block       ceil(T_max/128) x 4 (zeros: every block of the shared expert is expert 0)
 //   shared_act         T_max x I_s x 2     shared_out  T_max x H x 2
 //   errors             9 x 8               route error [4] + timeout record [5]
 struct DeviceWorkspace {
   int device = 0;
-  int64_t max_rows = 0, max_blocks = 0, shared_blocks = 0;
+  int64_t max_rows = 0, max_blocks = 0, shared_blocks = 0, ring_rows = 0;
+  int32_t num_sms = 0;
   uint32_t* rows = nullptr;
   int32_t* expert_count = nullptr;
   int32_t* expert_offset = nullptr;
@@ -32,6 +34,10 @@ struct DeviceWorkspace {
   int32_t* shared_block = nullptr;
   void* ring = nullptr;
   void* act = nullptr;
+  int32_t* counters = nullptr;
+  int64_t num_counters = 0;
+  void* unfused_ring = nullptr;    // max_rows x H, allocated on first use of the unfused path
+  void* unfused_act = nullptr;     // max_rows x I
   void* slots = nullptr;
   void* shared_act = nullptr;
   void* shared_out = nullptr;

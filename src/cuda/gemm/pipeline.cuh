@@ -60,4 +60,21 @@ __device__ __forceinline__ bool wait_barrier(uint64_t* bar, uint32_t phase, cons
   }
 }
 
+// The same wait for a whole warp, with a warp-uniform exit: every lane spins until all
+// lanes see the phase.  Keeps the code after it provably converged, which wgmma needs
+// (ptxas serialises wgmma issued on paths it considers divergent: C7518).
+__device__ __forceinline__ bool wait_barrier_warp(uint64_t* bar, uint32_t phase, const WaitContext& ctx, WaitSite site,
+                                                  int64_t detail) {
+  for (uint32_t spin = 0;; ++spin) {
+    if (__all_sync(0xffffffffu, ptx::mbar_try_wait(bar, phase))) return true;
+    if ((spin & 255u) != 255u) continue;
+    bool expired = ctx.timeout_record && *reinterpret_cast<volatile int64_t*>(ctx.timeout_record) != 0;
+    if (!expired && ptx::globaltimer_ns() > ctx.deadline_ns) {
+      if ((threadIdx.x & 31) == 0) report_timeout(ctx, site, detail, phase);
+      expired = true;
+    }
+    if (__any_sync(0xffffffffu, expired)) return false;
+  }
+}
+
 }  // namespace mok::gemm

@@ -1,0 +1,443 @@
+// The fused forward megakernel at EP=1: one persistent launch, grid = SM count.
+//
+// Roles (a named table; one switch at the top of the kernel):
+//   kComm       blocks [0, num_comm): gather routed rows of x into the ring (bulk copies
+//               through shared memory), block by block in processing order
+//   kProducer   warpgroup 0 of a compute block: claims tasks, waits for their inputs,
+//               issues TMA loads
+//   kSignaler   warp 1 of warpgroup 0: publishes each finished tile to the global counters
+//   kConsumer*  warpgroups 1, 2: wgmma and the epilogues (SwiGLU / scatter / store)
+// after which every block joins the fixed-order combine of y (a grid barrier first).
+//
+// Dependencies are counters in global memory, zeroed before the launch, written with
+// release and read with acquire at gpu scope:
+//   gather_ready[b]   rows of block b in the ring              (comm -> gate/up tile)
+//   gu_done[b]        gate/up tiles of block b finished         (-> down tiles; -> ring reuse)
+//   dn_done[b]        down tiles of block b finished            (-> act ring reuse)
+//   sgu_done[i]       shared gate/up tiles of block i finished  (-> shared down tiles)
+//   task_next         next task index;  blocks_done  the grid barrier before the combine
+// NOTES: rows written by generic stores (epilogues, zero padding) are read by TMA (the
+// async proxy) in another block: writers fence.proxy.async before the release, readers
+// after the acquire.
+#pragma once
+
+#include "cuda/fused/schedule.cuh"
+#include "cuda/gemm/tile.cuh"
+
+namespace mok::cuda::fused {
+
+using gemm::TileConfig;
+
+enum class Role : int32_t { kComm = 0, kProducer = 1, kSignaler = 2, kConsumer0 = 3, kConsumer1 = 4 };
+
+enum class NamedBarrier : uint32_t {
+  kBlock = 0,      // __syncthreads
+  kConsumers = 1,  // both consumer warpgroups (256 threads): a tile's stores are all issued
+};
+
+enum class Counter : int32_t { kTaskNext = 0, kBlocksDone = 1, kHeader = 2 };
+
+struct TaskInfo {
+  int32_t kind;     // TaskKind
+  int32_t block;    // row block (routed: global plan block; shared: token block)
+  int32_t n_block;
+  int32_t unused;
+};
+
+struct ForwardParams {
+  // Dimensions
+  int32_t hidden, inter, shared_inter, topk;
+  int64_t num_tokens;
+  int32_t ring_blocks, minibatch_blocks, num_comm;
+  int32_t max_blocks, shared_blocks;
+  // Plan
+  const uint32_t* rows;
+  const int32_t* expert_offset;
+  const int32_t* block_expert;
+  int32_t num_local;
+  // Data
+  const __nv_bfloat16* x;
+  const float* topk_weights;
+  plan::RoutingView routing;
+  __nv_bfloat16* ring;        // [macrobatch_size, H]
+  __nv_bfloat16* act;         // [macrobatch_size, I]
+  __nv_bfloat16* slots;       // [T*k, H]
+  __nv_bfloat16* shared_act;  // [T_max, I_s]
+  __nv_bfloat16* shared_out;  // [T_max, H]
+  __nv_bfloat16* y;           // [T, H]
+  // Synchronisation
+  int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done [max_blocks], sgu_done
+  uint64_t timeout_ns;
+  int64_t* timeout_record;
+};
+
+struct Maps {
+  CUtensorMap ring, w_gate, w_up, act, w_down, x, ws_gate, ws_up, shared_act, ws_down;
+};
+
+struct alignas(1024) FusedShared {
+  gemm::StageStorage stages;                // also the comm blocks' row staging
+  Segment segments[kMaxSegments];
+  TaskInfo tasks[2];                        // producer -> consumers + signaler task handoff
+  uint64_t task_full[2];                    // producer -> (consumers, signaler)
+  uint64_t task_empty[2];                   // (2 consumer leaders + signaler) -> producer
+  uint64_t done_full[2];                    // consumer leaders -> signaler: the tile's stores are issued
+  uint64_t done_empty[2];                   // signaler -> consumer leaders
+  uint64_t gather_bar[TileConfig::kThreads / 32];
+  float route_weight[kMaxTopK];
+  int32_t route_valid[kMaxTopK];
+  int32_t num_segments;
+  int32_t num_tasks;
+};
+inline constexpr size_t kFusedSmemBytes = sizeof(FusedShared) + 1024;
+static_assert(kFusedSmemBytes <= 227 * 1024, "fused shared storage exceeds 227 KB");
+
+// ---- global counters ------------------------------------------------------------------------
+__device__ __forceinline__ bool wait_counter(const int32_t* counter, int32_t expected, const gemm::WaitContext& wait,
+                                             int64_t which) {
+  if (ptx::ld_acquire_gpu(counter) >= expected) return true;
+  for (uint32_t spin = 1;; ++spin) {
+    if (ptx::ld_acquire_gpu(counter) >= expected) return true;
+    if ((spin & 63u) != 0) continue;
+    if (wait.timeout_record && *reinterpret_cast<volatile int64_t*>(wait.timeout_record) != 0) return false;
+    if (ptx::globaltimer_ns() > wait.deadline_ns) {
+      gemm::report_timeout(wait, gemm::WaitSite::kCounter, which, expected);
+      return false;
+    }
+  }
+}
+
+__device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
+  ptx::fence_proxy_async_global();
+  ptx::red_release_gpu_add(counter, add);
+}
+
+// ---- task decode ------------------------------------------------------------------------------
+__device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t task) {
+  int lo = 0, hi = sh.num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (sh.segments[mid].first_task <= task) lo = mid; else hi = mid - 1;
+  }
+  const Segment& s = sh.segments[lo];
+  const int32_t local = task - s.first_task;
+  return TaskInfo{s.kind, s.first_block + local / s.num_n, local % s.num_n, 0};
+}
+
+// ---- comm role: gather routed rows into the ring ---------------------------------------------
+__device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
+                            int32_t* gather_ready, const int32_t* gu_done, int32_t n_gate_up) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+  // One staging row per warp in the (otherwise unused) stage memory.
+  uint8_t* slot = reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * row_bytes;
+  uint64_t* bar = &sh.gather_bar[warp];
+  uint32_t phase = 0;
+  const int64_t row_vecs = p.hidden / 8;
+  const int32_t total = g.num_blocks;
+  for (int32_t q = blockIdx.x; q < total; q += p.num_comm) {
+    const int32_t b = g.block_at(q);
+    // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
+    const int32_t prev = g.previous_occupant(b);
+    if (prev >= 0 && !wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
+    int32_t rows_done = 0;
+    for (int i = warp; i < 128; i += num_warps, ++rows_done) {
+      const int64_t plan_row = static_cast<int64_t>(b) * 128 + i;
+      const uint32_t rec = p.rows[plan_row];
+      __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
+      if (row_is_pad(rec)) {
+        // Padding rows are zeros (generic stores)
+        for (int64_t v = lane; v < row_vecs; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      if (lane == 0) {
+        // Row through shared memory: bulk load, then bulk store from the same staging row
+        ptx::bulk_wait_read<0>();
+        ptx::mbar_arrive_expect_tx(bar, row_bytes);
+        ptx::bulk_load(slot, p.x + row_token(rec) * p.hidden, row_bytes, bar);
+        // NOTES: on a timeout the row is skipped, not the loop: the other lanes must still
+        // reach __syncwarp; the recorded timeout makes every other wait of the launch leave.
+        if (!gemm::wait_barrier(bar, phase, wait, gemm::WaitSite::kConsumerFull, 6000 + warp)) continue;
+        phase ^= 1u;
+        ptx::bulk_store(dst, slot, row_bytes);
+        ptx::bulk_commit();
+      }
+    }
+    // Publish this warp's rows of block b once its stores completed
+    if (lane == 0) ptx::bulk_wait<0>();
+    ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
+    __syncwarp();
+    if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], rows_done);
+  }
+}
+
+// ---- fixed-order combine of one token ----------------------------------------------------------
+// Threads [first_thread, first_thread + num_threads) of the block; 8 bf16 (16 B) per step.
+__device__ void combine_token(FusedShared& sh, const ForwardParams& p, int64_t t, int first_thread, int num_threads) {
+  const int tid = threadIdx.x - first_thread;
+  const int k = p.topk;
+  if (tid < k) {
+    int64_t id;
+    sh.route_valid[tid] = plan::check_route(p.routing, 0, t, tid, &id) == RouteCheck::kOk;
+    sh.route_weight[tid] = p.topk_weights[t * k + tid];
+  }
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), num_threads);
+  const int64_t row_vecs = p.hidden / 8;
+  const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
+  const uint4* shared_out = reinterpret_cast<const uint4*>(p.shared_out);
+  uint4* y = reinterpret_cast<uint4*>(p.y);
+  for (int64_t c = tid; c < row_vecs; c += num_threads) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+      if (!sh.route_valid[j]) continue;
+      const float w = sh.route_weight[j];
+      const uint4 raw = slots[(t * k + j) * row_vecs + c];
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(h[q]);
+        acc[2 * q] = __fmaf_rn(w, f.x, acc[2 * q]);
+        acc[2 * q + 1] = __fmaf_rn(w, f.y, acc[2 * q + 1]);
+      }
+    }
+    if (p.shared_inter > 0) {
+      const uint4 raw = shared_out[t * row_vecs + c];
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(h[q]);
+        acc[2 * q] = __fadd_rn(acc[2 * q], f.x);
+        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], f.y);
+      }
+    }
+    uint4 out;
+    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    y[t * row_vecs + c] = out;
+  }
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), num_threads);
+}
+
+// ---- producer: claim tasks, wait for their inputs, issue their loads ---------------------------
+__device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardParams& p, const Geometry& g,
+                              const TaskCounts& counts, const gemm::WaitContext& wait) {
+  using C = TileConfig;
+  int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
+  const int32_t* gu_done = gather_ready + p.max_blocks;
+  const int32_t* dn_done = gu_done + p.max_blocks;
+  const int32_t* sgu_done = dn_done + p.max_blocks;
+  gemm::PipelineState<C::kStages> stage;
+  gemm::PipelineState<2> handoff;
+  for (;;) {
+    // Claim the next task and hand it to the consumers
+    const int32_t task = atomicAdd(&p.counters[static_cast<int>(Counter::kTaskNext)], 1);
+    TaskInfo info = task < sh.num_tasks ? decode_task(sh, task) : TaskInfo{static_cast<int32_t>(TaskKind::kDone), 0, 0, 0};
+    if (!gemm::wait_barrier(&sh.task_empty[handoff.index], handoff.phase ^ 1u, wait, gemm::WaitSite::kProducerEmpty, -1))
+      break;
+    sh.tasks[handoff.index] = info;
+    ptx::mbar_arrive(&sh.task_full[handoff.index]);
+    handoff.advance();
+    if (info.kind == static_cast<int32_t>(TaskKind::kDone)) break;
+    // Wait for the task's inputs, then load its tiles
+    gemm::TileLoad load{};
+    const int32_t b = info.block;
+    bool ok = true;
+    switch (static_cast<TaskKind>(info.kind)) {
+      case TaskKind::kSharedGateUp:
+        load = gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, b * 128, info.n_block * 128, 0, p.hidden / 64};
+        break;
+      case TaskKind::kSharedDown:
+        ok = wait_counter(&sgu_done[b], counts.n_shared_gate_up, wait, 4000 + b);
+        load = gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, b * 128, info.n_block * 256, 128,
+                              p.shared_inter / 64};
+        break;
+      case TaskKind::kGateUp: {
+        const int32_t prev = g.previous_occupant(b);
+        ok = wait_counter(&gather_ready[b], 128, wait, 2000 + b) &&
+             (prev < 0 || wait_counter(&dn_done[prev], counts.n_down, wait, 3000 + prev));
+        const int32_t e = p.block_expert[b];
+        load = gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(b), e * p.inter + info.n_block * 128,
+                              0, p.hidden / 64};
+        break;
+      }
+      case TaskKind::kDown: {
+        ok = wait_counter(&gu_done[b], counts.n_gate_up, wait, 5000 + b);
+        const int32_t e = p.block_expert[b];
+        load = gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(b),
+                              e * p.hidden + info.n_block * 256, 128, p.inter / 64};
+        break;
+      }
+      default:
+        break;
+    }
+    if (!ok) break;
+    ptx::fence_proxy_async_global();
+    if (!gemm::produce_tile(sh.stages, stage, load, wait)) break;
+  }
+}
+
+// ---- consumers: MMAs and epilogues of the producer's tasks -------------------------------------
+__device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
+                              int consumer, const gemm::WaitContext& wait) {
+  using C = TileConfig;
+  const bool leader = threadIdx.x % 128 == 0;
+  gemm::PipelineState<C::kStages> stage;
+  gemm::PipelineState<2> handoff, done_state;
+  const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
+  float acc[C::kAccRegs];
+  for (;;) {
+    // Take the next task from the producer
+    if (!gemm::wait_barrier_warp(&sh.task_full[handoff.index], handoff.phase, wait, gemm::WaitSite::kConsumerFull,
+                                 -1))
+      break;
+    // NOTES: task fields through shuffles, so every branch on them is warp-uniform for ptxas.
+    TaskInfo info = sh.tasks[handoff.index];
+    info.kind = __shfl_sync(0xffffffffu, info.kind, 0);
+    info.block = __shfl_sync(0xffffffffu, info.block, 0);
+    info.n_block = __shfl_sync(0xffffffffu, info.n_block, 0);
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    if (leader) ptx::mbar_arrive(&sh.task_empty[handoff.index]);
+    handoff.advance();
+    const TaskKind kind = static_cast<TaskKind>(info.kind);
+    if (kind == TaskKind::kDone) break;
+    const int32_t b = info.block;
+    const int32_t k_blocks = kind == TaskKind::kSharedDown ? p.shared_inter / 64
+                             : kind == TaskKind::kDown     ? p.inter / 64
+                                                           : p.hidden / 64;
+    if (!gemm::consume_tile(sh.stages, stage, k_blocks, consumer, acc, wait)) break;
+    // Epilogue, then publish the tile
+    switch (kind) {
+      case TaskKind::kSharedGateUp:
+        gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{b} * 128, p.num_tokens,
+                              int64_t{info.n_block} * 128);
+        break;
+      case TaskKind::kSharedDown:
+        gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{b} * 128, p.num_tokens,
+                             int64_t{info.n_block} * 256);
+        break;
+      case TaskKind::kGateUp:
+        gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(b), int64_t{p.ring_blocks} * 128,
+                              int64_t{info.n_block} * 128);
+        break;
+      case TaskKind::kDown:
+        gemm::epilogue_scatter(acc, consumer, p.slots, p.hidden, p.rows + int64_t{b} * 128, p.topk,
+                               int64_t{info.n_block} * 256);
+        break;
+      default:
+        break;
+    }
+    // Hand the finished tile to the signaler (its stores ordered before the arrive)
+    ptx::fence_proxy_async_global();
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    if (warp_in_group == 0) {
+      if (!gemm::wait_barrier_warp(&sh.done_empty[done_state.index], done_state.phase ^ 1u, wait,
+                                   gemm::WaitSite::kProducerEmpty, -2))
+        break;
+      if (leader) ptx::mbar_arrive(&sh.done_full[done_state.index]);
+    }
+    done_state.advance();
+  }
+}
+
+// ---- signaler: publish each finished tile to the global counters --------------------------------
+// NOTES: kept out of the consumer warps: a single-thread branch there makes ptxas serialise
+// every wgmma (C7518).  Chain: consumer stores -> named barrier -> done_full arrive
+// (release.cta) -> wait here (acquire.cta) -> fence + red.release.gpu (cumulative).
+__device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
+  int32_t* gu_done = p.counters + static_cast<int>(Counter::kHeader) + p.max_blocks;
+  int32_t* dn_done = gu_done + p.max_blocks;
+  int32_t* sgu_done = dn_done + p.max_blocks;
+  gemm::PipelineState<2> handoff, done_state;
+  for (;;) {
+    if (!gemm::wait_barrier(&sh.task_full[handoff.index], handoff.phase, wait, gemm::WaitSite::kConsumerFull, -3)) return;
+    const TaskInfo info = sh.tasks[handoff.index];
+    ptx::mbar_arrive(&sh.task_empty[handoff.index]);
+    handoff.advance();
+    const TaskKind kind = static_cast<TaskKind>(info.kind);
+    if (kind == TaskKind::kDone) return;
+    if (!gemm::wait_barrier(&sh.done_full[done_state.index], done_state.phase, wait, gemm::WaitSite::kConsumerFull, -4))
+      return;
+    ptx::mbar_arrive(&sh.done_empty[done_state.index]);
+    done_state.advance();
+    int32_t* counter = kind == TaskKind::kSharedGateUp ? &sgu_done[info.block]
+                       : kind == TaskKind::kGateUp     ? &gu_done[info.block]
+                       : kind == TaskKind::kDown       ? &dn_done[info.block]
+                                                       : nullptr;
+    if (counter) {
+      __threadfence();
+      signal_counter(counter, 1);
+    }
+  }
+}
+
+// ---- end: grid barrier, then the fixed-order combine by each block's last 256 threads ---------
+// `arriver` is the one thread of the block that arrives at (and waits on) the grid barrier.
+__device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait,
+                                   bool arriver) {
+  int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
+  if (arriver) {
+    __threadfence();
+    ptx::red_release_gpu_add(blocks_done, 1);
+    wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9999);
+  }
+  if (threadIdx.x < 128) return;
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) combine_token(sh, p, t, 128, 256);
+}
+
+__global__ void __launch_bounds__(TileConfig::kThreads, 1)
+    fused_forward_kernel(const __grid_constant__ Maps maps, const ForwardParams p) {
+  using C = TileConfig;
+  extern __shared__ uint8_t smem_raw[];
+  auto& sh = *reinterpret_cast<FusedShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
+  int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
+  int32_t* gu_done = gather_ready + p.max_blocks;
+  int32_t* dn_done = gu_done + p.max_blocks;
+  int32_t* sgu_done = dn_done + p.max_blocks;
+
+  // Geometry and the task table, identical on every block
+  const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
+  const Geometry g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
+  const TaskCounts counts{p.inter / 128, p.hidden / 256, p.shared_inter / 128, p.hidden / 256, p.shared_blocks};
+  const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
+  if (threadIdx.x == 0) {
+    int32_t num_tasks = 0;
+    sh.num_segments = build_segments(g, counts, sh.segments, &num_tasks);
+    sh.num_tasks = num_tasks;
+    sh.stages.init_barriers();
+    for (int i = 0; i < 2; ++i) {
+      ptx::mbar_init(&sh.task_full[i], 1);
+      ptx::mbar_init(&sh.task_empty[i], C::kConsumers + 1);
+      ptx::mbar_init(&sh.done_full[i], C::kConsumers);
+      ptx::mbar_init(&sh.done_empty[i], 1);
+    }
+    for (int w = 0; w < C::kThreads / 32; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
+    ptx::fence_mbar_init();
+  }
+  __syncthreads();
+
+  // NOTES: the role comes through a shuffle so that ptxas knows it is warp-uniform, and
+  // each role returns on its own: wgmma code must not share a tail with divergent roles
+  // (ptxas serialises every wgmma otherwise: C7518).
+  if (comm) {
+    comm_gather(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up);
+    __syncthreads();
+    finish_and_combine(sh, p, wait, threadIdx.x == 0);
+    return;
+  }
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x == 0) produce_tasks(sh, maps, p, g, counts, wait);
+    if (threadIdx.x == 32) signal_tasks(sh, p, wait);
+    return;
+  }
+  ptx::setmaxnreg_inc<C::kConsumerRegs>();
+  consume_tasks(sh, p, g, counts, warpgroup - 1, wait);
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  finish_and_combine(sh, p, wait, threadIdx.x == 128);
+}
+
+}  // namespace mok::cuda::fused

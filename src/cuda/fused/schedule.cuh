@@ -1,0 +1,131 @@
+// The task list of the fused forward: data computed on the device from the plan's row count.
+//
+// Processing order.  Row blocks (128 rows) form minibatches (minibatch_size rows) and
+// macrobatches (macrobatch_size rows = the ring).  Macrobatches are walked last to first,
+// minibatches within a macrobatch in ascending order, so when the call ends the ring holds
+// macrobatch 0.  Block b lives in ring slot b % ring_blocks; the previous occupant of that
+// slot is block b + ring_blocks (the same slot of the macrobatch processed just before).
+//
+// Task list (compute blocks claim task indices in increasing order from a global counter;
+// every task waits only on lower-numbered tasks or on the comm blocks, so a waited-on task
+// has always been claimed by a running block):
+//   [shared gate/up tiles]  [routed gate/up of minibatch p0]  [shared down tiles]
+//   [routed gate/up p1] [routed down p0]  [gate/up p2] [down p1] ...  [down p_last]
+// Down tiles lag gate/up by one minibatch, except that the down tiles of a ring slot's
+// previous occupant always come before the gate/up tiles that overwrite its act rows.
+// Segment = tiles of one kind over a range of row blocks, walked m-major.
+#pragma once
+
+#include <cstdint>
+
+#include "plan/plan.hpp"
+
+namespace mok::cuda::fused {
+
+enum class TaskKind : int32_t {
+  kSharedGateUp = 0,  // x · [ws_gate; ws_up]ᵀ -> SwiGLU -> shared_act
+  kGateUp = 1,        // ring · [w_gate; w_up]ᵀ -> SwiGLU -> act ring
+  kSharedDown = 2,    // shared_act · ws_downᵀ -> shared_out
+  kDown = 3,          // act ring · w_downᵀ -> route slots token*k + j
+  kDone = 4,          // no more tasks (producer -> consumers)
+};
+
+struct Segment {
+  int32_t kind;         // TaskKind
+  int32_t first_block;  // row block of the segment's first tile
+  int32_t num_blocks;
+  int32_t num_n;        // tiles along N per row block
+  int32_t first_task;   // index of the segment's first tile in the task list
+};
+
+inline constexpr int kMaxSegments = 256;
+
+// Geometry of the routed rows of this call.
+struct Geometry {
+  int32_t num_blocks;        // row blocks with routed rows (plan total / 128)
+  int32_t ring_blocks;       // macrobatch_size / 128
+  int32_t minibatch_blocks;  // minibatch_size / 128
+  int32_t num_macro;
+  int32_t num_mini;
+
+  MOK_HD static Geometry make(int32_t num_blocks, int32_t ring_blocks, int32_t minibatch_blocks) {
+    Geometry g{num_blocks, ring_blocks, minibatch_blocks, 0, 0};
+    g.num_macro = static_cast<int32_t>(plan::ceil_div(num_blocks, ring_blocks));
+    g.num_mini = static_cast<int32_t>(plan::ceil_div(num_blocks, minibatch_blocks));
+    return g;
+  }
+  // Global row block at position q of the processing order.
+  MOK_HD int32_t block_at(int32_t q) const {
+    const int32_t last_first = (num_macro - 1) * ring_blocks, last_count = num_blocks - last_first;
+    if (q < last_count) return last_first + q;
+    q -= last_count;
+    const int32_t macro = num_macro - 2 - q / ring_blocks;
+    return macro * ring_blocks + q % ring_blocks;
+  }
+  // Minibatch at position p of the processing order.
+  MOK_HD int32_t minibatch_at(int32_t p) const {
+    const int32_t per_macro = ring_blocks / minibatch_blocks;
+    const int32_t last_first = (num_macro - 1) * per_macro, last_count = num_mini - last_first;
+    if (p < last_count) return last_first + p;
+    p -= last_count;
+    const int32_t macro = num_macro - 2 - p / per_macro;
+    return macro * per_macro + p % per_macro;
+  }
+  // Position of minibatch m in the processing order (inverse of minibatch_at).
+  MOK_HD int32_t position_of(int32_t m) const {
+    const int32_t per_macro = ring_blocks / minibatch_blocks;
+    const int32_t macro = m / per_macro, last_first = (num_macro - 1) * per_macro;
+    if (macro == num_macro - 1) return m - last_first;
+    return (num_mini - last_first) + (num_macro - 2 - macro) * per_macro + m % per_macro;
+  }
+  MOK_HD int32_t ring_row(int32_t block) const { return (block % ring_blocks) * 128; }
+  MOK_HD int32_t previous_occupant(int32_t block) const {
+    return block + ring_blocks < num_blocks ? block + ring_blocks : -1;
+  }
+};
+
+struct TaskCounts {
+  int32_t n_gate_up;         // I / 128
+  int32_t n_down;            // H / 256
+  int32_t n_shared_gate_up;  // I_s / 128 (0 = no shared expert)
+  int32_t n_shared_down;     // H / 256
+  int32_t shared_blocks;     // ceil(T / 128)
+};
+
+// Writes the segment table; returns the number of segments (the total task count goes to
+// *num_tasks).  Identical on every block (and on the host).
+MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
+  int n = 0;
+  int32_t task = 0;
+  auto push = [&](TaskKind kind, int32_t first, int32_t count, int32_t num_n) {
+    if (count <= 0 || num_n <= 0) return;
+    seg[n++] = Segment{static_cast<int32_t>(kind), first, count, num_n, task};
+    task += count * num_n;
+  };
+  auto mini_push = [&](TaskKind kind, int32_t p, int32_t num_n) {
+    const int32_t m = g.minibatch_at(p);
+    const int32_t first = m * g.minibatch_blocks;
+    const int32_t count = (first + g.minibatch_blocks <= g.num_blocks) ? g.minibatch_blocks : g.num_blocks - first;
+    push(kind, first, count, num_n);
+  };
+  const bool shared = c.n_shared_gate_up > 0 && c.shared_blocks > 0;
+  if (shared) push(TaskKind::kSharedGateUp, 0, c.shared_blocks, c.n_shared_gate_up);
+  if (g.num_mini == 0 && shared) push(TaskKind::kSharedDown, 0, c.shared_blocks, c.n_shared_down);
+  const int32_t per_macro = g.ring_blocks / g.minibatch_blocks;
+  int32_t next_down = 0;  // first position whose down tiles are not emitted yet
+  for (int32_t s = 0; s < g.num_mini; ++s) {
+    // Down tiles of the previous occupant of this minibatch's ring slots come first
+    const int32_t prev_mini = g.minibatch_at(s) + per_macro;
+    const int32_t must = prev_mini < g.num_mini ? g.position_of(prev_mini) : -1;
+    for (; next_down <= must; ++next_down) mini_push(TaskKind::kDown, next_down, c.n_down);
+    mini_push(TaskKind::kGateUp, s, c.n_gate_up);
+    if (s == 0 && shared) push(TaskKind::kSharedDown, 0, c.shared_blocks, c.n_shared_down);
+    // Then down tiles one minibatch behind
+    for (; next_down < s; ++next_down) mini_push(TaskKind::kDown, next_down, c.n_down);
+  }
+  for (; next_down < g.num_mini; ++next_down) mini_push(TaskKind::kDown, next_down, c.n_down);
+  *num_tasks = task;
+  return n;
+}
+
+}  // namespace mok::cuda::fused

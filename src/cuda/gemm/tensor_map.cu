@@ -1,0 +1,51 @@
+#include "cuda/gemm/tensor_map.hpp"
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "cuda/gemm/config.hpp"
+#include "runtime/errors.hpp"
+
+namespace mok::gemm {
+
+namespace {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver entry point, fetched through the runtime so libmok needs no -lcuda.
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiled>(ptr);
+  });
+  if (fn == nullptr) MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled is not available from the driver");
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 2)};
+  const cuuint32_t box[2] = {TileConfig::kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
+                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ") for a [" << rows << ", "
+                                                             << cols << "] bf16 tensor at " << base);
+  return map;
+}
+
+
+}  // namespace mok::gemm

@@ -1,0 +1,176 @@
+// Building blocks of one 128 x 256 output tile, shared by the grouped-GEMM kernel and the
+// fused megakernel: the stage ring in shared memory, the producer's loads, the consumers'
+// MMAs, and the epilogues.
+//
+// Roles (one warpgroup each):
+//   producer   one thread issues TMA loads into a kStages-deep ring of stages
+//   consumer0  rows [0, 64) of the tile: wgmma m64n256k16, fp32 accumulators in registers
+//   consumer1  rows [64, 128)
+// Barriers (mbarrier, one pair per stage):
+//   tile_full[s]   producer -> consumers: stage s holds A and B (TMA transaction bytes)
+//   tile_empty[s]  consumers -> producer: both warpgroups finished reading stage s
+//
+// B arrives as two 128-row halves per stage, each from its own tensor map.  For gate/up the
+// halves are w_gate and w_up rows of the same 128 intermediate channels, so one 256-wide
+// accumulator holds matching gate (cols 0..127) and up (cols 128..255) values in the same
+// thread and the SwiGLU runs in the epilogue with no weight re-layout.  For down both
+// halves come from w_down (rows n*256 and n*256+128).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "common/defs.hpp"
+#include "cuda/gemm/config.hpp"
+#include "cuda/gemm/pipeline.cuh"
+#include "cuda/ptx/wgmma.cuh"
+
+namespace mok::gemm {
+
+struct StageStorage {
+  alignas(1024) __nv_bfloat16 a[TileConfig::kStages][TileConfig::kBlockM * TileConfig::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
+  alignas(1024) __nv_bfloat16 b[TileConfig::kStages][TileConfig::kBlockN * TileConfig::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
+  uint64_t tile_full[TileConfig::kStages];
+  uint64_t tile_empty[TileConfig::kStages];
+
+  __device__ void init_barriers() {
+    for (int i = 0; i < TileConfig::kStages; ++i) {
+      ptx::mbar_init(&tile_full[i], 1);
+      ptx::mbar_init(&tile_empty[i], TileConfig::kConsumers);
+    }
+  }
+};
+inline constexpr size_t kStageStorageBytes = sizeof(StageStorage);
+
+// Where one tile's operands come from.
+struct TileLoad {
+  const CUtensorMap* a;   // rows a_row .. a_row+127, all K
+  const CUtensorMap* b0;  // rows b_row .. b_row+127
+  const CUtensorMap* b1;  // rows b_row + b_half_offset .. +127
+  int32_t a_row;
+  int32_t b_row;
+  int32_t b_half_offset;
+  int32_t num_k_blocks;
+};
+
+// Producer: issue the tile's loads, one stage per k-block.  False on a timed-out wait.
+__device__ __forceinline__ bool produce_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                             const TileLoad& t, const WaitContext& wait) {
+  using C = TileConfig;
+  for (int kb = 0; kb < t.num_k_blocks; ++kb) {
+    // Wait for empty slot
+    if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
+      return false;
+    // Issue TMA for activations and both weight halves
+    uint64_t* full = &s.tile_full[stage.index];
+    ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
+    ptx::tma_load_2d(s.a[stage.index], t.a, full, kb * C::kBlockK, t.a_row);
+    ptx::tma_load_2d(s.b[stage.index], t.b0, full, kb * C::kBlockK, t.b_row);
+    ptx::tma_load_2d(s.b[stage.index] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK,
+                     t.b_row + t.b_half_offset);
+    stage.advance();
+  }
+  return true;
+}
+
+// Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · Bᵀ over all k-blocks.
+__device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                             int num_k_blocks, int consumer, float (&acc)[TileConfig::kAccRegs],
+                                             const WaitContext& wait) {
+  using C = TileConfig;
+  const bool leader = threadIdx.x % 128 == 0;
+  int prev_index = 0;
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    // Wait for the stage, then issue four k16 MMAs on it
+    if (!wait_barrier_warp(&s.tile_full[stage.index], stage.phase, wait, WaitSite::kConsumerFull, stage.index))
+      return false;
+    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
+    const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::kBlockK / 16; ++k)
+      ptx::mma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+    ptx::wgmma_commit();
+    // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
+    // inject a wait (C7517) and serialise the MMAs.
+    // Release the previous stage once its MMAs retired (one group stays in flight)
+    if (kb > 0) {
+      ptx::wgmma_wait<1>();
+      if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
+    }
+    prev_index = stage.index;
+    stage.advance();
+  }
+  ptx::wgmma_wait<0>();
+  ptx::fence_regs(acc);
+  if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
+  return true;
+}
+
+// ---- epilogues: one consumer's 64 x 256 accumulator tile ------------------------------------
+// Fragment layout (wgmma D): thread (warp w, lane l) holds, for n8 in [0, 32), columns
+// n8*8 + (l%4)*2 + {0,1} of rows w*16 + l/4 (regs n8*4 + {0,1}) and +8 (regs n8*4 + {2,3}).
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// Row of this thread within the tile for half h (0: regs {0,1}, 1: regs {2,3}).
+__device__ __forceinline__ int fragment_row(int consumer, int half) {
+  return consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4 + half * 8;
+}
+__device__ __forceinline__ int fragment_col() { return (threadIdx.x % 4) * 2; }
+
+// out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < 128.
+__device__ __forceinline__ void epilogue_swiglu(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                                __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
+                                                int64_t ch0) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + fragment_row(consumer, half);
+    if (row >= rows_limit) continue;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * ld + ch0 + fragment_col());
+#pragma unroll
+    for (int n8 = 0; n8 < 16; ++n8) {
+      const float g0 = acc[n8 * 4 + half * 2], g1 = acc[n8 * 4 + half * 2 + 1];
+      const float u0 = acc[(n8 + 16) * 4 + half * 2], u1 = acc[(n8 + 16) * 4 + half * 2 + 1];
+      dst[n8 * 4] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+    }
+  }
+}
+
+// out[row0 + r, col0 + c] = bf16(acc) for r < rows_limit - row0, c < 256.
+__device__ __forceinline__ void epilogue_store(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                               __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
+                                               int64_t col0) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + fragment_row(consumer, half);
+    if (row >= rows_limit) continue;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * ld + col0 + fragment_col());
+#pragma unroll
+    for (int n8 = 0; n8 < 32; ++n8) dst[n8 * 4] = pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+  }
+}
+
+// Each tile row r goes to out[token*k + j] of its plan row record; padding rows are skipped.
+__device__ __forceinline__ void epilogue_scatter(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                                 __nv_bfloat16* out, int64_t ld, const uint32_t* tile_rows, int topk,
+                                                 int64_t col0) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const uint32_t rec = tile_rows[fragment_row(consumer, half)];
+    if (row_is_pad(rec)) continue;
+    const int64_t row = row_token(rec) * topk + row_slot(rec);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * ld + col0 + fragment_col());
+#pragma unroll
+    for (int n8 = 0; n8 < 32; ++n8) dst[n8 * 4] = pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+  }
+}
+
+}  // namespace mok::gemm
