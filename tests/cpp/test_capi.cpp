@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "mok/mok.h"
+#include "mok/mok.hpp"
 #include "test_util.hpp"
 
 namespace mok::test {
@@ -236,6 +237,33 @@ TEST(CApiPlan, HostBuildMatchesCapacityAndRejectsBadIds) {
   ids0[3] = 8;
   EXPECT_EQ(mokPlanBuild(&c, &pa, nullptr), mokInvalidArgument);
   EXPECT_NE(std::string(mokGetLastError()).find("rank 0: topk_ids[1, 1] = 8"), std::string::npos) << mokGetLastError();
+}
+
+TEST(CppApi, WorkspaceRaiiAndExceptions) {
+  Layer layer(fresh_seed());
+  mok::Workspace ws(layer.config);
+  EXPECT_EQ(ws.config().hidden, Layer::H);
+  EXPECT_NE(ws.describe().find("plan.rows"), std::string::npos);
+  std::fill(layer.y.begin(), layer.y.end(), float_to_bf16(NAN));
+  ws.forward(layer.args);
+  const auto first = layer.y;
+  for (auto v : first) ASSERT_FALSE(std::isnan(bf16_to_float(v)));
+  mok::forward_emulated(layer.config, {layer.args});  // EP=1 emulated: the same bits
+  EXPECT_EQ(0, std::memcmp(first.data(), layer.y.data(), first.size() * 2));
+  auto bad = layer.args;
+  bad.x.dtype = mokFloat32;
+  try {
+    ws.forward(bad);
+    FAIL() << "expected mok::ApiError";
+  } catch (const mok::ApiError& e) {
+    EXPECT_EQ(e.code(), mokInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("x must be bfloat16"), std::string::npos) << e.what();
+  }
+  mokConfig_t c = mok::default_config();
+  EXPECT_THROW(mok::Workspace{c}, mok::ApiError);
+  mok::Workspace moved = std::move(ws);
+  EXPECT_NE(moved.handle(), nullptr);
+  EXPECT_EQ(ws.handle(), nullptr);
 }
 
 }  // namespace

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The main job.  Sets up (missing packages, build), then:
+#   with a GPU:    the layer benchmark (bench/bench_layer.py) on the GPU present, all shapes;
+#   without a GPU: a small layer on the CPU reference backend, checked against float64.
+# Extra arguments go to the benchmark (e.g. --shapes dsv3 --fwd-only).
+set -euo pipefail
+cd "$(dirname "$0")"
+bash tools/setup.sh
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH="$PATH:/usr/local/cuda/bin"
+cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON | grep -E "mok:|Error" || true
+ninja -C build
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  PYTHONPATH=python python3 bench/bench_layer.py --shapes all --routing uniform,zipf --out out/bench "$@"
+else
+  PYTHONPATH=python python3 tools/demo_cpu.py
+fi
