@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mok import functional as F
-from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference
+from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference, route_term_norms
 
 # (T, H, I, E, k, I_s, ids dtype)
 SHAPES = [
@@ -38,7 +38,8 @@ def test_forward_backward_match_oracle(gen, T, H, I, E, k, Is, ids_dtype):
     assert y.dtype == torch.bfloat16 and g.dx.dtype == torch.bfloat16 and g.d_topk_weights.dtype == torch.float32
     assert_close("y", y, y_ref)
     assert_close("dx", g.dx, g_ref["dx"])
-    assert_close("d_topk_weights", g.d_topk_weights, g_ref["d_topk_weights"])
+    assert_close("d_topk_weights", g.d_topk_weights, g_ref["d_topk_weights"],
+                 floor=route_term_norms(x, ids, w, dy))
     for name in WEIGHTS:
         if w[name] is None:
             assert getattr(g, name) is None, f"{name}: gradient of an absent weight"
@@ -60,8 +61,9 @@ def test_zero_and_negative_routing_weights(gen):
     _, ctx = F.forward(*_args(x, ids, tw, w))
     g = F.backward(ctx, dy)
     _, g_ref = reference(x, ids, tw, w, dy)
-    assert_close("d_topk_weights at w = 0", g.d_topk_weights[:, 0], g_ref["d_topk_weights"][:, 0])
-    assert_close("d_topk_weights at w < 0", g.d_topk_weights[:, 1], g_ref["d_topk_weights"][:, 1])
+    floor = route_term_norms(x, ids, w, dy)
+    assert_close("d_topk_weights at w = 0", g.d_topk_weights[:, 0], g_ref["d_topk_weights"][:, 0], floor=floor[:, 0])
+    assert_close("d_topk_weights at w < 0", g.d_topk_weights[:, 1], g_ref["d_topk_weights"][:, 1], floor=floor[:, 1])
     assert g.d_topk_weights[:, 0].abs().sum() > 0
 
 
