@@ -1,0 +1,300 @@
+"""Baselines of BENCH.md, written the way a strong engineer would: the torch EP=1 pipeline, the
+experts-only grouped GEMMs, the dense-rate floor, the NCCL+PyTorch EP≥2 forward, a float64
+reference on a token slice, and the mok entry.
+
+Weight layouts are mok's: w_gate, w_up [E_l, I, H], w_down [E_l, H, I]; shared ws_gate, ws_up
+[I_s, H], ws_down [H, I_s]. `torch._grouped_mm(a, b, offs)` computes a[rows of e] @ b[e], so the
+weights go in as transposed views (K-major, no copy).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+COMBINES = ("gather", "index_add")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, K] rows grouped by offs (int32 cumulative ends, offs[-1] = M) times b [G, K, N].
+    CUDA: torch._grouped_mm. CPU (smoke mode only): a per-expert loop of matmuls."""
+    if a.is_cuda:
+        return torch._grouped_mm(a, b, offs=offs)
+    # CPU smoke-mode fallback: per-expert loop (reads offs on the host)
+    ends = offs.tolist()
+    if ends and ends[-1] != a.shape[0]:
+        raise ValueError(f"grouped_mm loop: offs[-1] = {ends[-1]} but {a.shape[0]} rows")
+    outs, start = [], 0
+    for e, end in enumerate(ends):
+        outs.append(a[start:end] @ b[e])
+        start = end
+    return torch.cat(outs)
+
+
+def grouped_mm_backend(device) -> str:
+    """Which grouped-GEMM path grouped_mm takes on `device`."""
+    return "torch._grouped_mm" if torch.device(device).type == "cuda" else "per-expert loop (CPU smoke fallback)"
+
+
+def route_plan(topk_ids: torch.Tensor, num_experts: int):
+    """Sort the T·k routes by expert (stable), on the device with no host sync.
+
+    Returns (perm, token, offs, valid): perm [N] int64 route index of each sorted row, token [N]
+    int64 its token, offs [E] int32 cumulative row ends (offs[-1] = N), valid [N] bool route
+    selected. The -1 routes join the last expert's group so that every row is written; callers
+    give them weight 0, so they add exactly 0 to y and to every gradient."""
+    flat = topk_ids.reshape(-1)
+    valid = flat >= 0
+    # Sort key: expert id, -1 routes in the last expert's group
+    key = torch.where(valid, flat, num_experts - 1)
+    sorted_key, perm = torch.sort(key, stable=True)
+    token = torch.div(perm, topk_ids.shape[1], rounding_mode="floor")
+    # Cumulative ends per expert from the sorted ids
+    # NOTES: searchsorted, not bincount (which syncs to size its output) nor an item store
+    # (offs[-1] = N copies from the host and syncs)
+    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_key.dtype)
+    offs = torch.searchsorted(sorted_key, experts, right=True, out_int32=True)
+    return perm, token, offs, valid
+
+
+def _swiglu(gu: Optional[torch.Tensor], g: Optional[torch.Tensor] = None,
+            u: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if gu is not None:
+        g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def shared_forward(x: torch.Tensor, shared: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Shared expert as dense matmuls: shared = (ws_gate, ws_up, ws_down) or, fused,
+    (ws_gateup [2·I_s, H], ws_down)."""
+    if len(shared) == 2:
+        ws_gateup, ws_down = shared
+        h = _swiglu(x @ ws_gateup.t())
+    else:
+        ws_gate, ws_up, ws_down = shared
+        h = _swiglu(None, x @ ws_gate.t(), x @ ws_up.t())
+    return h @ ws_down.t()
+
+
+def torch_ep1_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None, *,
+                      w_gateup: Optional[torch.Tensor] = None, combine: str = "gather") -> torch.Tensor:
+    """y [T, H] bf16 of one rank's MoE layer with all experts local (EP = 1), differentiable.
+
+    Gate/up: one grouped GEMM on w_gateup [E, 2I, H] (fused) when given, else two on w_gate and
+    w_up. combine='gather' (deterministic): the routing weight scales the SwiGLU output (bf16)
+    before the down GEMM, rows are gathered back to [T, k, H] and summed over k with fp32
+    accumulation. combine='index_add': fp32 weighted rows are scatter-added into an fp32 [T, H]
+    (atomics: not bitwise reproducible)."""
+    if combine not in COMBINES:
+        raise ValueError(f"combine {combine!r}; expected one of {COMBINES}")
+    num_tokens, topk = topk_ids.shape
+    hidden = x.shape[1]
+    num_experts = w_down.shape[0]
+    # Sort routes by expert
+    perm, token, offs, valid = route_plan(topk_ids, num_experts)
+    weight = torch.where(valid, topk_weights.reshape(-1), 0.0).index_select(0, perm)
+    # Gather rows in expert order
+    a = x.index_select(0, token)
+    # Gate/up grouped GEMM(s), SwiGLU
+    if w_gateup is not None:
+        h = _swiglu(grouped_mm(a, w_gateup.transpose(1, 2), offs))
+    else:
+        h = _swiglu(None, grouped_mm(a, w_gate.transpose(1, 2), offs), grouped_mm(a, w_up.transpose(1, 2), offs))
+    # Down GEMM and weighted combine
+    if combine == "gather":
+        h = h * weight.to(h.dtype).unsqueeze(1)
+        rows = grouped_mm(h, w_down.transpose(1, 2), offs)
+        inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        routes = rows.index_select(0, inv).view(num_tokens, topk, hidden)
+        if shared is None:
+            return routes.sum(dim=1)  # fp32 accumulation, one rounding to bf16
+        y32 = routes.sum(dim=1, dtype=torch.float32)
+    else:
+        rows = grouped_mm(h, w_down.transpose(1, 2), offs)
+        y32 = torch.zeros(num_tokens, hidden, device=x.device, dtype=torch.float32)
+        y32 = y32.index_add(0, token, rows * weight.unsqueeze(1))
+    # Shared expert last, one rounding
+    if shared is not None:
+        y32 = y32 + shared_forward(x, shared)
+    return y32.to(x.dtype)
+
+
+def experts_only(a_rows: torch.Tensor, offs: torch.Tensor, w_gateup: torch.Tensor, w_down: torch.Tensor,
+                 h: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The two grouped GEMMs on pre-gathered rows a_rows [N, H]. Given h [N, I], the down GEMM
+    reads it (GEMMs alone); else h = SiLU(gate)·up of the first GEMM (GEMMs + SwiGLU)."""
+    gu = grouped_mm(a_rows, w_gateup.transpose(1, 2), offs)
+    if h is None:
+        h = _swiglu(gu)
+    return grouped_mm(h, w_down.transpose(1, 2), offs)
+
+
+def dense_floor_ms(flops: float, ceiling_tflops: float) -> float:
+    """Milliseconds the FLOPs take at the dense matmul rate."""
+    return flops / (ceiling_tflops * 1e9)
+
+
+# ---------------------------------------------------------------------------------------
+# EP ≥ 2: NCCL all_to_all + PyTorch (one rank's call)
+
+
+def _all_to_all(rows: torch.Tensor, recv_splits, send_splits, group) -> torch.Tensor:
+    """Differentiable all_to_all_single of rows (functional collectives, waited on)."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_to_all_single_autograd(rows, recv_splits, send_splits, group))
+
+
+def nccl_ep_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, group, shared=None, *,
+                    w_gateup: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [T, H] of one rank under EP = size of `group` (this rank owns experts
+    rank·E_l … (rank+1)·E_l − 1 of E = E_l·P; topk_ids in [0, E) or -1). Differentiable:
+    autograd-aware all_to_all_single. One host sync for the exchanged counts, as the method needs."""
+    import torch.distributed as dist
+
+    num_ranks = dist.get_world_size(group)
+    num_local, hidden = w_down.shape[0], x.shape[1]
+    num_experts = num_local * num_ranks
+    num_tokens, topk = topk_ids.shape
+    device = x.device
+    # Sort routes by global expert (so by destination rank too); -1 routes last
+    flat = topk_ids.reshape(-1)
+    valid = flat >= 0
+    key = torch.where(valid, flat, num_experts)
+    sorted_key, perm = torch.sort(key, stable=True)
+    ends = torch.searchsorted(sorted_key, torch.arange(num_experts, device=device, dtype=sorted_key.dtype),
+                              right=True)
+    send_counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    # Exchange per-expert counts: row s of recv_counts = what rank s sends for my experts
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    counts = torch.stack([send_counts, recv_counts]).view(2, num_ranks, num_local).cpu()  # host sync
+    send_splits = counts[0].sum(1).tolist()
+    recv_splits = counts[1].sum(1).tolist()
+    num_send, num_recv = sum(send_splits), sum(recv_splits)
+    # Dispatch: gather the selected rows in expert order and exchange them
+    perm = perm[:num_send]
+    token = torch.div(perm, topk, rounding_mode="floor")
+    rows = x.index_select(0, token)
+    recv = _all_to_all(rows, recv_splits, send_splits, group)
+    # Regroup received rows from (source rank, expert) to (expert, source rank) order
+    local_ids = torch.arange(num_local, device=device).repeat(num_ranks)
+    row_expert = torch.repeat_interleave(local_ids, recv_counts, output_size=num_recv)
+    order = torch.sort(row_expert, stable=True).indices
+    offs = torch.cumsum(recv_counts.view(num_ranks, num_local).sum(0), 0).to(torch.int32)
+    a = recv.index_select(0, order)
+    # Expert GEMMs (grouped) and SwiGLU
+    if num_recv > 0:
+        if w_gateup is not None:
+            h = _swiglu(grouped_mm(a, w_gateup.transpose(1, 2), offs))
+        else:
+            h = _swiglu(None, grouped_mm(a, w_gate.transpose(1, 2), offs), grouped_mm(a, w_up.transpose(1, 2), offs))
+        out = grouped_mm(h, w_down.transpose(1, 2), offs)
+    else:
+        out = a.new_zeros(0, hidden)
+    # Back to (source rank, expert) order, and home
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(num_recv, device=device))
+    back = _all_to_all(out.index_select(0, inv), send_splits, recv_splits, group)
+    # Weighted sum per token in fp32 (scatter-add), shared expert last
+    weight = topk_weights.reshape(-1).index_select(0, perm)
+    y32 = torch.zeros(num_tokens, hidden, device=device, dtype=torch.float32)
+    y32 = y32.index_add(0, token, back * weight.unsqueeze(1))
+    if shared is not None:
+        y32 = y32 + shared_forward(x, shared)
+    return y32.to(x.dtype)
+
+
+def deep_ep_available() -> bool:
+    """True when `import deep_ep` works (the DeepEP+PyTorch baseline can run)."""
+    try:
+        import deep_ep  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# Float64 reference on a token slice
+
+
+def reference_tokens(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None, *,
+                     tokens: torch.Tensor, dy: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+    """float64 y of the listed tokens (and dx, d topk_weights given dy [T, H]), computed expert by
+    expert from the bf16 values. shared = (ws_gate, ws_up, ws_down) or None."""
+    xs = x.detach().index_select(0, tokens).double()
+    ids = topk_ids.index_select(0, tokens).long()
+    ws = topk_weights.detach().index_select(0, tokens).double()
+    dys = None if dy is None else dy.index_select(0, tokens).double()
+    y = torch.zeros_like(xs)
+    dx = torch.zeros_like(xs)
+    dtw = torch.zeros_like(ws)
+
+    def expert(rows, wg, wu, wd, scale, slot):
+        # One expert on some rows: forward, and backward given dy
+        s_idx = rows
+        xe = xs.index_select(0, s_idx)
+        g, u = xe @ wg.t(), xe @ wu.t()
+        sg = F.silu(g)
+        o = (sg * u) @ wd.t()
+        y.index_add_(0, s_idx, scale.unsqueeze(1) * o)
+        if dys is not None:
+            de = dys.index_select(0, s_idx)
+            if slot is not None:
+                dtw[s_idx, slot] = (de * o).sum(1)
+            dh = (de * scale.unsqueeze(1)) @ wd
+            sig = torch.sigmoid(g)
+            dg = dh * u * sig * (1 + g * (1 - sig))
+            du = dh * sg
+            dx.index_add_(0, s_idx, dg @ wg + du @ wu)
+
+    # Routed experts, one at a time in float64
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        s_idx, j_idx = (ids == e).nonzero(as_tuple=True)
+        expert(s_idx, w_gate[e].detach().double(), w_up[e].detach().double(), w_down[e].detach().double(),
+               ws[s_idx, j_idx], j_idx)
+    # Shared expert
+    if shared is not None:
+        ws_gate, ws_up, ws_down = (t.detach().double() for t in shared)
+        all_rows = torch.arange(xs.shape[0], device=xs.device)
+        expert(all_rows, ws_gate, ws_up, ws_down, torch.ones(xs.shape[0], dtype=xs.dtype, device=xs.device), None)
+    out = {"y": y}
+    if dys is not None:
+        out.update(dx=dx, d_topk_weights=dtw)
+    return out
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor) -> Dict[str, float]:
+    """max-abs and relative-Frobenius error of got against a float64 reference."""
+    diff = got.double() - ref
+    norm = ref.norm().item()
+    return {"max_abs": diff.abs().max().item() if diff.numel() else 0.0,
+            "rel_fro": diff.norm().item() / norm if norm > 0 else diff.norm().item()}
+
+
+# ---------------------------------------------------------------------------------------
+# mok entry
+
+
+def import_mok() -> Tuple[Any, str]:
+    """(mok module, "") when `import mok` works, else (None, reason)."""
+    try:
+        import mok
+        import mok.functional  # noqa: F401
+    except Exception as exc:
+        return None, f"not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return mok, ""
+
+
+def mok_forward(mok, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None, workspace=None):
+    """y of mok.functional.forward (raises NotImplementedError where the kernels are not built)."""
+    ws = tuple(shared) if shared is not None else (None, None, None)
+    y, _ = mok.functional.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *ws, workspace=workspace)
+    return y
+
+
+def mok_forward_backward(mok, x, topk_ids, topk_weights, w_gate, w_up, w_down, dy, shared=None, workspace=None):
+    """(y, gradients) of mok.functional.forward then backward."""
+    ws = tuple(shared) if shared is not None else (None, None, None)
+    y, ctx = mok.functional.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *ws, workspace=workspace)
+    return y, mok.functional.backward(ctx, dy)
