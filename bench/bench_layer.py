@@ -337,7 +337,7 @@ def ratio_table(cases: List[Dict[str, Any]]) -> str:
         r = c["ratios"]
         cells = ["-" if r.get(key) is None else f"{r[key]:.3f}" for key, _ in cols]
         lines.append(c["group"][:22].ljust(22) + "  ".join(x.rjust(9) for x in cells)
-                     + "  " + ", ".join(str(v) for v in c["torch_best_variant"].values()))
+                     + "  " + ", ".join(v or "-" for v in c["torch_best_variant"].values()))
     return "\n".join(lines)
 
 
