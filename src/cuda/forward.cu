@@ -284,12 +284,17 @@ void destroy_workspace(DeviceWorkspace* ws) {
 }
 
 void check_errors(DeviceWorkspace& ws, int rank, bool wait) {
-  if (!ws.pending) return;
-  if (wait) MOK_CUDA_CHECK(cudaEventSynchronize(ws.errors_ready));
-  const cudaError_t q = cudaEventQuery(ws.errors_ready);
-  if (q == cudaErrorNotReady) return;
-  MOK_CUDA_CHECK(q);
-  ws.pending = false;
+  if (ws.captured && wait) {
+    // A graph replays the error-word copy without an event: wait for the device.
+    MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  } else {
+    if (!ws.pending) return;
+    if (wait) MOK_CUDA_CHECK(cudaEventSynchronize(ws.errors_ready));
+    const cudaError_t q = cudaEventQuery(ws.errors_ready);
+    if (q == cudaErrorNotReady) return;
+    MOK_CUDA_CHECK(q);
+    ws.pending = false;
+  }
   const int64_t* e = ws.host_errors;
   if (e[kRouteErrorWords] != 0) {
     static const char* kSites[] = {"?", "producer waiting for an empty stage", "consumer waiting for a full stage",
@@ -345,8 +350,12 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
 void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   MOK_CUDA_CHECK(cudaSetDevice(ws.device));
-  // Raise what an earlier call recorded, without waiting for it.
-  check_errors(ws, static_cast<int>(c.ep_rank), false);
+  // Raise what an earlier call recorded, without waiting for it (never while capturing:
+  // an event query would invalidate the capture).
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
   const int64_t El = d.local_experts();
@@ -372,8 +381,12 @@ void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& i
   // Error words to pinned memory; read at the next call or at check_errors(wait)
   MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, kAllErrorWords * sizeof(int64_t), cudaMemcpyDeviceToHost,
                                  stream));
-  MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
-  ws.pending = true;
+  if (capturing) {
+    ws.captured = true;
+  } else {
+    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
+    ws.pending = true;
+  }
 }
 
 }  // namespace mok::cuda

@@ -45,6 +45,7 @@ struct DeviceWorkspace {
   int64_t* host_errors = nullptr;  // pinned copy of `errors` from the last call
   cudaEvent_t errors_ready = nullptr;
   bool pending = false;            // a call's error copy is in flight
+  bool captured = false;           // a call was captured into a graph (its copies carry no event)
   size_t bytes = 0;
 };
 

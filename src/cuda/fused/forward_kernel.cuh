@@ -372,11 +372,12 @@ __device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm
 }
 
 // ---- end: grid barrier, then the fixed-order combine by each block's last 256 threads ---------
-// `arriver` is the one thread of the block that arrives at (and waits on) the grid barrier.
-__device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait,
-                                   bool arriver) {
+// Thread 128 arrives at (and waits on) the grid barrier; the named barrier then holds the
+// other 255 combine threads until it has seen every block arrive.  Callers have ordered the
+// block's own writes before thread 128 (a block or consumer barrier).
+__device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
   int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
-  if (arriver) {
+  if (threadIdx.x == 128) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
     wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9999);
@@ -424,7 +425,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   if (comm) {
     comm_gather(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up);
     __syncthreads();
-    finish_and_combine(sh, p, wait, threadIdx.x == 0);
+    finish_and_combine(sh, p, wait);
     return;
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
@@ -437,7 +438,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   consume_tasks(sh, p, g, counts, warpgroup - 1, wait);
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-  finish_and_combine(sh, p, wait, threadIdx.x == 128);
+  finish_and_combine(sh, p, wait);
 }
 
 }  // namespace mok::cuda::fused
