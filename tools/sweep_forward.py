@@ -1,0 +1,60 @@
+"""Sweep of the fused forward's knobs on one shape (median ms of CUDA-event timings, same
+inputs): fwd_num_comm_sms x minibatch_size x macrobatch_size, plus the unfused launches
+(MOK_FORWARD_PATH=unfused) for reference.   python3 tools/sweep_forward.py [shape]"""
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+from mok import functional as F  # noqa: E402
+
+SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096)}
+
+
+def median_ms(fn, reps=15):
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return statistics.median(out)
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "dsv3"
+    H, I, k, E, T = SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    tw, ids = torch.randn(T, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    ids = ids.int()
+    w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
+         (torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
+         (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
+    ref = None
+    print(f"{name}: fused forward, median ms")
+    for comm in (2, 4, 8, 16):
+        for mini, macro in ((512, 16384), (1024, 16384), (2048, 16384), (1024, 4096), (1024, 65536)):
+            cfg = F.MoKConfig(fwd_num_comm_sms=comm, minibatch_size=mini, macrobatch_size=macro)
+            ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
+            ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))
+            y, _ = F.forward(x, ids, tw, *w, workspace=ws)
+            ref = y if ref is None else ref
+            print(f"comm {comm:3d} minibatch {mini:5d} macrobatch {macro:6d}: {ms:7.3f} ms  "
+                  f"{'same bits' if torch.equal(y, ref) else 'DIFFERENT BITS'}")
+            del ws
+    os.environ["MOK_FORWARD_PATH"] = "unfused"
+    ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda")
+    ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))
+    y, _ = F.forward(x, ids, tw, *w, workspace=ws)
+    print(f"unfused launches: {ms:7.3f} ms  {'same bits' if torch.equal(y, ref) else 'DIFFERENT BITS'}")
+
+
+if __name__ == "__main__":
+    main()
