@@ -30,7 +30,9 @@ void check(int32_t num_blocks, int32_t ring_blocks, int32_t mini_blocks, TaskCou
     const int32_t prev_macro = order[q - 1] / ring_blocks, macro = order[q] / ring_blocks;
     ASSERT_TRUE(macro == prev_macro ? order[q] == order[q - 1] + 1 : macro == prev_macro - 1) << "q " << q;
   }
-  if (num_blocks > 0) EXPECT_EQ(order.back() / ring_blocks, 0) << "macrobatch 0 is resident at the end";
+  if (num_blocks > 0) {
+    EXPECT_EQ(order.back() / ring_blocks, 0) << "macrobatch 0 is resident at the end";
+  }
   // Minibatch order agrees with the block order.
   std::vector<int32_t> from_minis;
   for (int32_t p = 0; p < g.num_mini; ++p) {
@@ -70,9 +72,10 @@ void check(int32_t num_blocks, int32_t ring_blocks, int32_t mini_blocks, TaskCou
     for (int32_t dn = 0; dn < c.n_down; ++dn)
       ASSERT_LT(at(TaskKind::kDown, prev, dn), at(TaskKind::kGateUp, b, 0)) << "act ring reuse";
   }
-  if (shared)
+  if (shared) {
     for (int32_t b = 0; b < c.shared_blocks; ++b)
       ASSERT_LT(at(TaskKind::kSharedGateUp, b, c.n_shared_gate_up - 1), at(TaskKind::kSharedDown, b, 0));
+  }
 }
 
 TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
