@@ -124,7 +124,38 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 __device__ __forceinline__ int fragment_row(int consumer, int half) {
   return consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4 + half * 8;
 }
-__device__ __forceinline__ int fragment_col() { return (threadIdx.x % 4) * 2; }
+
+// The quad (4 lanes sharing a row) transposes its bf16x2 pairs of four n8 blocks so that
+// lane t holds all 8 columns of block t: 16-byte stores instead of four 4-byte ones.
+// Every lane must call it (shuffles); predicate the store, not the call.
+__device__ __forceinline__ uint4 quad_transpose(uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+  const int t = threadIdx.x & 3;
+  uint32_t out0 = 0, out1 = 0, out2 = 0, out3 = 0;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    // Round s: give pair (t - s) & 3, take lane (t + s) & 3's pair for our block
+    const int give = (t - s) & 3, from = (t + s) & 3;
+    const uint32_t v = give == 0 ? p0 : give == 1 ? p1 : give == 2 ? p2 : p3;
+    const uint32_t got = __shfl_sync(0xffffffffu, v, (threadIdx.x & 31 & ~3) | from);
+    out0 = from == 0 ? got : out0;
+    out1 = from == 1 ? got : out1;
+    out2 = from == 2 ? got : out2;
+    out3 = from == 3 ? got : out3;
+  }
+  return make_uint4(out0, out1, out2, out3);
+}
+
+// Stores this thread's row of `kBlocks` n8 blocks (pairs from `pair(n8)`) at dst + n8*8,
+// 16 bytes per lane per four blocks.  `write` predicates the stores only.
+template <int kBlocks, typename Pair>
+__device__ __forceinline__ void store_row_16b(__nv_bfloat16* dst, bool write, Pair pair) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int m = 0; m < kBlocks / 4; ++m) {
+    const uint4 v = quad_transpose(pair(4 * m), pair(4 * m + 1), pair(4 * m + 2), pair(4 * m + 3));
+    if (write) *reinterpret_cast<uint4*>(dst + (4 * m + t) * 8) = v;
+  }
+}
 
 // out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < 128.
 __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[TileConfig::kAccRegs], int consumer,
@@ -133,14 +164,11 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[TileConfig::k
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    if (row >= rows_limit) continue;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * ld + ch0 + fragment_col());
-#pragma unroll
-    for (int n8 = 0; n8 < 16; ++n8) {
+    store_row_16b<16>(out + row * ld + ch0, row < rows_limit, [&](int n8) {
       const float g0 = acc[n8 * 4 + half * 2], g1 = acc[n8 * 4 + half * 2 + 1];
       const float u0 = acc[(n8 + 16) * 4 + half * 2], u1 = acc[(n8 + 16) * 4 + half * 2 + 1];
-      dst[n8 * 4] = pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
-    }
+      return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
+    });
   }
 }
 
@@ -151,10 +179,8 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[TileConfig::kA
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    if (row >= rows_limit) continue;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * ld + col0 + fragment_col());
-#pragma unroll
-    for (int n8 = 0; n8 < 32; ++n8) dst[n8 * 4] = pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+    store_row_16b<32>(out + row * ld + col0, row < rows_limit,
+                      [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
 
@@ -165,11 +191,9 @@ __device__ __forceinline__ void epilogue_scatter(const float (&acc)[TileConfig::
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const uint32_t rec = tile_rows[fragment_row(consumer, half)];
-    if (row_is_pad(rec)) continue;
-    const int64_t row = row_token(rec) * topk + row_slot(rec);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out + row * ld + col0 + fragment_col());
-#pragma unroll
-    for (int n8 = 0; n8 < 32; ++n8) dst[n8 * 4] = pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+    const int64_t row = row_is_pad(rec) ? 0 : row_token(rec) * topk + row_slot(rec);
+    store_row_16b<32>(out + row * ld + col0, !row_is_pad(rec),
+                      [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
 
