@@ -61,6 +61,23 @@ typedef enum mokPrecision_t {
 #define MOK_MAX_DIMS 4
 #define MOK_DEVICE_CPU (-1)
 
+/* Encodings of the plan and of the device error record (src/common/defs.hpp asserts them).
+ * Row record (uint32): bits [0, 21) token, [21, 26) route index j, [26, 32) source rank;
+ * MOK_PAD_ROW marks a padding row. */
+#define MOK_ROW_TOKEN_BITS 21
+#define MOK_ROW_SLOT_BITS 5
+#define MOK_ROW_RANK_BITS 6
+#define MOK_PAD_ROW 0xFFFFFFFFu
+/* Route error record, 4 x int64: [0] key of the first bad route, (rank << 40) | (token << 8) | j,
+ * or MOK_NO_ERROR_KEY; [1] its id; [2] its mokRouteCheck_t; [3] reserved. */
+#define MOK_NO_ERROR_KEY 0x7FFFFFFFFFFFFFFFll
+typedef enum mokRouteCheck_t {
+  mokRouteOk = 0,
+  mokRouteMasked = 1,      /* id == -1: no selection */
+  mokRouteOutOfRange = 2,  /* id < -1 or id >= E */
+  mokRouteDuplicate = 3    /* the same id at an earlier j of the token */
+} mokRouteCheck_t;
+
 typedef struct mokTensor_t {
   void* data;                     /* NULL with ndim == 0 means "absent" (optional tensors) */
   int32_t dtype;                  /* mokDtype_t */
@@ -126,8 +143,10 @@ typedef struct mokForwardArgs_t {
 } mokForwardArgs_t;
 
 /* One rank's backward: the forward inputs, dy [T, H] bf16, and the gradients.
- *   dx [T, H] bf16; d_topk_weights [T, k] fp32;
- *   grads: bf16 tensors shaped like the weights (written);
+ *   dx [T, H] bf16; d_topk_weights [T, k] fp32 (0 for masked routes);
+ *   grads: bf16 tensors shaped like the weights (written).  Routed-expert grads cover every
+ *   row routed to this rank's experts; shared-expert grads cover this rank's own tokens
+ *   only (under EP they are per-rank partial sums, to be reduced like data-parallel grads);
  *   main_grads: optional fp32 tensors shaped like the weights; when present the fp32
  *   gradient is added into them (main_grad += grad), deterministically. */
 typedef struct mokBackwardArgs_t {
@@ -179,8 +198,10 @@ MOK_API int mokHasCuda(void);
 
 MOK_API mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace);
 MOK_API mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace);
-/* Writes a NUL-terminated description of the buffers and their size formulas. */
-MOK_API mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size);
+/* Writes a NUL-terminated description of the buffers and their size formulas.  *needed (if
+ * not NULL) receives the bytes it takes, NUL included; buffer == NULL only asks for that. */
+MOK_API mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size,
+                                         size_t* needed);
 MOK_API mokResult_t mokWorkspaceGetConfig(mokWorkspace_t workspace, mokConfig_t* config);
 /* Reports what device-side checks recorded in earlier calls (an invalid route masked by the
  * device: mokDeviceInvalidRoute; a wait past its deadline: mokTimeout), with details in the
@@ -203,7 +224,8 @@ MOK_API mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t*
 MOK_API mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream);
 
 /* The whole EP group emulated in one process on the CPU reference backend:
- * args[r] holds rank r's inputs, its local weights and its outputs, for r in [0, ep_size). */
+ * args[r] holds rank r's inputs, its local weights and its outputs, for r in [0, ep_size).
+ * ep_size must equal config->ep_size (it is the length of args). */
 MOK_API mokResult_t mokForwardEmulated(const mokConfig_t* config, const mokForwardArgs_t* args,
                                        int64_t ep_size);
 MOK_API mokResult_t mokBackwardEmulated(const mokConfig_t* config, const mokBackwardArgs_t* args,

@@ -74,8 +74,10 @@ class Workspace {
   }
   // The buffers and the formulas of their sizes.
   std::string describe() const {
-    std::vector<char> buf(1 << 14);
-    check(mokWorkspaceDescribe(handle_, buf.data(), buf.size()));
+    size_t needed = 0;
+    check(mokWorkspaceDescribe(handle_, nullptr, 0, &needed));
+    std::vector<char> buf(needed);
+    check(mokWorkspaceDescribe(handle_, buf.data(), buf.size(), nullptr));
     return std::string(buf.data());
   }
   // Raises what device-side checks recorded (invalid routes, timeouts); `wait` synchronises.

@@ -160,7 +160,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mokHasCuda": (c_int, []),
         "mokWorkspaceCreate": (c_int, [POINTER(mokConfig), POINTER(c_void_p)]),
         "mokWorkspaceDestroy": (c_int, [c_void_p]),
-        "mokWorkspaceDescribe": (c_int, [c_void_p, c_char_p, c_size_t]),
+        "mokWorkspaceDescribe": (c_int, [c_void_p, c_char_p, c_size_t, ctypes.POINTER(c_size_t)]),
         "mokWorkspaceGetConfig": (c_int, [c_void_p, POINTER(mokConfig)]),
         "mokPlanGetCapacity": (c_int, [POINTER(mokConfig), POINTER(mokPlanCapacity)]),
         "mokPlanBuild": (c_int, [POINTER(mokConfig), POINTER(mokPlanArgs), c_void_p]),

@@ -111,14 +111,11 @@ class Workspace:
 
     def describe(self) -> str:
         """The C side's description of the buffers and their size formulas."""
-        size = 4096
-        while True:
-            buffer = ctypes.create_string_buffer(size)
-            result = _lib.lib.mokWorkspaceDescribe(self.handle, buffer, size)
-            if result != _lib.INVALID_ARGUMENT or size >= 1 << 20:
-                _lib.check(result)
-                return buffer.value.decode()
-            size *= 4
+        needed = ctypes.c_size_t(0)
+        _lib.check(_lib.lib.mokWorkspaceDescribe(self.handle, None, 0, byref(needed)))
+        buffer = ctypes.create_string_buffer(needed.value)
+        _lib.check(_lib.lib.mokWorkspaceDescribe(self.handle, buffer, needed.value, None))
+        return buffer.value.decode()
 
     def c_config(self) -> _lib.mokConfig:
         """The config the C side holds for this workspace."""

@@ -174,9 +174,11 @@ mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace) {
   });
 }
 
-mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size) {
+mokResult_t mokWorkspaceDescribe(mokWorkspace_t workspace, char* buffer, size_t buffer_size, size_t* needed) {
   return guarded("mokWorkspaceDescribe", [&] {
     const std::string& d = workspace_of(workspace).description;
+    if (needed) *needed = d.size() + 1;
+    if (buffer == nullptr && needed != nullptr) return;
     MOK_CHECK_ARG(buffer != nullptr && buffer_size > d.size(),
                   "buffer of " << buffer_size << " bytes is too small; " << d.size() + 1 << " needed");
     std::memcpy(buffer, d.c_str(), d.size() + 1);
@@ -288,6 +290,8 @@ mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, v
       run_forward_cuda(ws, args, stream);
       return;
     }
+    MOK_CHECK_ARG(ws.config.device < 0, "x is on the cpu but the workspace was created for "
+                                            << mok::device_str(static_cast<int32_t>(ws.config.device)));
     MOK_CHECK_ARG(ws.config.ep_size == 1,
                   "the workspace has ep_size = " << ws.config.ep_size
                                                  << "; EP > 1 on the CPU runs through mokForwardEmulated");
@@ -298,6 +302,9 @@ mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, v
 mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* /*stream*/) {
   return guarded("mokBackward", [&] {
     const mok::Workspace& ws = workspace_of(workspace);
+    MOK_CHECK_ARG(args == nullptr || args->fwd.x.device >= 0 || ws.config.device < 0,
+                  "x is on the cpu but the workspace was created for "
+                      << mok::device_str(static_cast<int32_t>(ws.config.device)));
     MOK_CHECK_ARG(ws.config.ep_size == 1,
                   "the workspace has ep_size = " << ws.config.ep_size
                                                  << "; EP > 1 on the CPU runs through mokBackwardEmulated");

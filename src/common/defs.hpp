@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "mok/mok.h"
+
 #if defined(__CUDACC__)
 #define MOK_HD __host__ __device__ __forceinline__
 #else
@@ -27,6 +29,10 @@ inline constexpr int64_t kMaxTokens = (1 << kTokenBits) - 1; // T_max < 2^21 - 1
 // All ones marks a padding row (zero-filled, never combined).
 inline constexpr uint32_t kPadRow = 0xFFFFFFFFu;
 
+static_assert(kTokenBits == MOK_ROW_TOKEN_BITS && kSlotBits == MOK_ROW_SLOT_BITS && kRankBits == MOK_ROW_RANK_BITS,
+              "row record widths differ from the public header");
+static_assert(kPadRow == MOK_PAD_ROW, "padding row differs from the public header");
+
 MOK_HD uint32_t encode_row(int rank, int64_t token, int j) {
   return (static_cast<uint32_t>(rank) << (kTokenBits + kSlotBits)) |
          (static_cast<uint32_t>(j) << kTokenBits) | static_cast<uint32_t>(token);
@@ -38,17 +44,17 @@ MOK_HD bool row_is_pad(uint32_t r) { return r == kPadRow; }
 
 // What validation can say about one route id.
 enum class RouteCheck : int32_t {
-  kOk = 0,         // a real route
-  kMasked = 1,     // -1: no selection
-  kOutOfRange = 2, // id < -1 or id >= E
-  kDuplicate = 3,  // the same id at an earlier j of the same token
+  kOk = mokRouteOk,                  // a real route
+  kMasked = mokRouteMasked,          // -1: no selection
+  kOutOfRange = mokRouteOutOfRange,  // id < -1 or id >= E
+  kDuplicate = mokRouteDuplicate,    // the same id at an earlier j of the same token
 };
 
 // Device error record, 4 x int64 in the workspace (or the plan arguments):
 //   [0] key of the first bad route: (rank << 40) | (token << 8) | j; INT64_MAX when none
 //   [1] the bad id, [2] RouteCheck, [3] reserved (timeouts use their own record)
 inline constexpr int kErrorWords = 4;
-inline constexpr int64_t kNoError = 0x7FFFFFFFFFFFFFFFll;
+inline constexpr int64_t kNoError = MOK_NO_ERROR_KEY;
 MOK_HD int64_t error_key(int rank, int64_t token, int j) {
   return (static_cast<int64_t>(rank) << 40) | (token << 8) | static_cast<int64_t>(j);
 }

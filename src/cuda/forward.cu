@@ -235,7 +235,7 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c) {
   auto* ws = new DeviceWorkspace();
   try {
     ws->device = static_cast<int>(c.device);
-    MOK_CUDA_CHECK(cudaSetDevice(ws->device));
+    const DeviceGuard guard(ws->device);
     const plan::PlanDims d = plan_dims(c);
     const int64_t El = d.local_experts(), H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
     ws->max_rows = plan::max_rows(d);
@@ -272,6 +272,8 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c) {
 
 void destroy_workspace(DeviceWorkspace* ws) {
   if (ws == nullptr) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
   cudaSetDevice(ws->device);
   for (void* p : {static_cast<void*>(ws->rows), static_cast<void*>(ws->expert_count),
                   static_cast<void*>(ws->expert_offset), static_cast<void*>(ws->block_expert),
@@ -280,6 +282,7 @@ void destroy_workspace(DeviceWorkspace* ws) {
     if (p) cudaFree(p);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
   if (ws->errors_ready) cudaEventDestroy(ws->errors_ready);
+  cudaSetDevice(previous);
   delete ws;
 }
 
@@ -349,16 +352,15 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
 
 void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  MOK_CUDA_CHECK(cudaSetDevice(ws.device));
+  const DeviceGuard guard(ws.device);
   // Raise what an earlier call recorded, without waiting for it (never while capturing:
   // an event query would invalidate the capture).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
   if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
+  const int64_t k = c.topk, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
-  const int64_t El = d.local_experts();
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
 
   // Plan build from the device-resident ids

@@ -175,7 +175,7 @@ bool built() { return true; }
 
 void build_plan(const plan::PlanDims& d, const plan::RoutingView& v, const plan::PlanView& out,
                 int64_t* error_record, int device, void* stream_ptr) {
-  MOK_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard guard(device);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int64_t num_local = d.local_experts();
   ChunkGeom g;

@@ -167,9 +167,15 @@ TEST_F(CApi, CudaBackwardIsNotBuiltYet) {
 
 TEST_F(CApi, DescribePrintsTheCapacityFormula) {
   char buf[4096];
-  ASSERT_EQ(mokWorkspaceDescribe(ws, buf, sizeof(buf)), mokSuccess);
+  size_t needed = 0;
+  ASSERT_EQ(mokWorkspaceDescribe(ws, nullptr, 0, &needed), mokSuccess);
+  ASSERT_GT(needed, 100u);
+  ASSERT_LE(needed, sizeof(buf));
+  ASSERT_EQ(mokWorkspaceDescribe(ws, buf, needed, nullptr), mokSuccess);
+  EXPECT_EQ(std::strlen(buf) + 1, needed);
   EXPECT_NE(std::string(buf).find("P*T_max*min(k,E_l) + E_l*(block_m-1)"), std::string::npos) << buf;
-  EXPECT_EQ(mokWorkspaceDescribe(ws, buf, 4), mokInvalidArgument);
+  EXPECT_EQ(mokWorkspaceDescribe(ws, buf, 4, nullptr), mokInvalidArgument);
+  EXPECT_EQ(mokWorkspaceDescribe(ws, nullptr, 0, nullptr), mokInvalidArgument);
 }
 
 TEST(CApiConfig, BadConfigsAreRejected) {

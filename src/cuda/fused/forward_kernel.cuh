@@ -394,9 +394,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   auto& sh = *reinterpret_cast<FusedShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
-  int32_t* gu_done = gather_ready + p.max_blocks;
-  int32_t* dn_done = gu_done + p.max_blocks;
-  int32_t* sgu_done = dn_done + p.max_blocks;
+  const int32_t* gu_done = gather_ready + p.max_blocks;
 
   // Geometry and the task table, identical on every block
   const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
