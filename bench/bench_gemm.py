@@ -97,8 +97,6 @@ def bench_shape(name, reps):
         "down": {"mok_ms": t_mok_dn, "torch_ms": t_torch_dn, "mok_tflops": f_dn / t_mok_dn / 1e9,
                  "torch_tflops": f_dn / t_torch_dn / 1e9, "rel_err": err_dn},
     }
-    del x, w_gate, w_up, w_down, w_gu, act, out, gu, ref_act, ref_out
-    torch.cuda.empty_cache()
     return r
 
 
@@ -112,7 +110,10 @@ def main():
         print("bench_gemm: no CUDA device; nothing to measure")
         return
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    results = [bench_shape(n, args.reps) for n in names]
+    results = []
+    for n in names:
+        results.append(bench_shape(n, args.reps))
+        torch.cuda.empty_cache()
     print(f"{'shape':10} {'GEMM':8} {'mok ms':>8} {'torch ms':>9} {'mok TF/s':>9} {'torch TF/s':>10} {'ratio':>6} {'rel err':>9}")
     for r in results:
         for g in ("gate_up", "down"):
