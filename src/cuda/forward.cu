@@ -17,6 +17,7 @@
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/tensor_map.hpp"
 #include "plan/plan.hpp"
+#include "runtime/env.hpp"
 #include "runtime/layer.hpp"
 
 namespace mok::cuda {
@@ -105,10 +106,7 @@ T* device_alloc(size_t count, size_t* total) {
 
 // MOK_FORWARD_PATH=unfused selects the unfused sequence of launches (same tiles, same
 // reduction order): the bitwise reference of the fused kernel in tests.
-bool use_unfused_path() {
-  const char* v = std::getenv("MOK_FORWARD_PATH");
-  return v != nullptr && std::string(v) == "unfused";
-}
+bool use_unfused_path() { return env::get(env::kForwardPath) == "unfused"; }
 
 void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
                      void* y, cudaStream_t stream) {
@@ -187,6 +185,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.num_comm = num_comm;
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
   p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;
   p.block_expert = ws.block_expert;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/fused/schedule.cuh"
+#include "cuda/gemm/config.hpp"
 
 namespace mok::cuda::fused {
 namespace {
@@ -89,6 +90,24 @@ TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
     check(0, 4, 2, c);
     check(17, 17, 17, c);
   }
+}
+
+TEST(TileRaster, EveryTileOnceGroupsOfNBlocks) {
+  for (int32_t num_m : {1, 3, 8, 16, 272})
+    for (int32_t num_n : {1, 5, 16, 28})
+      for (int32_t group : {1, 3, 8, 16, 64}) {
+        std::set<std::pair<int32_t, int32_t>> seen;
+        const int64_t total = int64_t{num_m} * num_n;
+        int32_t prev_group = 0;
+        for (int64_t t = 0; t < total; ++t) {
+          const gemm::TileCoord c = gemm::raster(t, num_m, num_n, group);
+          ASSERT_TRUE(c.m >= 0 && c.m < num_m && c.n >= 0 && c.n < num_n) << t;
+          ASSERT_TRUE(seen.insert({c.m, c.n}).second) << "tile twice at " << t;
+          ASSERT_GE(c.n / group, prev_group) << "groups are walked in order";
+          prev_group = c.n / group;
+        }
+        ASSERT_EQ(static_cast<int64_t>(seen.size()), total);
+      }
 }
 
 }  // namespace

@@ -50,6 +50,7 @@ struct ForwardParams {
   int64_t num_tokens;
   int32_t ring_blocks, minibatch_blocks, num_comm;
   int32_t max_blocks, shared_blocks;
+  int32_t n_group;            // raster: N-blocks per group within a segment
   // Plan
   const uint32_t* rows;
   const int32_t* expert_offset;
@@ -88,6 +89,7 @@ struct alignas(1024) FusedShared {
   int32_t route_valid[kMaxTopK];
   int32_t num_segments;
   int32_t num_tasks;
+  int32_t n_group;
 };
 inline constexpr size_t kFusedSmemBytes = sizeof(FusedShared) + 1024;
 static_assert(kFusedSmemBytes <= 227 * 1024, "fused shared storage exceeds 227 KB");
@@ -120,8 +122,8 @@ __device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t t
     if (sh.segments[mid].first_task <= task) lo = mid; else hi = mid - 1;
   }
   const Segment& s = sh.segments[lo];
-  const int32_t local = task - s.first_task;
-  return TaskInfo{s.kind, s.first_block + local / s.num_n, local % s.num_n, 0};
+  const gemm::TileCoord tc = gemm::raster(task - s.first_task, s.num_blocks, s.num_n, sh.n_group);
+  return TaskInfo{s.kind, s.first_block + tc.m, tc.n, 0};
 }
 
 // ---- comm role: gather routed rows into the ring ---------------------------------------------
@@ -405,6 +407,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     int32_t num_tasks = 0;
     sh.num_segments = build_segments(g, counts, sh.segments, &num_tasks);
     sh.num_tasks = num_tasks;
+    sh.n_group = p.n_group;
     sh.stages.init_barriers();
     for (int i = 0; i < 2; ++i) {
       ptx::mbar_init(&sh.task_full[i], 1);

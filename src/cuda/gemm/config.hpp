@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "common/defs.hpp"
+
 namespace mok::gemm {
 
 struct TileConfig {
@@ -28,5 +30,20 @@ enum class Epilogue : int32_t {
   kSwiGLU = 1,   // out[row, ch] = bf16(silu(gate) * up), ch = n_block*128 + col (col < 128)
   kScatter = 2,  // out[token*k + j, col] = bf16(acc) for the plan row's (token, j); padding skipped
 };
+
+// Raster of a (num_m x num_n) tile grid: groups of `group` N-blocks, m-major inside a group,
+// so one group's weight tiles stay in L2 while the row blocks pass over them.
+struct TileCoord {
+  int32_t m;
+  int32_t n;
+};
+MOK_HD TileCoord raster(int64_t local, int32_t num_m, int32_t num_n, int32_t group) {
+  const int32_t groups = (num_n + group - 1) / group;
+  const int64_t per_group = static_cast<int64_t>(num_m) * group;
+  const int32_t g = static_cast<int32_t>(local / per_group < groups - 1 ? local / per_group : groups - 1);
+  const int64_t within = local - g * per_group;
+  const int32_t size = group < num_n - g * group ? group : num_n - g * group;
+  return TileCoord{static_cast<int32_t>(within / size), g * group + static_cast<int32_t>(within % size)};
+}
 
 }  // namespace mok::gemm

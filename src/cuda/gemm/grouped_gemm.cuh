@@ -16,8 +16,9 @@
 // thread and the SwiGLU runs in the epilogue with no weight re-layout.  For down both
 // halves come from w_down (rows n*256 and n*256+128).
 //
-// Tiles (m_block, n_block) are walked m-major; block_expert[m] gives the expert, -1 past
-// the last row block.  Each block takes tiles blockIdx.x, +gridDim.x, ... (deterministic).
+// Tiles (m_block, n_block) are walked in N-groups (raster()); block_expert[m] gives the
+// expert, -1 past the last row block (skipped).  Each block takes tiles blockIdx.x,
+// +gridDim.x, ... (deterministic).
 #pragma once
 
 #include "cuda/gemm/tile.cuh"
@@ -43,6 +44,7 @@ struct GroupedGemmParams {
   int64_t out_rows;          // rows of `out` that may be written (kStore/kSwiGLU)
   const uint32_t* plan_rows; // kScatter
   int32_t topk;              // kScatter
+  int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
 };
@@ -72,9 +74,10 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     if (threadIdx.x != 0) return;
     PipelineState<C::kStages> stage;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const int m_block = tile / p.num_n_blocks, n_block = tile % p.num_n_blocks;
+      const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
+      const int m_block = tc.m, n_block = tc.n;
       const int expert = p.block_expert[m_block];
-      if (expert < 0) break;
+      if (expert < 0) continue;
       const TileLoad load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM,
                           expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks};
       if (!produce_tile(s, stage, load, wait)) return;
@@ -88,8 +91,9 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   PipelineState<C::kStages> stage;
   float acc[C::kAccRegs];
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const int m_block = tile / p.num_n_blocks, n_block = tile % p.num_n_blocks;
-    if (p.block_expert[m_block] < 0) break;
+    const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
+    const int m_block = tc.m, n_block = tc.n;
+    if (p.block_expert[m_block] < 0) continue;
     if (!consume_tile(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
     // Epilogue straight from registers
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;

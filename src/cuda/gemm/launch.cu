@@ -8,6 +8,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/gemm/grouped_gemm.cuh"
 #include "cuda/gemm/tensor_map.hpp"
+#include "runtime/env.hpp"
 #include "runtime/errors.hpp"
 
 namespace mok::gemm {
@@ -88,6 +89,7 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   p.out_rows = g.out_rows;
   p.plan_rows = g.plan_rows;
   p.topk = g.topk;
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
   p.timeout_record = g.timeout_record;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -1,0 +1,28 @@
+// Runtime knobs read from the environment, declared in one place with their help text.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+namespace mok::env {
+
+struct Knob {
+  const char* name;
+  const char* fallback;
+  const char* help;
+};
+
+inline constexpr Knob kForwardPath{"MOK_FORWARD_PATH", "fused",
+                                   "fused: the persistent megakernel; unfused: the same tiles as separate "
+                                   "launches (the bitwise reference of the fused kernel in tests)"};
+inline constexpr Knob kTileNGroup{"MOK_TILE_N_GROUP", "8",
+                                  "N-blocks per raster group: tiles are walked m-major within groups of this "
+                                  "many N-blocks, so the weights of a group stay in L2 while row blocks pass"};
+
+inline std::string get(const Knob& k) {
+  const char* v = std::getenv(k.name);
+  return (v && *v) ? std::string(v) : std::string(k.fallback);
+}
+inline long get_int(const Knob& k) { return std::strtol(get(k).c_str(), nullptr, 10); }
+
+}  // namespace mok::env
