@@ -159,6 +159,26 @@ typedef struct mokBackwardArgs_t {
 
 typedef struct mokWorkspace* mokWorkspace_t;
 
+/* Timing ring of the fused kernels (MOK_TRACE=1 when the workspace is created): one event
+ * per interval a role spent, %globaltimer nanoseconds.  Per block, recorder r in [0, 3)
+ * owns events [(block*3 + r)*cap, +cap); unused events are all zero. */
+typedef enum mokTraceRole_t {
+  mokTraceGather = 0,        /* comm block: one row block gathered (begin: start, end: released) */
+  mokTraceProducerWait = 1,  /* producer: task claimed -> its inputs ready */
+  mokTraceProducerLoad = 2,  /* producer: inputs ready -> every TMA load of the tile issued */
+  mokTraceTile = 3,          /* consumers: tile started -> its epilogue stores issued */
+  mokTraceGridBarrier = 4,   /* block arrived at the grid barrier -> every block arrived */
+  mokTraceCombine = 5        /* the block's share of the combine */
+} mokTraceRole_t;
+typedef struct mokTraceEvent_t {
+  uint64_t begin_ns, end_ns;
+  uint32_t role;    /* mokTraceRole_t */
+  uint32_t kind;    /* task kind (0 shared gate/up, 1 gate/up, 2 shared down, 3 down), 255 none */
+  int32_t block;    /* row block of the task, or of the gather */
+  int32_t detail;   /* N-block of the task; -1 none */
+} mokTraceEvent_t;
+#define MOK_TRACE_RECORDERS 3
+
 /* The routing plan of one rank (see docs/design.md): arrays the caller allocates with the
  * sizes mokPlanCapacity returns. */
 typedef struct mokPlanCapacity_t {
@@ -216,6 +236,12 @@ MOK_API mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacit
 MOK_API mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, void* stream);
 
 MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream);
+
+/* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)
+ * gets its size in bytes, 0 when the workspace records none (MOK_TRACE unset at creation);
+ * *events_per_recorder (if not NULL) gets `cap`.  buffer == NULL only asks for the sizes. */
+MOK_API mokResult_t mokWorkspaceReadTrace(mokWorkspace_t workspace, void* buffer, size_t buffer_size,
+                                          size_t* needed, int64_t* events_per_recorder);
 
 /* One rank's layer (EP = 1 in this call).  CPU tensors run the reference backend; CUDA
  * tensors run the GPU forward on `stream` (a cudaStream_t; NULL = default stream) with no

@@ -199,6 +199,21 @@ mokResult_t mokWorkspaceCheckErrors(mokWorkspace_t workspace, int wait) {
   });
 }
 
+mokResult_t mokWorkspaceReadTrace(mokWorkspace_t workspace, void* buffer, size_t buffer_size, size_t* needed,
+                                  int64_t* events_per_recorder) {
+  return guarded("mokWorkspaceReadTrace", [&] {
+    mok::Workspace& ws = workspace_of(workspace);
+    if (ws.device == nullptr) {
+      if (needed) *needed = 0;
+      if (events_per_recorder) *events_per_recorder = 0;
+      return;
+    }
+    const size_t bytes = mok::cuda::read_trace(*ws.device, nullptr, 0, events_per_recorder);
+    if (needed) *needed = bytes;
+    if (buffer != nullptr) mok::cuda::read_trace(*ws.device, buffer, buffer_size, nullptr);
+  });
+}
+
 mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   return guarded("mokGroupedGemm", [&] {
     MOK_CHECK_ARG(args != nullptr, "args is NULL");

@@ -17,6 +17,8 @@ struct DeviceWorkspace;
 DeviceWorkspace* create_workspace(const mokConfig_t& config);
 void destroy_workspace(DeviceWorkspace* ws);
 size_t workspace_bytes(const DeviceWorkspace* ws);
+// Bytes of the timing ring (0 when off); copies it into buffer when not null (synchronises).
+size_t read_trace(DeviceWorkspace& ws, void* buffer, size_t buffer_size, int64_t* events_per_recorder);
 // Raises (mokDeviceInvalidRoute / mokTimeout) what the last call recorded once its copy has
 // landed; with `wait`, synchronises on it first.
 void check_errors(DeviceWorkspace& ws, int rank, bool wait);

@@ -200,6 +200,13 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.shared_out = static_cast<__nv_bfloat16*>(ws.shared_out);
   p.y = static_cast<__nv_bfloat16*>(y);
   p.counters = ws.counters;
+  p.trace = ws.trace;
+  p.trace_cap = ws.trace_cap;
+  if (ws.trace)
+    MOK_CUDA_CHECK(cudaMemsetAsync(ws.trace, 0,
+                                   static_cast<size_t>(ws.num_sms) * MOK_TRACE_RECORDERS * ws.trace_cap *
+                                       sizeof(mokTraceEvent_t),
+                                   stream));
   p.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
   p.timeout_record = ws.errors + kRouteErrorWords;
 
@@ -258,6 +265,11 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c) {
       ws->shared_act = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * Is), &b);
       ws->shared_out = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * H), &b);
     }
+    if (env::get_int(env::kTrace) != 0) {
+      ws->trace_cap = 4096;
+      ws->trace = device_alloc<mokTraceEvent_t>(
+          static_cast<size_t>(ws->num_sms) * MOK_TRACE_RECORDERS * ws->trace_cap, &b);
+    }
     ws->errors = device_alloc<int64_t>(kAllErrorWords, &b);
     MOK_CUDA_CHECK(cudaMemset(ws->errors, 0, kAllErrorWords * sizeof(int64_t)));
     MOK_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ws->host_errors), kAllErrorWords * sizeof(int64_t)));
@@ -277,7 +289,8 @@ void destroy_workspace(DeviceWorkspace* ws) {
   for (void* p : {static_cast<void*>(ws->rows), static_cast<void*>(ws->expert_count),
                   static_cast<void*>(ws->expert_offset), static_cast<void*>(ws->block_expert),
                   static_cast<void*>(ws->shared_block), ws->ring, ws->act, ws->slots, ws->shared_act, ws->shared_out,
-                  static_cast<void*>(ws->errors), static_cast<void*>(ws->counters), ws->unfused_ring, ws->unfused_act})
+                  static_cast<void*>(ws->errors), static_cast<void*>(ws->counters), ws->unfused_ring, ws->unfused_act,
+                  static_cast<void*>(ws->trace)})
     if (p) cudaFree(p);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
   if (ws->errors_ready) cudaEventDestroy(ws->errors_ready);
@@ -318,6 +331,19 @@ void check_errors(DeviceWorkspace& ws, int rank, bool wait) {
 }
 
 size_t workspace_bytes(const DeviceWorkspace* ws) { return ws ? ws->bytes : 0; }
+
+size_t read_trace(DeviceWorkspace& ws, void* buffer, size_t buffer_size, int64_t* events_per_recorder) {
+  const size_t bytes = ws.trace ? static_cast<size_t>(ws.num_sms) * MOK_TRACE_RECORDERS * ws.trace_cap *
+                                      sizeof(mokTraceEvent_t)
+                                : 0;
+  if (events_per_recorder) *events_per_recorder = ws.trace_cap;
+  if (buffer == nullptr || bytes == 0) return bytes;
+  MOK_CHECK_ARG(buffer_size >= bytes, "trace buffer of " << buffer_size << " bytes; " << bytes << " needed");
+  const DeviceGuard guard(ws.device);
+  MOK_CUDA_CHECK(cudaDeviceSynchronize());
+  MOK_CUDA_CHECK(cudaMemcpy(buffer, ws.trace, bytes, cudaMemcpyDeviceToHost));
+  return bytes;
+}
 
 std::string unsupported_shape(const mokConfig_t& c) {
   std::ostringstream why;

@@ -42,6 +42,8 @@ struct DeviceWorkspace {
   void* shared_act = nullptr;
   void* shared_out = nullptr;
   int64_t* errors = nullptr;       // device: [0,4) route error, [4,9) timeout record
+  mokTraceEvent_t* trace = nullptr;  // timing ring (MOK_TRACE=1 at creation)
+  int32_t trace_cap = 0;           // events per recorder
   int64_t* host_errors = nullptr;  // pinned copy of `errors` from the last call
   cudaEvent_t errors_ready = nullptr;
   bool pending = false;            // a call's error copy is in flight

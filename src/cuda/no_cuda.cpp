@@ -18,6 +18,10 @@ namespace {
 DeviceWorkspace* create_workspace(const mokConfig_t&) { no_cuda(); }
 void destroy_workspace(DeviceWorkspace*) {}
 size_t workspace_bytes(const DeviceWorkspace*) { return 0; }
+size_t read_trace(DeviceWorkspace&, void*, size_t, int64_t* events_per_recorder) {
+  if (events_per_recorder) *events_per_recorder = 0;
+  return 0;
+}
 void check_errors(DeviceWorkspace&, int, bool) {}
 void forward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*) { no_cuda(); }
 std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }

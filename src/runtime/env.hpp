@@ -19,6 +19,10 @@ inline constexpr Knob kTileNGroup{"MOK_TILE_N_GROUP", "8",
                                   "N-blocks per raster group: tiles are walked m-major within groups of this "
                                   "many N-blocks, so the weights of a group stay in L2 while row blocks pass"};
 
+inline constexpr Knob kTrace{"MOK_TRACE", "0",
+                              "1: workspaces created from now on record the fused kernels' timing ring "
+                              "(mokWorkspaceReadTrace; tools/trace_forward.py draws it)"};
+
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

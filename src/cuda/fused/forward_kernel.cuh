@@ -66,6 +66,9 @@ struct ForwardParams {
   __nv_bfloat16* shared_act;  // [T_max, I_s]
   __nv_bfloat16* shared_out;  // [T_max, H]
   __nv_bfloat16* y;           // [T, H]
+  // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block
+  mokTraceEvent_t* trace;
+  int32_t trace_cap;
   // Synchronisation
   int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done [max_blocks], sgu_done
   uint64_t timeout_ns;
@@ -114,6 +117,23 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
   ptx::red_release_gpu_add(counter, add);
 }
 
+// ---- timing ring ------------------------------------------------------------------------------
+// One writer per (block, recorder): 0 comm warp 0 / producer, 1 signaler, 2 combine thread.
+struct TraceWriter {
+  mokTraceEvent_t* base = nullptr;
+  int32_t cap = 0, count = 0;
+  __device__ TraceWriter(const ForwardParams& p, int recorder) {
+    if (p.trace) {
+      base = p.trace + (static_cast<int64_t>(blockIdx.x) * MOK_TRACE_RECORDERS + recorder) * p.trace_cap;
+      cap = p.trace_cap;
+    }
+  }
+  __device__ void add(mokTraceRole_t role, uint64_t begin, uint64_t end, int32_t kind, int32_t block, int32_t detail) {
+    if (base == nullptr || count >= cap) return;
+    base[count++] = mokTraceEvent_t{begin, end, static_cast<uint32_t>(role), static_cast<uint32_t>(kind), block, detail};
+  }
+};
+
 // ---- task decode ------------------------------------------------------------------------------
 __device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t task) {
   int lo = 0, hi = sh.num_segments - 1;
@@ -137,8 +157,10 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
   uint32_t phase = 0;
   const int64_t row_vecs = p.hidden / 8;
   const int32_t total = g.num_blocks;
+  TraceWriter trace(p, 0);
   for (int32_t q = blockIdx.x; q < total; q += p.num_comm) {
     const int32_t b = g.block_at(q);
+    const uint64_t t_begin = ptx::globaltimer_ns();
     // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
     const int32_t prev = g.previous_occupant(b);
     if (prev >= 0 && !wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
@@ -170,6 +192,7 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
     ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
     __syncwarp();
     if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], rows_done);
+    if (warp == 0 && lane == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
   }
 }
 
@@ -231,8 +254,10 @@ __device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardPa
   const int32_t* sgu_done = dn_done + p.max_blocks;
   gemm::PipelineState<C::kStages> stage;
   gemm::PipelineState<2> handoff;
+  TraceWriter trace(p, 0);
   for (;;) {
     // Claim the next task and hand it to the consumers
+    const uint64_t t_claim = ptx::globaltimer_ns();
     const int32_t task = atomicAdd(&p.counters[static_cast<int>(Counter::kTaskNext)], 1);
     TaskInfo info = task < sh.num_tasks ? decode_task(sh, task) : TaskInfo{static_cast<int32_t>(TaskKind::kDone), 0, 0, 0};
     if (!gemm::wait_barrier(&sh.task_empty[handoff.index], handoff.phase ^ 1u, wait, gemm::WaitSite::kProducerEmpty, -1))
@@ -275,7 +300,10 @@ __device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardPa
     }
     if (!ok) break;
     ptx::fence_proxy_async_global();
+    const uint64_t t_ready = ptx::globaltimer_ns();
     if (!gemm::produce_tile(sh.stages, stage, load, wait)) break;
+    trace.add(mokTraceProducerWait, t_claim, t_ready, info.kind, b, info.n_block);
+    trace.add(mokTraceProducerLoad, t_ready, ptx::globaltimer_ns(), info.kind, b, info.n_block);
   }
 }
 
@@ -351,8 +379,12 @@ __device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm
   int32_t* dn_done = gu_done + p.max_blocks;
   int32_t* sgu_done = dn_done + p.max_blocks;
   gemm::PipelineState<2> handoff, done_state;
+  TraceWriter trace(p, 1);
   for (;;) {
     if (!gemm::wait_barrier(&sh.task_full[handoff.index], handoff.phase, wait, gemm::WaitSite::kConsumerFull, -3)) return;
+    // NOTES: the tile starts when the consumers are free and the task is posted: both are
+    // true here (the signaler trails the consumers by at most the tile in flight).
+    const uint64_t t_start = ptx::globaltimer_ns();
     const TaskInfo info = sh.tasks[handoff.index];
     ptx::mbar_arrive(&sh.task_empty[handoff.index]);
     handoff.advance();
@@ -362,6 +394,7 @@ __device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm
       return;
     ptx::mbar_arrive(&sh.done_empty[done_state.index]);
     done_state.advance();
+    trace.add(mokTraceTile, t_start, ptx::globaltimer_ns(), info.kind, info.block, info.n_block);
     int32_t* counter = kind == TaskKind::kSharedGateUp ? &sgu_done[info.block]
                        : kind == TaskKind::kGateUp     ? &gu_done[info.block]
                        : kind == TaskKind::kDown       ? &dn_done[info.block]
@@ -379,6 +412,8 @@ __device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm
 // block's own writes before thread 128 (a block or consumer barrier).
 __device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
   int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
+  TraceWriter trace(p, 2);
+  const uint64_t t_arrive = ptx::globaltimer_ns();
   if (threadIdx.x == 128) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
@@ -386,7 +421,12 @@ __device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, cons
   }
   if (threadIdx.x < 128) return;
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  const uint64_t t_combine = ptx::globaltimer_ns();
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) combine_token(sh, p, t, 128, 256);
+  if (threadIdx.x == 128) {
+    trace.add(mokTraceGridBarrier, t_arrive, t_combine, 255, -1, -1);
+    trace.add(mokTraceCombine, t_combine, ptx::globaltimer_ns(), 255, -1, -1);
+  }
 }
 
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)

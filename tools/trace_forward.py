@@ -1,0 +1,146 @@
+"""Timing ring of the fused forward: where the time of one call goes, per role.
+
+    python3 tools/trace_forward.py [shape] [--comm N] [--minibatch R] [--out DIR]
+
+Runs the fused forward on a BENCH.md shape with MOK_TRACE=1, reads the ring
+(mokWorkspaceReadTrace), prints a summary (tile time by kind, producer waits, gather
+progress, grid barrier, combine) and draws a timeline PNG (matplotlib, when present)."""
+import argparse
+import ctypes
+import os
+import sys
+
+import torch
+
+os.environ["MOK_TRACE"] = "1"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+from mok import _lib  # noqa: E402
+from mok import functional as F  # noqa: E402
+
+SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
+          "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
+          "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096)}
+ROLES = ["gather", "producer wait", "producer load", "tile", "grid barrier", "combine"]
+KINDS = {0: "shared gate/up", 1: "gate/up", 2: "shared down", 3: "down", 255: "-"}
+
+_lib.lib.mokWorkspaceReadTrace.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                           ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int64)]
+_lib.lib.mokWorkspaceReadTrace.restype = ctypes.c_int
+
+
+def read_trace(ws):
+    """Events as an int64 tensor [N, 6]: begin, end, role, kind, block, detail (zeros dropped)."""
+    needed, cap = ctypes.c_size_t(0), ctypes.c_int64(0)
+    _lib.check(_lib.lib.mokWorkspaceReadTrace(ws.handle, None, 0, ctypes.byref(needed), ctypes.byref(cap)))
+    if needed.value == 0:
+        raise RuntimeError("the workspace records no trace (MOK_TRACE was not 1 when it was created)")
+    raw = torch.empty(needed.value // 8, dtype=torch.int64)
+    _lib.check(_lib.lib.mokWorkspaceReadTrace(ws.handle, ctypes.c_void_p(raw.data_ptr()), needed.value, None, None))
+    ev = raw.view(-1, 4)
+    block = torch.arange(ev.shape[0]) // (cap.value * 3)
+    role, kind = ev[:, 2] & 0xFFFFFFFF, ev[:, 2] >> 32
+    rblock = (ev[:, 3] << 32) >> 32
+    detail = ev[:, 3] >> 32
+    out = torch.stack([ev[:, 0], ev[:, 1], role, kind, rblock, detail, block], dim=1)
+    return out[ev[:, 0] != 0]
+
+
+def summarize(ev, num_comm):
+    t0 = ev[:, 0].min().item()
+    span = (ev[:, 1].max().item() - t0) / 1e3
+    print(f"traced span {span:.1f} us (first event to last)")
+    lines = []
+    for r, name in enumerate(ROLES):
+        sel = ev[ev[:, 2] == r]
+        if sel.numel() == 0:
+            continue
+        dur = (sel[:, 1] - sel[:, 0]).double() / 1e3
+        lines.append(f"  {name:14} n={sel.shape[0]:6d}  total {dur.sum().item():10.1f} us  "
+                     f"mean {dur.mean().item():7.2f} us  max {dur.max().item():8.2f} us")
+    print("\n".join(lines))
+    tiles = ev[ev[:, 2] == 3]
+    for k in sorted(set(tiles[:, 3].tolist())):
+        sel = tiles[tiles[:, 3] == k]
+        dur = (sel[:, 1] - sel[:, 0]).double() / 1e3
+        print(f"  tiles {KINDS.get(k, k):14} n={sel.shape[0]:6d}  mean {dur.mean().item():7.2f} us  "
+              f"p90 {dur.quantile(0.9).item():7.2f} us")
+    compute = tiles[:, 6].unique().numel()
+    busy = (tiles[:, 1] - tiles[:, 0]).sum().item() / 1e3
+    print(f"  compute blocks {compute}: tiles busy {busy / (compute * span):.1%} of span")
+    gathers = ev[ev[:, 2] == 0]
+    if gathers.numel():
+        print(f"  gather: {num_comm} comm blocks, last row block released at "
+              f"{(gathers[:, 1].max().item() - t0) / 1e3:.1f} us")
+    first_tile = (tiles[:, 0].min().item() - t0) / 1e3 if tiles.numel() else 0
+    last_tile = (tiles[:, 1].max().item() - t0) / 1e3 if tiles.numel() else 0
+    ends = []
+    for b in tiles[:, 6].unique().tolist():
+        ends.append((tiles[tiles[:, 6] == b][:, 1].max().item() - t0) / 1e3)
+    ends = torch.tensor(ends)
+    print(f"  first tile starts at {first_tile:.1f} us; blocks finish their last tile between "
+          f"{ends.min().item():.1f} and {last_tile:.1f} us (median {ends.median().item():.1f})")
+    comb = ev[ev[:, 2] == 5]
+    if comb.numel():
+        print(f"  combine: {(comb[:, 0].min().item() - t0) / 1e3:.1f} -> {(comb[:, 1].max().item() - t0) / 1e3:.1f} us")
+    return t0
+
+
+def draw(ev, t0, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no timeline PNG")
+        return
+    colors = {(3, 1): "tab:blue", (3, 3): "tab:orange", (3, 0): "tab:cyan", (3, 2): "tab:olive",
+              (0, 255): "tab:green", (1, None): "tab:red", (4, 255): "lightgray", (5, 255): "tab:purple"}
+    fig, ax = plt.subplots(figsize=(16, 9))
+    for row in ev.tolist():
+        begin, end, role, kind, _, _, block = row
+        key = (role, kind) if (role, kind) in colors else ((role, None) if (role, None) in colors else None)
+        if key is None:
+            continue
+        ax.barh(block, (end - begin) / 1e3, left=(begin - t0) / 1e3, height=0.8, color=colors[key], linewidth=0)
+    ax.set_xlabel("us since the first event")
+    ax.set_ylabel("block")
+    ax.set_title("fused forward: gate/up (blue), down (orange), shared (cyan/olive), gather (green), "
+                 "producer waits (red), combine (purple)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", nargs="?", default="dsv3")
+    ap.add_argument("--comm", type=int, default=8)
+    ap.add_argument("--minibatch", type=int, default=1024)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    H, I, k, E, T = SHAPES[args.shape]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    tw, ids = torch.randn(T, E, device="cuda", generator=g).softmax(-1).topk(k, dim=-1)
+    w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
+         (torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
+         (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
+    cfg = F.MoKConfig(fwd_num_comm_sms=args.comm, minibatch_size=args.minibatch)
+    ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
+    for _ in range(3):
+        F.forward(x, ids.int(), tw, *w, workspace=ws)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    F.forward(x, ids.int(), tw, *w, workspace=ws)
+    end.record()
+    end.synchronize()
+    print(f"{args.shape}: fused forward {start.elapsed_time(end):.3f} ms (traced call, comm {args.comm}, "
+          f"minibatch {args.minibatch})")
+    ev = read_trace(ws)
+    t0 = summarize(ev, args.comm)
+    os.makedirs(args.out, exist_ok=True)
+    draw(ev, t0, os.path.join(args.out, f"trace_{args.shape}.png"))
+
+
+if __name__ == "__main__":
+    main()
