@@ -8,12 +8,13 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
+from bench.harness import median_ms  # noqa: E402
 from mok import _lib  # noqa: E402
 
 # name: (H, I, E_l, rows per expert = T*k/E_l with uniform routing)
@@ -43,18 +44,6 @@ def mok_grouped_gemm(a, b0, b1, block_expert, out, swiglu):
     _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)))
 
 
-def median_ms(fn, reps):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def rel_err(got, want):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -84,6 +85,22 @@ def tensor_bytes(obj: Any, seen: Optional[set] = None) -> int:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return sum(tensor_bytes(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
     return 0
+
+
+def median_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
+    """Median of `reps` CUDA-event timings of fn() after `warmup` untimed calls (for the
+    small scripts that time one call on fixed inputs; benchmarks use Harness)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def percentile(values: List[float], q: float) -> float:

@@ -3,24 +3,15 @@ grouped-GEMM rate of torch._grouped_mm on the BENCH.md expert shapes.  Random da
 events, warm-up, median of repeated runs, inputs rotated where the L2 could hold them.
 Writes JSON to the path given (default: stdout only)."""
 import json
-import statistics
+import os
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import median_ms  # noqa: E402
 
-def median_ms(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
 
 
 def matmul_rate(n=8192):

@@ -2,29 +2,18 @@
 inputs): fwd_num_comm_sms x minibatch_size x macrobatch_size, plus the unfused launches
 (MOK_FORWARD_PATH=unfused) for reference.   python3 tools/sweep_forward.py [shape]"""
 import os
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
+from bench.harness import median_ms  # noqa: E402
 from mok import functional as F  # noqa: E402
 
 SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096)}
 
 
-def median_ms(fn, reps=15):
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return statistics.median(out)
 
 
 def main():

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cuda/cuda_api.hpp"
+#include "cuda/combine.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/fused/forward_kernel.cuh"
 #include "cuda/gemm/launch.hpp"
@@ -60,35 +61,9 @@ __global__ void combine_kernel(plan::RoutingView v, const float* __restrict__ to
     weight[threadIdx.x] = topk_weights[t * k + threadIdx.x];
   }
   __syncthreads();
-  for (int64_t c = threadIdx.x; c < row_vecs; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      if (!valid[j]) continue;
-      const uint4 raw = slots[(t * k + j) * row_vecs + c];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] = __fmaf_rn(weight[j], f.x, acc[2 * q]);
-        acc[2 * q + 1] = __fmaf_rn(weight[j], f.y, acc[2 * q + 1]);
-      }
-    }
-    if (shared_out) {
-      const uint4 raw = shared_out[t * row_vecs + c];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] = __fadd_rn(acc[2 * q], f.x);
-        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], f.y);
-      }
-    }
-    uint4 out;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) o[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    y[t * row_vecs + c] = out;
-  }
+  const uint4* shared_row = shared_out ? shared_out + t * row_vecs : nullptr;
+  for (int64_t c = threadIdx.x; c < row_vecs; c += blockDim.x)
+    y[t * row_vecs + c] = combine_chunk(slots + t * k * row_vecs, row_vecs, k, valid, weight, shared_row, c);
 }
 
 template <typename T>

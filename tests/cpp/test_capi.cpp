@@ -11,20 +11,7 @@
 namespace mok::test {
 namespace {
 
-mokTensor_t view(void* data, mokDtype_t dtype, std::vector<int64_t> shape, int32_t device = MOK_DEVICE_CPU) {
-  mokTensor_t t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int64_t stride = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[static_cast<size_t>(i)];
-    t.strides[i] = stride;
-    stride *= shape[static_cast<size_t>(i)];
-  }
-  t.device = device;
-  return t;
-}
+using mok::tensor_view;
 
 // A small EP=1 layer with its host buffers.
 struct Layer {
@@ -52,13 +39,13 @@ struct Layer {
     wd = random_bf16(rng, E * H * I, 0.2f);
     ids = to_int32(make_ids(rng, T, k, E, E, Routing::kUniform));
     w = random_f32(rng, T * k, 0, 1);
-    args.x = view(x.data(), mokBFloat16, {T, H});
-    args.topk_ids = view(ids.data(), mokInt32, {T, k});
-    args.topk_weights = view(w.data(), mokFloat32, {T, k});
-    args.weights.w_gate = view(wg.data(), mokBFloat16, {E, I, H});
-    args.weights.w_up = view(wu.data(), mokBFloat16, {E, I, H});
-    args.weights.w_down = view(wd.data(), mokBFloat16, {E, H, I});
-    args.y = view(y.data(), mokBFloat16, {T, H});
+    args.x = tensor_view(x.data(), mokBFloat16, {T, H});
+    args.topk_ids = tensor_view(ids.data(), mokInt32, {T, k});
+    args.topk_weights = tensor_view(w.data(), mokFloat32, {T, k});
+    args.weights.w_gate = tensor_view(wg.data(), mokBFloat16, {E, I, H});
+    args.weights.w_up = tensor_view(wu.data(), mokBFloat16, {E, I, H});
+    args.weights.w_down = tensor_view(wd.data(), mokBFloat16, {E, H, I});
+    args.y = tensor_view(y.data(), mokBFloat16, {T, H});
   }
 };
 
@@ -95,7 +82,7 @@ TEST_F(CApi, OutOfRangeIdNamesTensorIndexAndValue) {
   auto args = layer.args;
   auto ids = layer.ids;
   ids[5 * 2 + 1] = 4;
-  args.topk_ids = view(ids.data(), mokInt32, {8, 2});
+  args.topk_ids = tensor_view(ids.data(), mokInt32, {8, 2});
   expect_rejected(args, mokInvalidArgument, {"topk_ids[5, 1] = 4", "[-1, 4)"});
   ids[5 * 2 + 1] = -2;
   expect_rejected(args, mokInvalidArgument, {"topk_ids[5, 1] = -2"});
@@ -105,7 +92,7 @@ TEST_F(CApi, DuplicateIdIsRejected) {
   auto args = layer.args;
   auto ids = layer.ids;
   ids[3 * 2 + 1] = ids[3 * 2];
-  args.topk_ids = view(ids.data(), mokInt32, {8, 2});
+  args.topk_ids = tensor_view(ids.data(), mokInt32, {8, 2});
   expect_rejected(args, mokInvalidArgument, {"topk_ids[3, 1]", "duplicates topk_ids[3, 0]"});
 }
 
@@ -114,7 +101,7 @@ TEST_F(CApi, ShapeDtypeDeviceStrideMismatches) {
   args.x.dtype = mokFloat32;
   expect_rejected(args, mokInvalidArgument, {"x must be bfloat16, got float32"});
   args = layer.args;
-  args.weights.w_gate = view(layer.wg.data(), mokBFloat16, {4, 8, 64});
+  args.weights.w_gate = tensor_view(layer.wg.data(), mokBFloat16, {4, 8, 64});
   expect_rejected(args, mokInvalidArgument, {"w_gate has shape [4, 8, 64], expected [4, 16, 32]"});
   args = layer.args;
   args.topk_weights.device = 0;
@@ -135,10 +122,10 @@ TEST_F(CApi, TooManyTokensForTheWorkspace) {
   std::vector<int32_t> ids(18, 0);
   std::vector<float> w(18);
   auto args = layer.args;
-  args.x = view(x.data(), mokBFloat16, {9, 32});
-  args.topk_ids = view(ids.data(), mokInt32, {9, 2});
-  args.topk_weights = view(w.data(), mokFloat32, {9, 2});
-  args.y = view(y.data(), mokBFloat16, {9, 32});
+  args.x = tensor_view(x.data(), mokBFloat16, {9, 32});
+  args.topk_ids = tensor_view(ids.data(), mokInt32, {9, 2});
+  args.topk_weights = tensor_view(w.data(), mokFloat32, {9, 2});
+  args.y = tensor_view(y.data(), mokBFloat16, {9, 32});
   expect_rejected(args, mokInvalidArgument, {"9 tokens", "max_tokens = 8"});
 }
 
@@ -155,12 +142,12 @@ TEST_F(CApi, CudaBackwardIsNotBuiltYet) {
   mokBackwardArgs_t b{};
   b.fwd = layer.args;
   b.fwd.x.device = 0;
-  b.dy = view(dy.data(), mokBFloat16, {8, 32});
-  b.dx = view(dx.data(), mokBFloat16, {8, 32});
-  b.d_topk_weights = view(dw.data(), mokFloat32, {8, 2});
-  b.grads.w_gate = view(gg.data(), mokBFloat16, {4, 16, 32});
-  b.grads.w_up = view(gu.data(), mokBFloat16, {4, 16, 32});
-  b.grads.w_down = view(gd.data(), mokBFloat16, {4, 32, 16});
+  b.dy = tensor_view(dy.data(), mokBFloat16, {8, 32});
+  b.dx = tensor_view(dx.data(), mokBFloat16, {8, 32});
+  b.d_topk_weights = tensor_view(dw.data(), mokFloat32, {8, 2});
+  b.grads.w_gate = tensor_view(gg.data(), mokBFloat16, {4, 16, 32});
+  b.grads.w_up = tensor_view(gu.data(), mokBFloat16, {4, 16, 32});
+  b.grads.w_down = tensor_view(gd.data(), mokBFloat16, {4, 32, 16});
   EXPECT_EQ(mokBackward(ws, &b, nullptr), mokNotSupported);
   EXPECT_NE(std::string(mokGetLastError()).find("CUDA backward is not built yet"), std::string::npos) << mokGetLastError();
 }
@@ -225,10 +212,10 @@ TEST(CApiPlan, HostBuildMatchesCapacityAndRejectsBadIds) {
   std::vector<int32_t> rows(static_cast<size_t>(cap.max_rows)), count(4), offset(5),
       blocks(static_cast<size_t>(cap.max_blocks));
   std::vector<int64_t> err(4);
-  mokTensor_t ids[2] = {view(ids0.data(), mokInt32, {5, 2}), view(ids1.data(), mokInt32, {2, 2})};
-  mokPlanArgs_t pa{2, ids, view(rows.data(), mokInt32, {cap.max_rows}), view(count.data(), mokInt32, {4}),
-                   view(offset.data(), mokInt32, {5}), view(blocks.data(), mokInt32, {cap.max_blocks}),
-                   view(err.data(), mokInt64, {4})};
+  mokTensor_t ids[2] = {tensor_view(ids0.data(), mokInt32, {5, 2}), tensor_view(ids1.data(), mokInt32, {2, 2})};
+  mokPlanArgs_t pa{2, ids, tensor_view(rows.data(), mokInt32, {cap.max_rows}), tensor_view(count.data(), mokInt32, {4}),
+                   tensor_view(offset.data(), mokInt32, {5}), tensor_view(blocks.data(), mokInt32, {cap.max_blocks}),
+                   tensor_view(err.data(), mokInt64, {4})};
   ASSERT_EQ(mokPlanBuild(&c, &pa, nullptr), mokSuccess) << mokGetLastError();
   EXPECT_EQ(count, (std::vector<int32_t>{2, 2, 2, 2}));  // experts 4..7 of rank 1
   EXPECT_EQ(offset, (std::vector<int32_t>{0, 4, 8, 12, 16}));

@@ -8,50 +8,14 @@
 #include <cstring>
 
 #include "mok/mok.h"
+#include "mok/mok.hpp"
+#include "gpu_util.hpp"
 #include "test_util.hpp"
 
 namespace mok::test {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-struct Dev {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit Dev(size_t b, int fill = 0xFF) : bytes(b) {
-    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(b, 1)), cudaSuccess);
-    EXPECT_EQ(cudaMemset(ptr, fill, std::max<size_t>(b, 1)), cudaSuccess);  // 0xFF..: bf16 NaN poison
-  }
-  template <typename T>
-  Dev(const std::vector<T>& h) : Dev(h.size() * sizeof(T)) {
-    EXPECT_EQ(cudaMemcpy(ptr, h.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Dev() { cudaFree(ptr); }
-  template <typename T>
-  std::vector<T> get() const {
-    std::vector<T> h(bytes / sizeof(T));
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
-
-mokTensor_t view(void* data, mokDtype_t dtype, std::vector<int64_t> shape, int32_t device) {
-  mokTensor_t t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int64_t stride = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[static_cast<size_t>(i)];
-    t.strides[i] = stride;
-    stride *= shape[static_cast<size_t>(i)];
-  }
-  t.device = device;
-  return t;
-}
+using mok::tensor_view;
 
 double silu(double g) { return g / (1.0 + std::exp(-g)); }
 
@@ -90,13 +54,13 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
   const auto a = random_bf16(rng, static_cast<size_t>(M * K), 1.0f);
   const auto b0 = random_bf16(rng, static_cast<size_t>(E * N * K), 1.0f / std::sqrt(static_cast<float>(K)));
   const auto b1 = random_bf16(rng, static_cast<size_t>(E * N * K), 1.0f / std::sqrt(static_cast<float>(K)));
-  Dev da(a), db0(b0), db1(b1), dblk(block_expert), dout(static_cast<size_t>(M * N) * 2);
+  DeviceBuffer da(a), db0(b0), db1(b1), dblk(block_expert), dout(static_cast<size_t>(M * N) * 2);
   mokGroupedGemmArgs_t args{};
-  args.a = view(da.ptr, mokBFloat16, {M, K}, 0);
-  args.b0 = view(db0.ptr, mokBFloat16, {E, N, K}, 0);
-  args.b1 = view(db1.ptr, mokBFloat16, {E, N, K}, 0);
-  args.block_expert = view(dblk.ptr, mokInt32, {M / 128}, 0);
-  args.out = view(dout.ptr, mokBFloat16, {M, N}, 0);
+  args.a = tensor_view(da.ptr, mokBFloat16, {M, K}, 0);
+  args.b0 = tensor_view(db0.ptr, mokBFloat16, {E, N, K}, 0);
+  args.b1 = tensor_view(db1.ptr, mokBFloat16, {E, N, K}, 0);
+  args.block_expert = tensor_view(dblk.ptr, mokInt32, {M / 128}, 0);
+  args.out = tensor_view(dout.ptr, mokBFloat16, {M, N}, 0);
   args.swiglu = swiglu;
   args.num_blocks = num_blocks;
   ASSERT_EQ(mokGroupedGemm(&args, nullptr), mokSuccess) << mokGetLastError();
@@ -195,18 +159,18 @@ std::vector<bf16_t> cpu_forward(Layer& l) {
   EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
   std::vector<bf16_t> y(static_cast<size_t>(l.T * l.H));
   mokForwardArgs_t a{};
-  a.x = view(l.x.data(), mokBFloat16, {l.T, l.H}, -1);
-  a.topk_ids = view(l.ids.data(), mokInt32, {l.T, l.k}, -1);
-  a.topk_weights = view(l.w.data(), mokFloat32, {l.T, l.k}, -1);
-  a.weights.w_gate = view(l.wg.data(), mokBFloat16, {l.E, l.I, l.H}, -1);
-  a.weights.w_up = view(l.wu.data(), mokBFloat16, {l.E, l.I, l.H}, -1);
-  a.weights.w_down = view(l.wd.data(), mokBFloat16, {l.E, l.H, l.I}, -1);
+  a.x = tensor_view(l.x.data(), mokBFloat16, {l.T, l.H}, -1);
+  a.topk_ids = tensor_view(l.ids.data(), mokInt32, {l.T, l.k}, -1);
+  a.topk_weights = tensor_view(l.w.data(), mokFloat32, {l.T, l.k}, -1);
+  a.weights.w_gate = tensor_view(l.wg.data(), mokBFloat16, {l.E, l.I, l.H}, -1);
+  a.weights.w_up = tensor_view(l.wu.data(), mokBFloat16, {l.E, l.I, l.H}, -1);
+  a.weights.w_down = tensor_view(l.wd.data(), mokBFloat16, {l.E, l.H, l.I}, -1);
   if (l.Is > 0) {
-    a.weights.ws_gate = view(l.sg.data(), mokBFloat16, {l.Is, l.H}, -1);
-    a.weights.ws_up = view(l.su.data(), mokBFloat16, {l.Is, l.H}, -1);
-    a.weights.ws_down = view(l.sd.data(), mokBFloat16, {l.H, l.Is}, -1);
+    a.weights.ws_gate = tensor_view(l.sg.data(), mokBFloat16, {l.Is, l.H}, -1);
+    a.weights.ws_up = tensor_view(l.su.data(), mokBFloat16, {l.Is, l.H}, -1);
+    a.weights.ws_down = tensor_view(l.sd.data(), mokBFloat16, {l.H, l.Is}, -1);
   }
-  a.y = view(y.data(), mokBFloat16, {l.T, l.H}, -1);
+  a.y = tensor_view(y.data(), mokBFloat16, {l.T, l.H}, -1);
   EXPECT_EQ(mokForward(ws, &a, nullptr), mokSuccess) << mokGetLastError();
   mokWorkspaceDestroy(ws);
   return y;
@@ -216,7 +180,7 @@ std::vector<bf16_t> cpu_forward(Layer& l) {
 struct GpuLayer {
   Layer& l;
   mokWorkspace_t ws = nullptr;
-  Dev x, ids, w, wg, wu, wd, sg, su, sd, y;
+  DeviceBuffer x, ids, w, wg, wu, wd, sg, su, sd, y;
   mokForwardArgs_t a{};
   explicit GpuLayer(Layer& layer, int64_t minibatch = 0, int64_t macrobatch = 0, int64_t comm_sms = 0)
       : l(layer), x(l.x), ids(l.ids), w(l.w), wg(l.wg), wu(l.wu), wd(l.wd), sg(l.sg), su(l.su), sd(l.sd),
@@ -226,18 +190,18 @@ struct GpuLayer {
     if (macrobatch) c.macrobatch_size = macrobatch;
     if (comm_sms) c.fwd_num_comm_sms = comm_sms;
     EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
-    a.x = view(x.ptr, mokBFloat16, {l.T, l.H}, 0);
-    a.topk_ids = view(ids.ptr, mokInt32, {l.T, l.k}, 0);
-    a.topk_weights = view(w.ptr, mokFloat32, {l.T, l.k}, 0);
-    a.weights.w_gate = view(wg.ptr, mokBFloat16, {l.E, l.I, l.H}, 0);
-    a.weights.w_up = view(wu.ptr, mokBFloat16, {l.E, l.I, l.H}, 0);
-    a.weights.w_down = view(wd.ptr, mokBFloat16, {l.E, l.H, l.I}, 0);
+    a.x = tensor_view(x.ptr, mokBFloat16, {l.T, l.H}, 0);
+    a.topk_ids = tensor_view(ids.ptr, mokInt32, {l.T, l.k}, 0);
+    a.topk_weights = tensor_view(w.ptr, mokFloat32, {l.T, l.k}, 0);
+    a.weights.w_gate = tensor_view(wg.ptr, mokBFloat16, {l.E, l.I, l.H}, 0);
+    a.weights.w_up = tensor_view(wu.ptr, mokBFloat16, {l.E, l.I, l.H}, 0);
+    a.weights.w_down = tensor_view(wd.ptr, mokBFloat16, {l.E, l.H, l.I}, 0);
     if (l.Is > 0) {
-      a.weights.ws_gate = view(sg.ptr, mokBFloat16, {l.Is, l.H}, 0);
-      a.weights.ws_up = view(su.ptr, mokBFloat16, {l.Is, l.H}, 0);
-      a.weights.ws_down = view(sd.ptr, mokBFloat16, {l.H, l.Is}, 0);
+      a.weights.ws_gate = tensor_view(sg.ptr, mokBFloat16, {l.Is, l.H}, 0);
+      a.weights.ws_up = tensor_view(su.ptr, mokBFloat16, {l.Is, l.H}, 0);
+      a.weights.ws_down = tensor_view(sd.ptr, mokBFloat16, {l.H, l.Is}, 0);
     }
-    a.y = view(y.ptr, mokBFloat16, {l.T, l.H}, 0);
+    a.y = tensor_view(y.ptr, mokBFloat16, {l.T, l.H}, 0);
   }
   ~GpuLayer() { mokWorkspaceDestroy(ws); }
   std::vector<bf16_t> run() {

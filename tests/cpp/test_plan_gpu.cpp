@@ -6,48 +6,14 @@
 #include <cstring>
 
 #include "mok/mok.h"
+#include "mok/mok.hpp"
+#include "gpu_util.hpp"
 #include "test_util.hpp"
 
 namespace mok::test {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);
-    EXPECT_EQ(cudaMemset(ptr, 0xA5, std::max<size_t>(n, 1) * sizeof(T)), cudaSuccess);  // poison
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  std::vector<T> to_host() const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
-
-mokTensor_t view(void* data, mokDtype_t dtype, std::vector<int64_t> shape, int32_t device) {
-  mokTensor_t t{};
-  t.data = data;
-  t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(shape.size());
-  int64_t stride = 1;
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[static_cast<size_t>(i)];
-    t.strides[i] = stride;
-    stride *= shape[static_cast<size_t>(i)];
-  }
-  t.device = device;
-  return t;
-}
+using mok::tensor_view;
 
 struct GpuCase {
   int P;
@@ -69,7 +35,7 @@ void compare(const GpuCase& c, uint64_t seed, bool corrupt) {
   const int64_t E = c.E_l * c.P;
   std::vector<std::vector<int64_t>> ids64(static_cast<size_t>(c.P));
   std::vector<std::vector<int32_t>> ids32(static_cast<size_t>(c.P));
-  std::vector<DeviceBuffer<uint8_t>> dev_ids;
+  std::vector<DeviceBuffer> dev_ids;
   std::vector<mokTensor_t> id_views;
   plan::RoutingView host_view;
   host_view.num_ranks = c.P;
@@ -92,7 +58,7 @@ void compare(const GpuCase& c, uint64_t seed, bool corrupt) {
     CUDA_OK(cudaMemcpy(dev_ids.back().ptr, src, bytes, cudaMemcpyHostToDevice));
     host_view.ids[s] = src;
     host_view.num_tokens[s] = T;
-    id_views.push_back(view(dev_ids.back().ptr, c.ids64 ? mokInt64 : mokInt32, {T, c.k}, 0));
+    id_views.push_back(tensor_view(dev_ids.back().ptr, c.ids64 ? mokInt64 : mokInt32, {T, c.k}, 0));
   }
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreate(&stream));
@@ -108,16 +74,17 @@ void compare(const GpuCase& c, uint64_t seed, bool corrupt) {
     cfg.macrobatch_size = c.block_m * 4;
     mokPlanCapacity_t cap{};
     ASSERT_EQ(mokPlanGetCapacity(&cfg, &cap), mokSuccess) << mokGetLastError();
-    DeviceBuffer<int32_t> rows(static_cast<size_t>(cap.max_rows)), count(static_cast<size_t>(c.E_l)),
-        offset(static_cast<size_t>(c.E_l + 1)), blocks(static_cast<size_t>(cap.max_blocks));
-    DeviceBuffer<int64_t> err(4);
+    // Poison 0xA5: unlike 0xFF it is not a valid padding record or -1.
+    DeviceBuffer rows(static_cast<size_t>(cap.max_rows) * 4, 0xA5), count(static_cast<size_t>(c.E_l) * 4, 0xA5),
+        offset(static_cast<size_t>(c.E_l + 1) * 4, 0xA5), blocks(static_cast<size_t>(cap.max_blocks) * 4, 0xA5),
+        err(4 * 8, 0xA5);
     mokPlanArgs_t pa{c.P,
                      id_views.data(),
-                     view(rows.ptr, mokInt32, {cap.max_rows}, 0),
-                     view(count.ptr, mokInt32, {c.E_l}, 0),
-                     view(offset.ptr, mokInt32, {c.E_l + 1}, 0),
-                     view(blocks.ptr, mokInt32, {cap.max_blocks}, 0),
-                     view(err.ptr, mokInt64, {4}, 0)};
+                     tensor_view(rows.ptr, mokInt32, {cap.max_rows}, 0),
+                     tensor_view(count.ptr, mokInt32, {c.E_l}, 0),
+                     tensor_view(offset.ptr, mokInt32, {c.E_l + 1}, 0),
+                     tensor_view(blocks.ptr, mokInt32, {cap.max_blocks}, 0),
+                     tensor_view(err.ptr, mokInt64, {4}, 0)};
     ASSERT_EQ(mokPlanBuild(&cfg, &pa, stream), mokSuccess) << mokGetLastError();
     CUDA_OK(cudaStreamSynchronize(stream));
 
@@ -131,13 +98,13 @@ void compare(const GpuCase& c, uint64_t seed, bool corrupt) {
     d.minibatch_size = cfg.minibatch_size;
     d.macrobatch_size = cfg.macrobatch_size;
     HostPlan h = build_host(d, host_view);
-    const auto dev_rows = rows.to_host();
+    const auto dev_rows = rows.get<uint32_t>();
     ASSERT_EQ(dev_rows.size(), h.rows.size());
     EXPECT_EQ(0, std::memcmp(dev_rows.data(), h.rows.data(), h.rows.size() * 4)) << "rows of rank " << r;
-    EXPECT_EQ(count.to_host(), h.expert_count) << "rank " << r;
-    EXPECT_EQ(offset.to_host(), h.expert_offset) << "rank " << r;
-    EXPECT_EQ(blocks.to_host(), h.block_expert) << "rank " << r;
-    const auto e = err.to_host();
+    EXPECT_EQ(count.get<int32_t>(), h.expert_count) << "rank " << r;
+    EXPECT_EQ(offset.get<int32_t>(), h.expert_offset) << "rank " << r;
+    EXPECT_EQ(blocks.get<int32_t>(), h.block_expert) << "rank " << r;
+    const auto e = err.get<int64_t>();
     EXPECT_EQ(e[0], h.error.key) << "rank " << r;
     EXPECT_EQ(e[1], h.error.any() ? h.error.id : 0);
     EXPECT_EQ(e[2], static_cast<int64_t>(h.error.kind));

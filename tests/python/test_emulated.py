@@ -42,7 +42,6 @@ def test_emulated_group(gen, P, counts, Is, ids_dtype):
     H, I, k = 64, 32, 3
     E = 4 * P if P > 1 else 6
     w, ranks, dys = _group(gen, P, counts, H, I, E, k, Is, ids_dtype)
-    El = E // P
     ys = F.forward_emulated(ranks, num_experts=E)
     grads = F.backward_emulated(ranks, dys, num_experts=E)
 

@@ -21,6 +21,7 @@
 // after the acquire.
 #pragma once
 
+#include "cuda/combine.cuh"
 #include "cuda/fused/schedule.cuh"
 #include "cuda/gemm/tile.cuh"
 
@@ -211,36 +212,10 @@ __device__ void combine_token(FusedShared& sh, const ForwardParams& p, int64_t t
   const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
   const uint4* shared_out = reinterpret_cast<const uint4*>(p.shared_out);
   uint4* y = reinterpret_cast<uint4*>(p.y);
-  for (int64_t c = tid; c < row_vecs; c += num_threads) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      if (!sh.route_valid[j]) continue;
-      const float w = sh.route_weight[j];
-      const uint4 raw = slots[(t * k + j) * row_vecs + c];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] = __fmaf_rn(w, f.x, acc[2 * q]);
-        acc[2 * q + 1] = __fmaf_rn(w, f.y, acc[2 * q + 1]);
-      }
-    }
-    if (p.shared_inter > 0) {
-      const uint4 raw = shared_out[t * row_vecs + c];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] = __fadd_rn(acc[2 * q], f.x);
-        acc[2 * q + 1] = __fadd_rn(acc[2 * q + 1], f.y);
-      }
-    }
-    uint4 out;
-    __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) o[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    y[t * row_vecs + c] = out;
-  }
+  const uint4* shared_row = p.shared_inter > 0 ? shared_out + t * row_vecs : nullptr;
+  for (int64_t c = tid; c < row_vecs; c += num_threads)
+    y[t * row_vecs + c] = combine_chunk(slots + t * k * row_vecs, row_vecs, k, sh.route_valid, sh.route_weight,
+                                        shared_row, c);
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), num_threads);
 }
 
