@@ -5,7 +5,6 @@ same inputs, CUDA events, median of repeated runs, outputs checked against torch
     python3 bench/bench_gemm.py [--shapes dsv3,qwen3|all] [--reps 20] [--out DIR]
 """
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
 from bench.harness import median_ms  # noqa: E402
-from mok import _lib  # noqa: E402
+from mok import ops  # noqa: E402
 
 # name: (H, I, E_l, rows per expert = T*k/E_l with uniform routing)
 SHAPES = {
@@ -28,22 +27,8 @@ SHAPES = {
 }
 
 
-class GroupedGemmArgs(ctypes.Structure):
-    _fields_ = [("a", _lib.mokTensor), ("b0", _lib.mokTensor), ("b1", _lib.mokTensor),
-                ("block_expert", _lib.mokTensor), ("out", _lib.mokTensor),
-                ("swiglu", ctypes.c_int64), ("num_blocks", ctypes.c_int64)]
-
-
-_lib.lib.mokGroupedGemm.argtypes = [ctypes.POINTER(GroupedGemmArgs), ctypes.c_void_p]
-_lib.lib.mokGroupedGemm.restype = ctypes.c_int
-
-
 def mok_grouped_gemm(a, b0, b1, block_expert, out, swiglu):
-    v = _lib.Views()
-    args = GroupedGemmArgs(v(a), v(b0), v(b1 if b1 is not None else b0), v(block_expert), v(out), int(swiglu), 0)
-    _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)))
-
-
+    ops.grouped_mm(a, b0, block_expert, b1 if swiglu else None, out=out)
 
 
 def rel_err(got, want):

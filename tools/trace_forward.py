@@ -6,7 +6,6 @@ Runs the fused forward on a BENCH.md shape with MOK_TRACE=1, reads the ring
 (mokWorkspaceReadTrace), prints a summary (tile time by kind, producer waits, gather
 progress, grid barrier, combine) and draws a timeline PNG (matplotlib, when present)."""
 import argparse
-import ctypes
 import os
 import sys
 
@@ -14,7 +13,6 @@ import torch
 
 os.environ["MOK_TRACE"] = "1"
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-from mok import _lib  # noqa: E402
 from mok import functional as F  # noqa: E402
 
 SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
@@ -22,28 +20,6 @@ SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 204
           "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096)}
 ROLES = ["gather", "producer wait", "producer load", "tile", "grid barrier", "combine"]
 KINDS = {0: "shared gate/up", 1: "gate/up", 2: "shared down", 3: "down", 255: "-"}
-
-_lib.lib.mokWorkspaceReadTrace.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                           ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int64)]
-_lib.lib.mokWorkspaceReadTrace.restype = ctypes.c_int
-
-
-def read_trace(ws):
-    """Events as an int64 tensor [N, 6]: begin, end, role, kind, block, detail (zeros dropped)."""
-    needed, cap = ctypes.c_size_t(0), ctypes.c_int64(0)
-    _lib.check(_lib.lib.mokWorkspaceReadTrace(ws.handle, None, 0, ctypes.byref(needed), ctypes.byref(cap)))
-    if needed.value == 0:
-        raise RuntimeError("the workspace records no trace (MOK_TRACE was not 1 when it was created)")
-    raw = torch.empty(needed.value // 8, dtype=torch.int64)
-    _lib.check(_lib.lib.mokWorkspaceReadTrace(ws.handle, ctypes.c_void_p(raw.data_ptr()), needed.value, None, None))
-    ev = raw.view(-1, 4)
-    block = torch.arange(ev.shape[0]) // (cap.value * 3)
-    role, kind = ev[:, 2] & 0xFFFFFFFF, ev[:, 2] >> 32
-    rblock = (ev[:, 3] << 32) >> 32
-    detail = ev[:, 3] >> 32
-    out = torch.stack([ev[:, 0], ev[:, 1], role, kind, rblock, detail, block], dim=1)
-    return out[ev[:, 0] != 0]
-
 
 def summarize(ev, num_comm):
     t0 = ev[:, 0].min().item()
@@ -136,7 +112,7 @@ def main():
     end.synchronize()
     print(f"{args.shape}: fused forward {start.elapsed_time(end):.3f} ms (traced call, comm {args.comm}, "
           f"minibatch {args.minibatch})")
-    ev = read_trace(ws)
+    ev = ws.read_trace()
     t0 = summarize(ev, args.comm)
     os.makedirs(args.out, exist_ok=True)
     draw(ev, t0, os.path.join(args.out, f"trace_{args.shape}.png"))

@@ -131,6 +131,19 @@ class mokPlanArgs(ctypes.Structure):
     ]
 
 
+class mokGroupedGemmArgs(ctypes.Structure):
+    _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor), ("block_expert", mokTensor),
+                ("out", mokTensor), ("swiglu", c_int64), ("num_blocks", c_int64)]
+
+
+class mokTraceEvent(ctypes.Structure):
+    _fields_ = [("begin_ns", c_uint64), ("end_ns", c_uint64), ("role", ctypes.c_uint32), ("kind", ctypes.c_uint32),
+                ("block", c_int32), ("detail", c_int32)]
+
+
+TRACE_RECORDERS = 3
+
+
 def _candidates() -> List[Path]:
     here = Path(__file__).resolve().parent
     paths = []
@@ -168,6 +181,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mokBackward": (c_int, [c_void_p, POINTER(mokBackwardArgs), c_void_p]),
         "mokForwardEmulated": (c_int, [POINTER(mokConfig), POINTER(mokForwardArgs), c_int64]),
         "mokBackwardEmulated": (c_int, [POINTER(mokConfig), POINTER(mokBackwardArgs), c_int64]),
+        "mokWorkspaceCheckErrors": (c_int, [c_void_p, c_int]),
+        "mokGroupedGemm": (c_int, [POINTER(mokGroupedGemmArgs), c_void_p]),
+        "mokWorkspaceReadTrace": (c_int, [c_void_p, c_void_p, c_size_t, POINTER(c_size_t), POINTER(c_int64)]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -211,7 +227,7 @@ def check(result: int) -> None:
     if result == SUCCESS:
         return
     message = last_error() or error_string(result)
-    if result == INVALID_ARGUMENT:
+    if result in (INVALID_ARGUMENT, DEVICE_INVALID_ROUTE):
         raise ValueError(message)
     if result == NOT_SUPPORTED:
         raise NotImplementedError(message)

@@ -117,6 +117,29 @@ class Workspace:
         _lib.check(_lib.lib.mokWorkspaceDescribe(self.handle, buffer, needed.value, None))
         return buffer.value.decode()
 
+    def check_errors(self, wait: bool = True) -> None:
+        """Raises what device-side checks recorded in earlier calls: ValueError for a route the
+        device masked (naming rank, token, j and id), RuntimeError for a wait past its deadline.
+        wait=False looks only at copies that already landed (no synchronisation)."""
+        _lib.check(_lib.lib.mokWorkspaceCheckErrors(self.handle, 1 if wait else 0))
+
+    def read_trace(self) -> torch.Tensor:
+        """The timing ring of the last fused call as int64 [N, 7] (begin_ns, end_ns, role,
+        kind, block, detail, recording block), unused events dropped.  Needs MOK_TRACE=1 when
+        the workspace was created (mok.h, mokTraceEvent_t)."""
+        needed, cap = ctypes.c_size_t(0), ctypes.c_int64(0)
+        _lib.check(_lib.lib.mokWorkspaceReadTrace(self.handle, None, 0, byref(needed), byref(cap)))
+        if needed.value == 0:
+            raise RuntimeError("this workspace records no trace: set MOK_TRACE=1 before creating it")
+        raw = torch.empty(needed.value // 8, dtype=torch.int64)
+        _lib.check(_lib.lib.mokWorkspaceReadTrace(self.handle, ctypes.c_void_p(raw.data_ptr()), needed.value,
+                                                  None, None))
+        ev = raw.view(-1, 4)
+        recorder_block = torch.arange(ev.shape[0]) // (cap.value * _lib.TRACE_RECORDERS)
+        out = torch.stack([ev[:, 0], ev[:, 1], ev[:, 2] & 0xFFFFFFFF, ev[:, 2] >> 32, (ev[:, 3] << 32) >> 32,
+                           ev[:, 3] >> 32, recorder_block], dim=1)
+        return out[ev[:, 0] != 0]
+
     def c_config(self) -> _lib.mokConfig:
         """The config the C side holds for this workspace."""
         c = _lib.default_config()

@@ -4,12 +4,14 @@ and autograd for mok::forward.
 The workspace is not an op argument: the ops take the config knobs as plain ints/floats and
 look the workspace up in functional's cache (max_tokens = 0: T rounded up to a power of two).
 """
+import ctypes
 import dataclasses
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _lib
 from . import functional as F
 
 _PRECISION_NAMES = {code: name for name, code in F._lib.PRECISIONS.items()}
@@ -129,3 +131,22 @@ def _(topk_ids, num_experts, ep_rank=0, max_tokens=0, block_m=128, minibatch_siz
     return (ids.new_empty((max_rows,), dtype=torch.int32), ids.new_empty((num_local,), dtype=torch.int32),
             ids.new_empty((num_local + 1,), dtype=torch.int32), ids.new_empty((max_blocks,), dtype=torch.int32),
             ids.new_empty((4,), dtype=torch.int64))
+
+
+def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor] = None,
+               out: Optional[Tensor] = None) -> Tensor:
+    """mok's grouped-GEMM engine on CUDA tensors (tests and benchmarks).
+
+    a [M, K] bf16, rows grouped in 128-row blocks; block_expert [ceil(M/128)] int32 gives each
+    block's expert (-1: past the end, left unwritten); b0, b1 [E, N, K] bf16.
+    Without b1: out = a @ b0[e].T (N a multiple of 256).  With b1: out = silu(a @ b0[e].T) *
+    (a @ b1[e].T), the SwiGLU gate/up (N a multiple of 128)."""
+    if out is None:
+        out = torch.empty(a.shape[0], b0.shape[1], dtype=torch.bfloat16, device=a.device)
+    views = _lib.Views()
+    args = _lib.mokGroupedGemmArgs(views(a, "a"), views(b0, "b0"), views(b1 if b1 is not None else b0, "b1"),
+                                   views(block_expert, "block_expert"), views(out, "out"),
+                                   1 if b1 is not None else 0, 0)
+    _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
+    return out
+

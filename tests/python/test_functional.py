@@ -3,6 +3,7 @@ determinism, main_grad accumulation and input validation."""
 import pytest
 import torch
 
+import mok
 from mok import functional as F
 from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference, route_term_norms
 
@@ -261,3 +262,17 @@ class TestInvalidInputs:
         ws, x, ids, tw, w = case
         with pytest.raises(ValueError, match="differs from the workspace"):
             F.forward(*_args(x, ids, tw, w), workspace=ws, config=F.MoKConfig(minibatch_size=512))
+
+
+def test_cpu_workspace_checks_and_trace():
+    ws = F.create_workspace(64, 32, 8, 2, max_tokens=16)
+    ws.check_errors()  # nothing recorded on the CPU backend
+    with pytest.raises(RuntimeError, match="records no trace"):
+        ws.read_trace()
+
+
+def test_grouped_mm_needs_cuda_tensors():
+    a = torch.zeros(128, 64, dtype=torch.bfloat16)
+    b = torch.zeros(1, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        mok.ops.grouped_mm(a, b, torch.zeros(1, dtype=torch.int32))

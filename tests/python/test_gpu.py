@@ -220,3 +220,54 @@ def test_workspace_device_must_match(gen):
     cuda_ws = F.create_workspace(64, 32, 8, 2, max_tokens=16, device="cuda:0")
     with pytest.raises(ValueError, match="workspace was built for cuda:0"):
         F.forward(make_x(gen, 10, 64), ids, tw, w["w_gate"], w["w_up"], w["w_down"], workspace=cuda_ws)
+
+
+def test_cuda_forward_device_validation_raises_at_check(gen):
+    x, ids, tw, w = _layer(gen, 256, 128, 8, 2, 50, masked=0.0)
+    ids[17, 1] = 99
+    cuda_w = {n: (t.cuda() if t is not None else None) for n, t in w.items()}
+    ws = F.create_workspace(256, 128, 8, 2, max_tokens=64, device="cuda")
+    y, _ = F.forward(x.cuda(), ids.cuda(), tw.cuda(), **cuda_w, workspace=ws)  # no host sync: no error yet
+    with pytest.raises(ValueError, match=r"\[17, 1\] = 99"):
+        ws.check_errors()
+    # The bad route was masked: the result equals the oracle with that route removed.
+    ids[17, 1] = -1
+    ref_y, _ = reference(x, ids, tw, w, torch.zeros(50, 256, dtype=torch.bfloat16))
+    assert_close("y with the bad route masked", y.cpu(), ref_y)
+    ws.check_errors()  # reported once
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_grouped_mm_matches_torch(gen, swiglu):
+    E, K, N = 3, 512, 512
+    blocks = torch.tensor([0, 0, 2, 1, 1, -1], dtype=torch.int32)
+    a = torch.randn(len(blocks) * 128, K, generator=gen).bfloat16().cuda()
+    b0 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
+    b1 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).bfloat16().cuda() if swiglu else None
+    out = torch.full((a.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mok.ops.grouped_mm(a, b0, blocks.cuda(), b1, out=out)
+    for i, e in enumerate(blocks.tolist()):
+        rows = slice(i * 128, (i + 1) * 128)
+        if e < 0:
+            assert torch.isnan(out[rows]).all(), "blocks past the end must stay unwritten"
+            continue
+        g = a[rows].double() @ b0[e].double().T
+        want = torch.nn.functional.silu(g) * (a[rows].double() @ b1[e].double().T) if swiglu else g
+        assert_close(f"grouped_mm block {i}", out[rows].cpu(), want.cpu())
+
+
+def test_trace_records_every_role(gen, monkeypatch):
+    monkeypatch.setenv("MOK_TRACE", "1")
+    x, ids, tw, w = _layer(gen, 512, 256, 16, 4, 700, 256, masked=0.0)
+    cuda_w = {n: t.cuda() for n, t in w.items()}
+    ws = F.create_workspace(512, 256, 16, 4, max_tokens=1024, shared_intermediate=256, device="cuda",
+                            config=F.MoKConfig(fwd_num_comm_sms=2, minibatch_size=256, macrobatch_size=512))
+    F.forward(x.cuda(), ids.cuda(), tw.cuda(), **cuda_w, workspace=ws)
+    ev = ws.read_trace()
+    roles = set(ev[:, 2].tolist())
+    assert roles == {0, 1, 2, 3, 4, 5}, f"roles recorded: {sorted(roles)}"
+    assert (ev[:, 1] >= ev[:, 0]).all(), "an event ends before it begins"
+    tiles = ev[ev[:, 2] == 3]
+    # Every shared tile: ceil(700/128) row blocks x (256/128 gate/up + 512/256 down).
+    shared = tiles[(tiles[:, 3] == 0) | (tiles[:, 3] == 2)]
+    assert shared.shape[0] == 6 * (2 + 2)
