@@ -29,7 +29,10 @@ def main():
     ref = None
     print(f"{name}: fused forward, median ms")
     for comm in (2, 4, 8, 16):
-        for mini, macro in ((512, 16384), (1024, 16384), (2048, 16384), (1024, 4096), (1024, 65536)):
+        # minibatch == macrobatch walks each ring fill as a gate/up phase then a down phase
+        # (the L2 behaviour of the unfused launches, with the gather of the next fill overlapped)
+        for mini, macro in ((512, 16384), (1024, 16384), (2048, 16384), (1024, 4096), (1024, 65536),
+                            (4096, 4096), (16384, 16384), (65536, 65536)):
             cfg = F.MoKConfig(fwd_num_comm_sms=comm, minibatch_size=mini, macrobatch_size=macro)
             ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
             ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))
