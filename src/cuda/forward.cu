@@ -161,6 +161,10 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
   p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  const std::string gather = env::get(env::kGather);
+  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline",
+                env::kGather.name << " = " << gather << ": expected warps or pipeline");
+  p.gather_mode = gather == "pipeline" ? 1 : 0;
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;
   p.block_expert = ws.block_expert;

@@ -23,6 +23,10 @@ inline constexpr Knob kTrace{"MOK_TRACE", "0",
                               "1: workspaces created from now on record the fused kernels' timing ring "
                               "(mokWorkspaceReadTrace; tools/trace_forward.py draws it)"};
 
+inline constexpr Knob kGather{"MOK_GATHER", "warps",
+                               "fused forward gather: warps (one row in flight per comm warp) or pipeline "
+                               "(one thread per comm block keeps ~8 row loads and 4 stores in flight)"};
+
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

@@ -264,13 +264,17 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
       unsetenv("MOK_FORWARD_PATH");
       ASSERT_EQ(0, std::memcmp(fused.data(), unfused.data(), fused.size() * 2)) << "fused vs unfused";
     }
-    for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
-                                      {128, 128, 2}, {1024, 16384, 16}}) {
-      GpuLayer g(l, mini, macro, comm);
-      const auto y = g.run();
-      ASSERT_EQ(0, std::memcmp(fused.data(), y.data(), fused.size() * 2))
-          << "minibatch " << mini << " macrobatch " << macro << " comm " << comm;
+    for (const char* gather : {"warps", "pipeline"}) {
+      setenv("MOK_GATHER", gather, 1);
+      for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
+                                        {128, 128, 2}, {1024, 16384, 16}, {512, 512, 3}}) {
+        GpuLayer g(l, mini, macro, comm);
+        const auto y = g.run();
+        ASSERT_EQ(0, std::memcmp(fused.data(), y.data(), fused.size() * 2))
+            << "gather " << gather << " minibatch " << mini << " macrobatch " << macro << " comm " << comm;
+      }
     }
+    unsetenv("MOK_GATHER");
   }
 }
 

@@ -52,6 +52,7 @@ struct ForwardParams {
   int32_t ring_blocks, minibatch_blocks, num_comm;
   int32_t max_blocks, shared_blocks;
   int32_t n_group;            // raster: N-blocks per group within a segment
+  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline
   // Plan
   const uint32_t* rows;
   const int32_t* expert_offset;
@@ -88,7 +89,7 @@ struct alignas(1024) FusedShared {
   uint64_t task_empty[2];                   // (2 consumer leaders + signaler) -> producer
   uint64_t done_full[2];                    // consumer leaders -> signaler: the tile's stores are issued
   uint64_t done_empty[2];                   // signaler -> consumer leaders
-  uint64_t gather_bar[TileConfig::kThreads / 32];
+  uint64_t gather_bar[16];                  // comm: one per staging row (warps: per warp)
   float route_weight[kMaxTopK];
   int32_t route_valid[kMaxTopK];
   int32_t num_segments;
@@ -195,6 +196,74 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
     if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], rows_done);
     if (warp == 0 && lane == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
   }
+}
+
+// One thread keeps a pipeline of bulk copies: up to (slots - kStoreDepth) row loads and
+// kStoreDepth row stores in flight, staging rows in the stage memory; padding rows are
+// stored from a zero row.  A row block is released once every store of it completed.
+// (mode 1 of MOK_GATHER; the zero row is filled by the caller.)
+__device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, const Geometry& g,
+                                      const gemm::WaitContext& wait, int32_t* gather_ready, const int32_t* gu_done,
+                                      int32_t n_gate_up, uint8_t* base, int slots, const uint8_t* zero_row) {
+  constexpr int kStoreDepth = 4;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+  const int32_t total = g.num_blocks;
+  const int32_t my_blocks = static_cast<int32_t>(blockIdx.x) < total
+                                ? (total - static_cast<int32_t>(blockIdx.x) + p.num_comm - 1) / p.num_comm
+                                : 0;
+  const int64_t rows = static_cast<int64_t>(my_blocks) * 128;
+  auto block_of = [&](int64_t r) { return g.block_at(static_cast<int32_t>(blockIdx.x + (r / 128) * p.num_comm)); };
+  auto record_of = [&](int64_t r) { return p.rows[static_cast<int64_t>(block_of(r)) * 128 + r % 128]; };
+  auto issue = [&](int64_t r) {
+    const uint32_t rec = record_of(r);
+    if (row_is_pad(rec)) return;
+    const int s = static_cast<int>(r % slots);
+    ptx::mbar_arrive_expect_tx(&sh.gather_bar[s], row_bytes);
+    ptx::bulk_load(base + static_cast<size_t>(s) * row_bytes, p.x + row_token(rec) * p.hidden, row_bytes,
+                   &sh.gather_bar[s]);
+  };
+  TraceWriter trace(p, 0);
+  uint64_t t_begin = 0;
+  uint32_t phases = 0;
+  int64_t issued = 0;
+  int32_t released = 0;
+  auto release_upto = [&](int64_t complete_rows) {
+    // Blocks whose 128 stores all completed
+    for (; released < my_blocks && (static_cast<int64_t>(released) + 1) * 128 <= complete_rows; ++released) {
+      const int32_t b = block_of(static_cast<int64_t>(released) * 128);
+      ptx::fence_proxy_async_global();
+      ptx::red_release_gpu_add(&gather_ready[b], 128);
+      trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
+    }
+  };
+  for (; issued < rows && issued < slots - kStoreDepth; ++issued) issue(issued);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t b = block_of(r);
+    const int i = static_cast<int>(r % 128);
+    if (i == 0) {
+      // The ring slot's previous occupant must be consumed before its rows are overwritten
+      t_begin = ptx::globaltimer_ns();
+      const int32_t prev = g.previous_occupant(b);
+      if (prev >= 0 && !wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
+    }
+    __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
+    if (row_is_pad(record_of(r))) {
+      ptx::bulk_store(dst, zero_row, row_bytes);
+    } else {
+      const int s = static_cast<int>(r % slots);
+      if (!gemm::wait_barrier(&sh.gather_bar[s], (phases >> s) & 1u, wait, gemm::WaitSite::kConsumerFull, 7000 + s))
+        return;
+      phases ^= 1u << s;
+      ptx::bulk_store(dst, base + static_cast<size_t>(s) * row_bytes, row_bytes);
+    }
+    ptx::bulk_commit();
+    // Stores up to row r - kStoreDepth completed: release finished blocks, refill their slot
+    ptx::bulk_wait<kStoreDepth>();
+    release_upto(r + 1 - kStoreDepth);
+    if (issued < rows) issue(issued++);
+  }
+  ptx::bulk_wait<0>();
+  release_upto(rows);
 }
 
 // ---- fixed-order combine of one token ----------------------------------------------------------
@@ -430,7 +499,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       ptx::mbar_init(&sh.done_full[i], C::kConsumers);
       ptx::mbar_init(&sh.done_empty[i], 1);
     }
-    for (int w = 0; w < C::kThreads / 32; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
+    for (int w = 0; w < 16; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
     ptx::fence_mbar_init();
   }
   __syncthreads();
@@ -439,7 +508,21 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // each role returns on its own: wgmma code must not share a tail with divergent roles
   // (ptxas serialises every wgmma otherwise: C7518).
   if (comm) {
-    comm_gather(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up);
+    if (p.gather_mode == 1) {
+      // Staging rows, then one zero row, in the stage memory
+      uint8_t* base = reinterpret_cast<uint8_t*>(&sh.stages);
+      const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+      const int slots = min(16, static_cast<int>(sizeof(sh.stages.a) + sizeof(sh.stages.b)) / static_cast<int>(row_bytes) - 1);
+      uint8_t* zero_row = base + static_cast<size_t>(slots) * row_bytes;
+      for (uint32_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x)
+        reinterpret_cast<uint4*>(zero_row)[v] = make_uint4(0, 0, 0, 0);
+      ptx::fence_proxy_async_smem();
+      __syncthreads();
+      if (threadIdx.x == 0)
+        comm_gather_pipelined(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up, base, slots, zero_row);
+    } else {
+      comm_gather(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up);
+    }
     __syncthreads();
     finish_and_combine(sh, p, wait);
     return;
