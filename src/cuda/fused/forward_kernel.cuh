@@ -241,10 +241,16 @@ __device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, c
     const int32_t b = block_of(r);
     const int i = static_cast<int>(r % 128);
     if (i == 0) {
-      // The ring slot's previous occupant must be consumed before its rows are overwritten
-      t_begin = ptx::globaltimer_ns();
+      // The ring slot's previous occupant must be consumed before its rows are overwritten.
+      // NOTES: drain and release our earlier blocks first: the previous occupant may be one
+      // of them, and its gate/up tiles wait for its release (a cycle otherwise).
       const int32_t prev = g.previous_occupant(b);
-      if (prev >= 0 && !wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
+      if (prev >= 0) {
+        ptx::bulk_wait<0>();
+        release_upto(r);
+        if (!wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
+      }
+      t_begin = ptx::globaltimer_ns();
     }
     __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
     if (row_is_pad(record_of(r))) {
