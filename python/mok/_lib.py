@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 # Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
-ABI_VERSION = (0, 1)
+ABI_VERSION = (0, 2)
 CONFIG_VERSION = 1
 MAX_DIMS = 4
 DEVICE_CPU = -1

@@ -31,7 +31,7 @@ def test_default_config_matches_initializer_and_mokconfig():
 
 
 def test_version_and_cuda_flag():
-    assert mok.__version__ == "0.1.0"
+    assert mok.__version__ == "0.2.0"
     assert isinstance(mok.has_cuda(), bool)
 
 
