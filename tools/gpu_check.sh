@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: build if needed, run every GPU test (C++ and Python) and the ceiling
-# probe, write logs and JSON under $OUT (default ./out; at most 8 files come back).  Carry `build` to skip the build.
+# probe, write logs and JSON under $OUT (default ./out; at most 8 files come back).  Carry
+# `build` to skip the build.  PERF=1 adds the measurements of docs/perf.md in the same call:
+# grouped GEMMs vs torch, the fused-forward knob sweep, its timing ring, and the layer bench.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -26,5 +28,16 @@ echo "== Python tests"
 PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== ceilings"
-python3 tools/ceilings.py "$OUT/ceilings.json" | tail -40
+python3 tools/ceilings.py "$OUT/ceilings.json" | tail -12
+if [ "${PERF:-0}" = 1 ]; then
+  echo "== grouped GEMMs (mok engine vs torch._grouped_mm)"
+  PYTHONPATH=python timeout 240 python3 bench/bench_gemm.py --shapes dsv3,qwen3 --reps 10 2>&1 | tail -6
+  echo "== fused forward knob sweep"
+  PYTHONPATH=python timeout 240 python3 tools/sweep_forward.py dsv3 2>&1 | tee "$OUT/sweep.log" | tail -40
+  echo "== timing ring"
+  PYTHONPATH=python timeout 120 python3 tools/trace_forward.py dsv3 --comm 8 --out "$OUT" 2>&1 | tail -16
+  echo "== layer benchmark"
+  PYTHONPATH=python timeout 420 python3 bench/bench_layer.py --shapes all --routing uniform,zipf --fwd-only \
+    --reps 10 --variants fused/gather --out "$OUT" 2>&1 | tail -20
+fi
 exit $status
