@@ -119,6 +119,20 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
   ptx::red_release_gpu_add(counter, add);
 }
 
+// Counter arrays after the header: gather_ready, gu_done, dn_done [max_blocks], sgu_done.
+__device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
+  return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
+}
+
+__device__ __forceinline__ bool wait_all(const ForwardParams& p, const Wait* waits, int n,
+                                         const gemm::WaitContext& wait) {
+  for (int i = 0; i < n; ++i)
+    if (!wait_counter(counter_of(p, waits[i]), waits[i].expected, wait,
+                      static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
+      return false;
+  return true;
+}
+
 // ---- timing ring ------------------------------------------------------------------------------
 // One writer per (block, recorder): 0 comm warp 0 / producer, 1 signaler, 2 combine thread.
 struct TraceWriter {
@@ -138,19 +152,13 @@ struct TraceWriter {
 
 // ---- task decode ------------------------------------------------------------------------------
 __device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t task) {
-  int lo = 0, hi = sh.num_segments - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (sh.segments[mid].first_task <= task) lo = mid; else hi = mid - 1;
-  }
-  const Segment& s = sh.segments[lo];
-  const gemm::TileCoord tc = gemm::raster(task - s.first_task, s.num_blocks, s.num_n, sh.n_group);
-  return TaskInfo{s.kind, s.first_block + tc.m, tc.n, 0};
+  const TaskTile t = fused::decode_task(sh.segments, sh.num_segments, sh.n_group, task);
+  return TaskInfo{t.kind, t.block, t.n_block, 0};
 }
 
 // ---- comm role: gather routed rows into the ring ---------------------------------------------
 __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
-                            int32_t* gather_ready, const int32_t* gu_done, int32_t n_gate_up) {
+                            int32_t* gather_ready, int32_t n_gate_up) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   // One staging row per warp in the (otherwise unused) stage memory.
@@ -164,8 +172,8 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
     const int32_t b = g.block_at(q);
     const uint64_t t_begin = ptx::globaltimer_ns();
     // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
-    const int32_t prev = g.previous_occupant(b);
-    if (prev >= 0 && !wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
+    Wait waits[kMaxWaits];
+    if (!wait_all(p, waits, gather_waits(b, g, TaskCounts{n_gate_up, 0, 0, 0, 0}, waits), wait)) return;
     int32_t rows_done = 0;
     for (int i = warp; i < 128; i += num_warps, ++rows_done) {
       const int64_t plan_row = static_cast<int64_t>(b) * 128 + i;
@@ -203,8 +211,8 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
 // stored from a zero row.  A row block is released once every store of it completed.
 // (mode 1 of MOK_GATHER; the zero row is filled by the caller.)
 __device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, const Geometry& g,
-                                      const gemm::WaitContext& wait, int32_t* gather_ready, const int32_t* gu_done,
-                                      int32_t n_gate_up, uint8_t* base, int slots, const uint8_t* zero_row) {
+                                      const gemm::WaitContext& wait, int32_t* gather_ready, int32_t n_gate_up,
+                                      uint8_t* base, int slots, const uint8_t* zero_row) {
   constexpr int kStoreDepth = 4;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   const int32_t total = g.num_blocks;
@@ -244,11 +252,12 @@ __device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, c
       // The ring slot's previous occupant must be consumed before its rows are overwritten.
       // NOTES: drain and release our earlier blocks first: the previous occupant may be one
       // of them, and its gate/up tiles wait for its release (a cycle otherwise).
-      const int32_t prev = g.previous_occupant(b);
-      if (prev >= 0) {
+      Wait waits[kMaxWaits];
+      const int n = gather_waits(b, g, TaskCounts{n_gate_up, 0, 0, 0, 0}, waits);
+      if (n > 0) {
         ptx::bulk_wait<0>();
         release_upto(r);
-        if (!wait_counter(&gu_done[prev], n_gate_up, wait, 1000 + prev)) return;
+        if (!wait_all(p, waits, n, wait)) return;
       }
       t_begin = ptx::globaltimer_ns();
     }
@@ -298,10 +307,6 @@ __device__ void combine_token(FusedShared& sh, const ForwardParams& p, int64_t t
 __device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardParams& p, const Geometry& g,
                               const TaskCounts& counts, const gemm::WaitContext& wait) {
   using C = TileConfig;
-  int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
-  const int32_t* gu_done = gather_ready + p.max_blocks;
-  const int32_t* dn_done = gu_done + p.max_blocks;
-  const int32_t* sgu_done = dn_done + p.max_blocks;
   gemm::PipelineState<C::kStages> stage;
   gemm::PipelineState<2> handoff;
   TraceWriter trace(p, 0);
@@ -317,34 +322,26 @@ __device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardPa
     handoff.advance();
     if (info.kind == static_cast<int32_t>(TaskKind::kDone)) break;
     // Wait for the task's inputs, then load its tiles
-    gemm::TileLoad load{};
     const int32_t b = info.block;
-    bool ok = true;
+    Wait waits[kMaxWaits];
+    const bool ok = wait_all(p, waits, task_waits(static_cast<TaskKind>(info.kind), b, g, counts, waits), wait);
+    gemm::TileLoad load{};
     switch (static_cast<TaskKind>(info.kind)) {
       case TaskKind::kSharedGateUp:
         load = gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, b * 128, info.n_block * 128, 0, p.hidden / 64};
         break;
       case TaskKind::kSharedDown:
-        ok = wait_counter(&sgu_done[b], counts.n_shared_gate_up, wait, 4000 + b);
         load = gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, b * 128, info.n_block * 256, 128,
                               p.shared_inter / 64};
         break;
-      case TaskKind::kGateUp: {
-        const int32_t prev = g.previous_occupant(b);
-        ok = wait_counter(&gather_ready[b], 128, wait, 2000 + b) &&
-             (prev < 0 || wait_counter(&dn_done[prev], counts.n_down, wait, 3000 + prev));
-        const int32_t e = p.block_expert[b];
-        load = gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(b), e * p.inter + info.n_block * 128,
-                              0, p.hidden / 64};
+      case TaskKind::kGateUp:
+        load = gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(b),
+                              p.block_expert[b] * p.inter + info.n_block * 128, 0, p.hidden / 64};
         break;
-      }
-      case TaskKind::kDown: {
-        ok = wait_counter(&gu_done[b], counts.n_gate_up, wait, 5000 + b);
-        const int32_t e = p.block_expert[b];
+      case TaskKind::kDown:
         load = gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(b),
-                              e * p.hidden + info.n_block * 256, 128, p.inter / 64};
+                              p.block_expert[b] * p.hidden + info.n_block * 256, 128, p.inter / 64};
         break;
-      }
       default:
         break;
     }
@@ -486,7 +483,6 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   auto& sh = *reinterpret_cast<FusedShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
-  const int32_t* gu_done = gather_ready + p.max_blocks;
 
   // Geometry and the task table, identical on every block
   const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
@@ -525,9 +521,9 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       ptx::fence_proxy_async_smem();
       __syncthreads();
       if (threadIdx.x == 0)
-        comm_gather_pipelined(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up, base, slots, zero_row);
+        comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, base, slots, zero_row);
     } else {
-      comm_gather(sh, p, g, wait, gather_ready, gu_done, counts.n_gate_up);
+      comm_gather(sh, p, g, wait, gather_ready, counts.n_gate_up);
     }
     __syncthreads();
     finish_and_combine(sh, p, wait);

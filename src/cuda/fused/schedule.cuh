@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
 
 namespace mok::cuda::fused {
@@ -92,6 +93,52 @@ struct TaskCounts {
   int32_t shared_blocks;     // ceil(T / 128)
 };
 
+// What a task (or a comm block's row block) waits for: counter arrays in global memory,
+// each wait "counter[index] >= expected".  The one description of the dependencies, used
+// by the kernel and by the host model test of the protocol (tests/cpp/test_schedule.cpp).
+enum class CounterArray : int32_t {
+  kGatherReady = 0,  // rows of block b in the ring (expected 128)
+  kGateUpDone = 1,   // gate/up tiles of block b done
+  kDownDone = 2,     // down tiles of block b done
+  kSharedGateUpDone = 3,
+};
+struct Wait {
+  CounterArray array;
+  int32_t index;
+  int32_t expected;
+};
+inline constexpr int kMaxWaits = 2;
+
+MOK_HD int task_waits(TaskKind kind, int32_t block, const Geometry& g, const TaskCounts& c, Wait* out) {
+  switch (kind) {
+    case TaskKind::kSharedDown:
+      out[0] = Wait{CounterArray::kSharedGateUpDone, block, c.n_shared_gate_up};
+      return 1;
+    case TaskKind::kGateUp: {
+      // Its rows gathered; the act rows it overwrites consumed by the previous occupant's down tiles
+      out[0] = Wait{CounterArray::kGatherReady, block, 128};
+      const int32_t prev = g.previous_occupant(block);
+      if (prev < 0) return 1;
+      out[1] = Wait{CounterArray::kDownDone, prev, c.n_down};
+      return 2;
+    }
+    case TaskKind::kDown:
+      out[0] = Wait{CounterArray::kGateUpDone, block, c.n_gate_up};
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+// The comm blocks' wait before gathering block b: the ring rows' previous occupant read by
+// all its gate/up tiles.
+MOK_HD int gather_waits(int32_t block, const Geometry& g, const TaskCounts& c, Wait* out) {
+  const int32_t prev = g.previous_occupant(block);
+  if (prev < 0) return 0;
+  out[0] = Wait{CounterArray::kGateUpDone, prev, c.n_gate_up};
+  return 1;
+}
+
 // Writes the segment table; returns the number of segments (the total task count goes to
 // *num_tasks).  Identical on every block (and on the host).
 MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
@@ -126,6 +173,24 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
   for (; next_down < g.num_mini; ++next_down) mini_push(TaskKind::kDown, next_down, c.n_down);
   *num_tasks = task;
   return n;
+}
+
+// Task index -> (kind, row block, N-block): the segment by binary search, the tile inside it
+// by the N-grouped raster.
+struct TaskTile {
+  int32_t kind;
+  int32_t block;
+  int32_t n_block;
+};
+MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t n_group, int32_t task) {
+  int lo = 0, hi = num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (seg[mid].first_task <= task) lo = mid; else hi = mid - 1;
+  }
+  const Segment& s = seg[lo];
+  const gemm::TileCoord tc = gemm::raster(task - s.first_task, s.num_blocks, s.num_n, n_group);
+  return TaskTile{s.kind, s.first_block + tc.m, tc.n};
 }
 
 }  // namespace mok::cuda::fused
