@@ -160,8 +160,9 @@ typedef struct mokBackwardArgs_t {
 typedef struct mokWorkspace* mokWorkspace_t;
 
 /* Timing ring of the fused kernels (MOK_TRACE=1 when the workspace is created): one event
- * per interval a role spent, %globaltimer nanoseconds.  Per block, recorder r in [0, 3)
- * owns events [(block*3 + r)*cap, +cap); unused events are all zero. */
+ * per interval a role spent, %globaltimer nanoseconds.  Per block, recorder r in
+ * [0, MOK_TRACE_RECORDERS) (0 producer, 1 tiles, 2 barrier + combine, 3 gather) owns events
+ * [(block*MOK_TRACE_RECORDERS + r)*cap, +cap); unused events are all zero. */
 typedef enum mokTraceRole_t {
   mokTraceGather = 0,        /* comm block: one row block gathered (begin: start, end: released) */
   mokTraceProducerWait = 1,  /* producer: task claimed -> its inputs ready */
@@ -177,7 +178,7 @@ typedef struct mokTraceEvent_t {
   int32_t block;    /* row block of the task, or of the gather */
   int32_t detail;   /* N-block of the task; -1 none */
 } mokTraceEvent_t;
-#define MOK_TRACE_RECORDERS 3
+#define MOK_TRACE_RECORDERS 4
 
 /* The routing plan of one rank (see docs/design.md): arrays the caller allocates with the
  * sizes mokPlanCapacity returns. */

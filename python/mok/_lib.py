@@ -141,7 +141,7 @@ class mokTraceEvent(ctypes.Structure):
                 ("block", c_int32), ("detail", c_int32)]
 
 
-TRACE_RECORDERS = 3
+TRACE_RECORDERS = 4
 
 
 def _candidates() -> List[Path]:

@@ -2,7 +2,8 @@
 //
 // Roles (a named table; one switch at the top of the kernel):
 //   kComm       blocks [0, num_comm): gather routed rows of x into the ring (bulk copies
-//               through shared memory), block by block in processing order
+//               through shared memory), block by block in processing order; then they
+//               join the compute roles below
 //   kProducer   warpgroup 0 of a compute block: claims tasks, waits for their inputs,
 //               issues TMA loads
 //   kSignaler   warp 1 of warpgroup 0: publishes each finished tile to the global counters
@@ -134,7 +135,7 @@ __device__ __forceinline__ bool wait_all(const ForwardParams& p, const Wait* wai
 }
 
 // ---- timing ring ------------------------------------------------------------------------------
-// One writer per (block, recorder): 0 comm warp 0 / producer, 1 signaler, 2 combine thread.
+// One writer per (block, recorder): 0 producer, 1 signaler, 2 combine thread, 3 comm.
 struct TraceWriter {
   mokTraceEvent_t* base = nullptr;
   int32_t cap = 0, count = 0;
@@ -167,7 +168,7 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
   uint32_t phase = 0;
   const int64_t row_vecs = p.hidden / 8;
   const int32_t total = g.num_blocks;
-  TraceWriter trace(p, 0);
+  TraceWriter trace(p, 3);
   for (int32_t q = blockIdx.x; q < total; q += p.num_comm) {
     const int32_t b = g.block_at(q);
     const uint64_t t_begin = ptx::globaltimer_ns();
@@ -230,7 +231,7 @@ __device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, c
     ptx::bulk_load(base + static_cast<size_t>(s) * row_bytes, p.x + row_token(rec) * p.hidden, row_bytes,
                    &sh.gather_bar[s]);
   };
-  TraceWriter trace(p, 0);
+  TraceWriter trace(p, 3);
   uint64_t t_begin = 0;
   uint32_t phases = 0;
   int64_t issued = 0;
@@ -509,6 +510,9 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // NOTES: the role comes through a shuffle so that ptxas knows it is warp-uniform, and
   // each role returns on its own: wgmma code must not share a tail with divergent roles
   // (ptxas serialises every wgmma otherwise: C7518).
+  // A comm block that has gathered its share joins the compute roles: tasks are claimed
+  // dynamically, so it takes what is left.  Its staging rows are free by then (every bulk
+  // copy completed) and the stage barriers were never touched.
   if (comm) {
     if (p.gather_mode == 1) {
       // Staging rows, then one zero row, in the stage memory
@@ -526,8 +530,6 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       comm_gather(sh, p, g, wait, gather_ready, counts.n_gate_up);
     }
     __syncthreads();
-    finish_and_combine(sh, p, wait);
-    return;
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == 0) {
