@@ -106,7 +106,7 @@ TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
 // loaded), wait for task_waits(), finish in order and signal; comm blocks gather their row
 // blocks in processing order after gather_waits(), releasing each block at once (warps
 // mode) or only after kLag more rows were stored unless they drain first (pipelined mode,
-// as the kernel does).  Random interleavings must always finish.
+// as the kernel does), then join the compute roles.  Random interleavings must always finish.
 struct ProtocolModel {
   Geometry g;
   TaskCounts c;
@@ -128,6 +128,7 @@ struct ProtocolModel {
     int64_t stored = 0;      // rows stored in all
     int32_t released = 0;    // row blocks released (in order)
     bool started = false;    // the current block's waits were met
+    Compute joined;          // after its share, a comm block runs the compute roles
   };
 
   ProtocolModel(Geometry geo, TaskCounts counts, int32_t group) : g(geo), c(counts), n_group(group) {
@@ -173,8 +174,9 @@ struct ProtocolModel {
   }
   // One step of comm block `index` of `num_comm`.  `drain`: release finished blocks before
   // waiting on a ring slot's previous occupant (the kernel does; false shows the cycle).
-  bool step(Comm& cm, int index, int num_comm, bool pipelined, int lag, bool drain) {
+  bool step(Comm& cm, int index, int num_comm, bool pipelined, int lag, bool drain, std::mt19937_64& rng) {
     const int32_t mine = index < g.num_blocks ? (g.num_blocks - index + num_comm - 1) / num_comm : 0;
+    if (cm.next >= mine && cm.released == cm.next) return step(cm.joined, rng);
     auto block_at = [&](int32_t i) { return g.block_at(index + i * num_comm); };
     auto release_upto = [&](int64_t complete_rows) {
       bool any = false;
@@ -218,7 +220,7 @@ bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, 
     for (int a : order) {
       const bool moved = a < num_compute ? m.step(compute[static_cast<size_t>(a)], rng)
                                          : m.step(comm[static_cast<size_t>(a - num_compute)], a - num_compute,
-                                                  num_comm, pipelined, 4, drain);
+                                                  num_comm, pipelined, 4, drain, rng);
       if (moved) {
         progressed = true;
         break;
@@ -227,6 +229,7 @@ bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, 
     if (!progressed) {
       bool done = m.task_next >= m.num_tasks;
       for (auto& cb : compute) done &= cb.pending < 0 && cb.in_flight.empty();
+      for (auto& cm : comm) done &= cm.joined.pending < 0 && cm.joined.in_flight.empty();
       if (!done) *why = "deadlock at task_next " + std::to_string(m.task_next) + " of " + std::to_string(m.num_tasks);
       return done;
     }
