@@ -1,6 +1,6 @@
 // The fused forward megakernel at EP=1: one persistent launch, grid = SM count.
 //
-// Roles (a named table; one switch at the top of the kernel):
+// Roles (dispatched at the end of this file by block index, then warpgroup):
 //   kComm       blocks [0, num_comm): gather routed rows of x into the ring (bulk copies
 //               through shared memory), block by block in processing order; then they
 //               join the compute roles below
@@ -29,8 +29,6 @@
 namespace mok::cuda::fused {
 
 using gemm::TileConfig;
-
-enum class Role : int32_t { kComm = 0, kProducer = 1, kSignaler = 2, kConsumer0 = 3, kConsumer1 = 4 };
 
 enum class NamedBarrier : uint32_t {
   kBlock = 0,      // __syncthreads
