@@ -25,7 +25,7 @@ extern "C" {
 #endif
 
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 2
+#define MOK_VERSION_MINOR 3
 #define MOK_VERSION_PATCH 0
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
@@ -90,7 +90,7 @@ typedef struct mokTensor_t {
 
 /* Versioned config. Always start from MOK_CONFIG_INITIALIZER, then set fields.
  * Every field is 8 bytes wide so that the layout is the same for every binding. */
-#define MOK_CONFIG_VERSION 1
+#define MOK_CONFIG_VERSION 2
 typedef struct mokConfig_t {
   uint64_t size;          /* sizeof(mokConfig_t) as the caller compiled it */
   uint64_t version;       /* MOK_CONFIG_VERSION */
@@ -114,6 +114,9 @@ typedef struct mokConfig_t {
   double timeout_s;             /* deadline of every device-side wait */
   int64_t device;               /* MOK_DEVICE_CPU or CUDA ordinal */
   int64_t num_threads;          /* CPU backend threads; 0 = hardware concurrency */
+  /* since config version 2 */
+  int64_t num_blocks;           /* grid of the persistent CUDA kernels; 0 = one block per SM
+                                   (virtual ranks: SMs / P each, so that all P run at once) */
 } mokConfig_t;
 
 #define MOK_CONFIG_INITIALIZER                                                          \
@@ -123,7 +126,8 @@ typedef struct mokConfig_t {
         /*ep_rank*/ 0, /*max_tokens*/ 0, /*fwd_num_comm_sms*/ 8, /*bwd_num_comm_sms*/ 8, \
         /*minibatch_size*/ 1024, /*macrobatch_size*/ 16384, /*block_m*/ 128,             \
         /*precision*/ mokPrecisionBF16, /*schedule_capacity_multiplier*/ 1.0,           \
-        /*timeout_s*/ 60.0, /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0                \
+        /*timeout_s*/ 60.0, /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0,               \
+        /*num_blocks*/ 0                                                                \
   }
 
 /* Weights of one rank: its E_l = E/P routed experts and the optional shared expert.
@@ -218,6 +222,21 @@ MOK_API int mokGetVersion(void);
 MOK_API int mokHasCuda(void);
 
 MOK_API mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace);
+
+/* ---- EP >= 2: symmetric memory ---------------------------------------------------------------
+ * Every rank of an EP group holds one region of mokSymmetricBytes(config) bytes with the same
+ * byte map (docs/design.md); a call reads and writes its peers' regions directly (NVLink, or
+ * the same device).  Providers: PyTorch symmetric memory (Python: mok.functional.get_workspace
+ * with a process group), cudaMalloc + peer access over several GPUs of one process, or P
+ * regions on one GPU ("virtual ranks": each rank's calls on its own stream, with
+ * config.num_blocks = SMs / P).
+ * regions[s] is rank s's region as this process addresses it, s in [0, ep_size);
+ * regions[config->ep_rank] is this rank's own.  Before any rank's first call every region must
+ * be zero-filled and every rank's workspace created (a barrier of the group orders it).
+ * Calls of the group must be issued in the same order on every rank (sequence numbers). */
+MOK_API mokResult_t mokSymmetricBytes(const mokConfig_t* config, size_t* bytes);
+MOK_API mokResult_t mokWorkspaceCreateSymmetric(const mokConfig_t* config, void* const* regions,
+                                                int64_t num_regions, mokWorkspace_t* workspace);
 MOK_API mokResult_t mokWorkspaceDestroy(mokWorkspace_t workspace);
 /* Writes a NUL-terminated description of the buffers and their size formulas.  *needed (if
  * not NULL) receives the bytes it takes, NUL included; buffer == NULL only asks for that. */
@@ -244,9 +263,10 @@ MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* strea
 MOK_API mokResult_t mokWorkspaceReadTrace(mokWorkspace_t workspace, void* buffer, size_t buffer_size,
                                           size_t* needed, int64_t* events_per_recorder);
 
-/* One rank's layer (EP = 1 in this call).  CPU tensors run the reference backend; CUDA
- * tensors run the GPU forward on `stream` (a cudaStream_t; NULL = default stream) with no
- * host synchronisation. */
+/* One rank's layer.  CPU tensors run the reference backend (EP = 1; the EP group on the CPU is
+ * mokForwardEmulated); CUDA tensors run the GPU forward on `stream` (a cudaStream_t; NULL =
+ * default stream) with no host synchronisation: EP = 1 with a mokWorkspaceCreate workspace,
+ * EP >= 2 with a mokWorkspaceCreateSymmetric one (every rank of the group calls it). */
 MOK_API mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* stream);
 MOK_API mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream);
 

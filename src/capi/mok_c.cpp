@@ -10,6 +10,7 @@
 #include "mok/mok.h"
 #include "plan/plan.hpp"
 #include "ref/reference.hpp"
+#include "common/symmetric.hpp"
 #include "runtime/errors.hpp"
 #include "runtime/layer.hpp"
 #include "runtime/tensor.hpp"
@@ -163,6 +164,42 @@ mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* worksp
       ws->impl.description += "  device buffers: " + std::to_string(mok::cuda::workspace_bytes(ws->impl.device)) +
                               " B on " + mok::device_str(static_cast<int32_t>(c.device)) + "\n";
     }
+    *workspace = ws;
+  });
+}
+
+mokResult_t mokSymmetricBytes(const mokConfig_t* config, size_t* bytes) {
+  return guarded("mokSymmetricBytes", [&] {
+    if (bytes == nullptr) MOK_FAIL(mokInvalidUsage, "bytes out-pointer is NULL");
+    const mokConfig_t c = mok::normalize_config(config);
+    mok::check_config(c);
+    *bytes = static_cast<size_t>(mok::sym_layout(c.ep_size, c.max_tokens, c.topk, c.hidden).bytes);
+  });
+}
+
+mokResult_t mokWorkspaceCreateSymmetric(const mokConfig_t* config, void* const* regions, int64_t num_regions,
+                                        mokWorkspace_t* workspace) {
+  return guarded("mokWorkspaceCreateSymmetric", [&] {
+    if (workspace == nullptr) MOK_FAIL(mokInvalidUsage, "workspace out-pointer is NULL");
+    *workspace = nullptr;
+    const mokConfig_t c = mok::normalize_config(config);
+    mok::check_config(c);
+    MOK_CHECK_ARG(c.device >= 0, "config.device = " << c.device << ": symmetric workspaces live on a CUDA device");
+    MOK_CHECK_ARG(regions != nullptr && num_regions == c.ep_size,
+                  "regions: " << num_regions << " given for config.ep_size = " << c.ep_size
+                              << " (one per rank of the group, own at config.ep_rank)");
+    if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
+    const std::string why = mok::cuda::unsupported_shape(c);
+    if (!why.empty()) MOK_FAIL(mokNotSupported, why);
+    auto* ws = new mokWorkspace{mok::Workspace{c, mok::describe_buffers(c), nullptr}};
+    try {
+      ws->impl.device = mok::cuda::create_workspace(c, regions);
+    } catch (...) {
+      delete ws;
+      throw;
+    }
+    ws->impl.description += "  device buffers: " + std::to_string(mok::cuda::workspace_bytes(ws->impl.device)) +
+                            " B on " + mok::device_str(static_cast<int32_t>(c.device)) + " (+ the symmetric region)\n";
     *workspace = ws;
   });
 }

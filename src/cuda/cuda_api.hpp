@@ -14,7 +14,8 @@ bool built();
 
 // Device buffers of a workspace (src/cuda/forward.hpp has the byte map).
 struct DeviceWorkspace;
-DeviceWorkspace* create_workspace(const mokConfig_t& config);
+// regions: null at EP = 1; at EP >= 2 the P symmetric regions of the group (mok.h).
+DeviceWorkspace* create_workspace(const mokConfig_t& config, void* const* regions = nullptr);
 void destroy_workspace(DeviceWorkspace* ws);
 size_t workspace_bytes(const DeviceWorkspace* ws);
 // Bytes of the timing ring (0 when off); copies it into buffer when not null (synchronises).
@@ -22,7 +23,8 @@ size_t read_trace(DeviceWorkspace& ws, void* buffer, size_t buffer_size, int64_t
 // Raises (mokDeviceInvalidRoute / mokTimeout) what the last call recorded once its copy has
 // landed; with `wait`, synchronises on it first.
 void check_errors(DeviceWorkspace& ws, int rank, bool wait);
-// y = layer(x) at EP=1 on device pointers (already checked by the caller).
+// y = layer(x) of this rank on device pointers (already checked by the caller); at EP >= 2
+// every rank of the group makes the same sequence of calls.
 void forward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);

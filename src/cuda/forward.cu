@@ -1,7 +1,9 @@
-// EP=1 forward on the GPU, as a sequence of stream-ordered launches with no host sync:
-//   plan build -> gather routed rows into the ring -> gate/up GEMM with SwiGLU epilogue ->
-//   down GEMM scattering each row to its slot token*k+j -> shared expert (dense) ->
-//   fixed-order combine: y[t] = bf16(Σ_j↑ w[t,j]·slot[t,j] + shared[t]).
+// The forward on the GPU, as a sequence of stream-ordered launches with no host sync:
+//   [EP >= 2: x into the symmetric region, routing exchange, start barrier (ep.cu)] ->
+//   plan build -> the fused megakernel (or, MOK_FORWARD_PATH=unfused at EP = 1, separate
+//   launches: gather -> gate/up GEMM with SwiGLU -> down GEMM scattering each row to its
+//   slot token*k+j -> shared expert -> combine), whose combine is
+//   y[t] = bf16(Σ_j↑ w[t,j]·slot[t,j] + shared[t]).
 #include "cuda/forward.hpp"
 
 #include <cuda_bf16.h>
@@ -14,6 +16,7 @@
 #include "cuda/cuda_api.hpp"
 #include "cuda/combine.cuh"
 #include "cuda/cuda_check.hpp"
+#include "cuda/ep.hpp"
 #include "cuda/fused/forward_kernel.cuh"
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/tensor_map.hpp"
@@ -24,8 +27,8 @@
 namespace mok::cuda {
 namespace {
 
-constexpr int kRouteErrorWords = kErrorWords;  // [0, 4)
-constexpr int kTimeoutWords = 5;               // [4, 9)
+constexpr int kRouteErrorWords = kErrorWords;        // [0, 4)
+constexpr int kTimeoutWords = gemm::kTimeoutWords;   // [4, 11)
 constexpr int kAllErrorWords = kRouteErrorWords + kTimeoutWords;
 
 // ---- gather: ring[i] = x[token of plan row i], zeros for padding --------------------------
@@ -47,23 +50,18 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint32_t* 
   }
 }
 
-// ---- combine: one block per token, 8 bf16 (16 B) per thread per step ------------------------
+// ---- combine: one warp per token (combine_token_warp), 4 warps per block -------------------------
 __global__ void combine_kernel(plan::RoutingView v, const float* __restrict__ topk_weights,
                                const uint4* __restrict__ slots, const uint4* __restrict__ shared_out,
                                int64_t row_vecs, uint4* __restrict__ y) {
-  __shared__ float weight[kMaxTopK];
-  __shared__ int32_t valid[kMaxTopK];
-  const int64_t t = blockIdx.x;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (t >= v.num_tokens[0]) return;  // warp-uniform
   const int k = v.topk;
-  if (threadIdx.x < k) {
-    int64_t id;
-    valid[threadIdx.x] = plan::check_route(v, 0, t, threadIdx.x, &id) == RouteCheck::kOk;
-    weight[threadIdx.x] = topk_weights[t * k + threadIdx.x];
-  }
-  __syncthreads();
-  const uint4* shared_row = shared_out ? shared_out + t * row_vecs : nullptr;
-  for (int64_t c = threadIdx.x; c < row_vecs; c += blockDim.x)
-    y[t * row_vecs + c] = combine_chunk(slots + t * k * row_vecs, row_vecs, k, valid, weight, shared_row, c);
+  combine_token_warp(slots + t * k * row_vecs, row_vecs, k, topk_weights + t * k,
+                     shared_out ? shared_out + t * row_vecs : nullptr, y + t * row_vecs, [&](int j) {
+                       int64_t id;
+                       return plan::check_route(v, 0, t, j, &id) == RouteCheck::kOk;
+                     });
 }
 
 template <typename T>
@@ -135,7 +133,7 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
 
   // Fixed-order combine
   if (T > 0) {
-    combine_kernel<<<static_cast<unsigned>(T), 128, 0, stream>>>(
+    combine_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
         v, in.topk_weights, static_cast<const uint4*>(ws.slots),
         Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr, row_vecs, static_cast<uint4*>(y));
     MOK_CUDA_CHECK(cudaGetLastError());
@@ -147,7 +145,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
                    void* y, cudaStream_t stream) {
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
-  const int32_t num_comm = static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.num_sms - 1));
+  const int32_t num_comm = static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.grid - 1));
   MOK_CHECK_ARG(num_comm >= 1, "fwd_num_comm_sms = " << c.fwd_num_comm_sms << " must be at least 1 (the comm blocks gather)");
   fused::ForwardParams p{};
   p.hidden = static_cast<int32_t>(H);
@@ -178,6 +176,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.shared_act = static_cast<__nv_bfloat16*>(ws.shared_act);
   p.shared_out = static_cast<__nv_bfloat16*>(ws.shared_out);
   p.y = static_cast<__nv_bfloat16*>(y);
+  p.group = ep_group(ws);
   p.counters = ws.counters;
   p.trace = ws.trace;
   p.trace_cap = ws.trace_cap;
@@ -211,16 +210,18 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
   MOK_CUDA_CHECK(cudaFuncSetAttribute(fused::fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(fused::kFusedSmemBytes)));
-  fused::fused_forward_kernel<<<ws.num_sms, gemm::TileConfig::kThreads, fused::kFusedSmemBytes, stream>>>(m, p);
+  fused::fused_forward_kernel<<<ws.grid, gemm::TileConfig::kThreads, fused::kFusedSmemBytes, stream>>>(m, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace
 
-DeviceWorkspace* create_workspace(const mokConfig_t& c) {
+DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
   auto* ws = new DeviceWorkspace();
   try {
     ws->device = static_cast<int>(c.device);
     const DeviceGuard guard(ws->device);
+    ws->ep_size = static_cast<int32_t>(c.ep_size);
+    ws->ep_rank = static_cast<int32_t>(c.ep_rank);
     const plan::PlanDims d = plan_dims(c);
     const int64_t El = d.local_experts(), H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
     ws->max_rows = plan::max_rows(d);
@@ -232,12 +233,32 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c) {
     ws->expert_offset = device_alloc<int32_t>(static_cast<size_t>(El + 1), &b);
     ws->block_expert = device_alloc<int32_t>(static_cast<size_t>(ws->max_blocks), &b);
     MOK_CUDA_CHECK(cudaDeviceGetAttribute(&ws->num_sms, cudaDevAttrMultiProcessorCount, ws->device));
+    ws->grid = c.num_blocks > 0 ? static_cast<int32_t>(std::min<int64_t>(c.num_blocks, ws->num_sms)) : ws->num_sms;
     ws->ring_rows = std::min<int64_t>(c.macrobatch_size, ws->max_rows);
     ws->ring = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * H), &b);
     ws->act = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * I), &b);
     ws->num_counters = 2 + 3 * ws->max_blocks + ws->shared_blocks;
     ws->counters = device_alloc<int32_t>(static_cast<size_t>(ws->num_counters), &b);
-    ws->slots = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * c.topk * H), &b);
+    if (ws->ep_size > 1) {
+      // The group's regions: slots live in this rank's own; the table goes to the device.
+      MOK_CHECK_ARG(regions != nullptr, "ep_size = " << c.ep_size << " needs the group's symmetric regions "
+                                                     "(mokWorkspaceCreateSymmetric)");
+      ws->sym = sym_layout(c.ep_size, c.max_tokens, c.topk, H);
+      for (int s = 0; s < ws->ep_size; ++s) {
+        MOK_CHECK_ARG(regions[s] != nullptr, "symmetric region of rank " << s << " is null");
+        MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(regions[s]) % 1024 == 0,
+                      "symmetric region of rank " << s << " at " << regions[s] << " is not 1 KB aligned");
+        ws->regions.push_back(static_cast<uint8_t*>(regions[s]));
+      }
+      ws->regions_dev = device_alloc<uint8_t*>(static_cast<size_t>(ws->ep_size), &b);
+      MOK_CUDA_CHECK(cudaMemcpy(ws->regions_dev, ws->regions.data(), ws->regions.size() * sizeof(uint8_t*),
+                                cudaMemcpyHostToDevice));
+      ws->ep_seq = device_alloc<int64_t>(1, &b);
+      MOK_CUDA_CHECK(cudaMemset(ws->ep_seq, 0, sizeof(int64_t)));
+      ws->slots = ws->regions[ws->ep_rank] + ws->sym.slots;
+    } else {
+      ws->slots = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * c.topk * H), &b);
+    }
     if (Is > 0) {
       ws->shared_block = device_alloc<int32_t>(static_cast<size_t>(ws->shared_blocks), &b);
       MOK_CUDA_CHECK(cudaMemset(ws->shared_block, 0, static_cast<size_t>(std::max<int64_t>(ws->shared_blocks, 1)) * 4));
@@ -267,9 +288,10 @@ void destroy_workspace(DeviceWorkspace* ws) {
   cudaSetDevice(ws->device);
   for (void* p : {static_cast<void*>(ws->rows), static_cast<void*>(ws->expert_count),
                   static_cast<void*>(ws->expert_offset), static_cast<void*>(ws->block_expert),
-                  static_cast<void*>(ws->shared_block), ws->ring, ws->act, ws->slots, ws->shared_act, ws->shared_out,
-                  static_cast<void*>(ws->errors), static_cast<void*>(ws->counters), ws->unfused_ring, ws->unfused_act,
-                  static_cast<void*>(ws->trace)})
+                  static_cast<void*>(ws->shared_block), ws->ring, ws->act, ws->ep_size > 1 ? nullptr : ws->slots,
+                  ws->shared_act, ws->shared_out, static_cast<void*>(ws->errors), static_cast<void*>(ws->counters),
+                  ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->trace),
+                  static_cast<void*>(ws->regions_dev), static_cast<void*>(ws->ep_seq)})
     if (p) cudaFree(p);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
   if (ws->errors_ready) cudaEventDestroy(ws->errors_ready);
@@ -291,13 +313,25 @@ void check_errors(DeviceWorkspace& ws, int rank, bool wait) {
   }
   const int64_t* e = ws.host_errors;
   if (e[kRouteErrorWords] != 0) {
-    static const char* kSites[] = {"?", "producer waiting for an empty stage", "consumer waiting for a full stage",
-                                   "dependency counter"};
-    const int64_t site = e[kRouteErrorWords + 1];
-    MOK_FAIL(mokTimeout, "rank " << rank << ": a device-side wait passed its deadline: "
-                                 << kSites[(site >= 0 && site <= 3) ? site : 0] << ", block " << e[kRouteErrorWords + 2]
-                                 << ", stage/phase " << e[kRouteErrorWords + 3] << ", expected "
-                                 << e[kRouteErrorWords + 4]);
+    const int64_t* t = e + kRouteErrorWords;
+    const int64_t site = t[1];
+    std::ostringstream what;
+    what << "rank " << rank << ": a device-side wait passed its deadline (timeout_s): ";
+    if (site == static_cast<int64_t>(gemm::WaitSite::kStartBarrier) ||
+        site == static_cast<int64_t>(gemm::WaitSite::kEndBarrier)) {
+      what << (site == static_cast<int64_t>(gemm::WaitSite::kStartBarrier)
+                   ? "start barrier (routing exchange): waiting for peer "
+                   : "end barrier (push combine): waiting for peer ")
+           << t[3] << " to reach call " << t[4] << ", observed " << t[5]
+           << " (a peer that never called, called with another config, or failed earlier)";
+    } else {
+      static const char* kSites[] = {"?", "producer waiting for an empty stage", "consumer waiting for a full stage",
+                                     "dependency counter"};
+      what << kSites[(site >= 0 && site <= 3) ? site : 0] << ", block " << t[2] << ", stage/counter " << t[3]
+           << ", expected " << t[4];
+      if (t[5] >= 0) what << ", observed " << t[5];
+    }
+    MOK_FAIL(mokTimeout, what.str());
   }
   if (e[0] != kNoError) {
     const char* kind = e[2] == static_cast<int64_t>(RouteCheck::kDuplicate) ? "duplicates an earlier id of the token"
@@ -334,8 +368,6 @@ std::string unsupported_shape(const mokConfig_t& c) {
     why << "shared_intermediate = " << c.shared_intermediate << " must be a multiple of 128 on the CUDA backend";
   else if (c.block_m != gemm::TileConfig::kBlockM)
     why << "block_m = " << c.block_m << " must be " << gemm::TileConfig::kBlockM << " on the CUDA backend";
-  else if (c.ep_size != 1)
-    why << "ep_size = " << c.ep_size << ": the multi-GPU CUDA forward is not built yet";
   else if (c.hidden > 8192)
     why << "hidden = " << c.hidden << " exceeds 8192: the comm blocks stage 12 rows of H bf16 in shared memory";
   else if (plan::ceil_div(plan::max_rows(plan_dims(c)), c.minibatch_size) > fused::kMaxSegments / 2 - 1)
@@ -367,18 +399,25 @@ void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& i
   const plan::PlanDims d = plan_dims(c);
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
 
-  // Plan build from the device-resident ids
+  // Plan build from the device-resident ids (EP >= 2: the whole group's, exchanged first)
   plan::RoutingView v;
-  v.num_ranks = 1;
-  v.topk = static_cast<int32_t>(k);
-  v.num_experts = c.num_experts;
-  v.ids_are_int64 = in.ids_are_int64;
-  v.ids[0] = in.topk_ids;
-  v.num_tokens[0] = T;
+  if (ws.ep_size > 1) {
+    ep_start(ws, c, in, ws.errors + kRouteErrorWords, stream);
+    v = ep_routing(ws, c);
+  } else {
+    v.num_ranks = 1;
+    v.topk = static_cast<int32_t>(k);
+    v.num_experts = c.num_experts;
+    v.ids_are_int64 = in.ids_are_int64;
+    v.ids[0] = in.topk_ids;
+    v.num_tokens[0] = T;
+  }
   const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
   build_plan(d, v, pv, ws.errors, ws.device, stream_ptr);
 
   if (use_unfused_path()) {
+    MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "
+                                       << ws.ep_size << ")");
     forward_unfused(ws, c, in, v, y, stream);
   } else {
     forward_fused(ws, c, in, v, y, stream);

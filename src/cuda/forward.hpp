@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <string>
 
+#include <vector>
+
+#include "common/symmetric.hpp"
 #include "mok/mok.h"
 #include "cuda/cuda_api.hpp"
 #include "ref/reference.hpp"
@@ -22,9 +25,18 @@ namespace mok::cuda {
 //   slots              T_max*k x H x 2     one output row per route, slot token*k + j
 //   shared_block       ceil(T_max/128) x 4 (zeros: every block of the shared expert is expert 0)
 //   shared_act         T_max x I_s x 2     shared_out  T_max x H x 2
-//   errors             9 x 8               route error [4] + timeout record [5]
+//   errors             11 x 8              route error [4] + timeout record [7]
+// EP >= 2: slots live in this rank's symmetric region (common/symmetric.hpp has its map);
+//   regions_dev        P x 8               the group's region pointers, as this process sees them
+//   ep_seq             8                   sequence number of the last call
 struct DeviceWorkspace {
   int device = 0;
+  int32_t ep_size = 1, ep_rank = 0;
+  SymLayout sym;
+  std::vector<uint8_t*> regions;   // host copy of regions_dev (EP >= 2)
+  uint8_t** regions_dev = nullptr;
+  int64_t* ep_seq = nullptr;
+  int32_t grid = 0;                // blocks of the persistent kernels (config.num_blocks or SMs)
   int64_t max_rows = 0, max_blocks = 0, shared_blocks = 0, ring_rows = 0;
   int32_t num_sms = 0;
   uint32_t* rows = nullptr;

@@ -15,7 +15,7 @@ namespace {
 [[noreturn]] void no_cuda() { MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)"); }
 }  // namespace
 
-DeviceWorkspace* create_workspace(const mokConfig_t&) { no_cuda(); }
+DeviceWorkspace* create_workspace(const mokConfig_t&, void* const*) { no_cuda(); }
 void destroy_workspace(DeviceWorkspace*) {}
 size_t workspace_bytes(const DeviceWorkspace*) { return 0; }
 size_t read_trace(DeviceWorkspace&, void*, size_t, int64_t* events_per_recorder) {

@@ -45,7 +45,7 @@ __device__ void build_chunk_masks(const plan::PlanDims& d, const plan::RoutingVi
   const int64_t t = (blockIdx.x % g.chunks_per_rank) * kChunkTokens + threadIdx.x;
   *s_out = s;
   *token_out = t;
-  if (t < v.num_tokens[s]) {
+  if (t < plan::tokens_of(v, s)) {
     for (int j = 0; j < v.topk; ++j) {
       int64_t id;
       const RouteCheck check = plan::check_route(v, s, t, j, &id);
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kChunkTokens) plan_scatter_kernel(plan::PlanDi
   int s;
   int64_t t;
   build_chunk_masks(d, v, g, masks, nullptr, &s, &t);
-  if (t >= v.num_tokens[s]) return;
+  if (t >= plan::tokens_of(v, s)) return;
   const int64_t num_local = d.local_experts();
   const int word = threadIdx.x / 32;
   const uint32_t below = (1u << (threadIdx.x % 32)) - 1u;

@@ -60,14 +60,23 @@ MOK_HD int64_t num_macrobatches(int64_t total_rows, int64_t macrobatch_size) {
 MOK_HD int64_t ring_slot(int64_t row, int64_t macrobatch_size) { return row % macrobatch_size; }
 
 // The gathered routing of the EP group: rank s's topk_ids, [T_s, k] row-major.
+// num_tokens[s] is T_s; with tokens_dev (device memory, EP >= 2: the peers' counts arrive on
+// the device) T_s = min(tokens_dev[s], num_tokens[s]), num_tokens then holding T_max.
 struct RoutingView {
   const void* ids[kMaxRanks] = {};
   int64_t num_tokens[kMaxRanks] = {};
+  const int64_t* tokens_dev = nullptr;
   int64_t num_experts = 0;
   int32_t num_ranks = 1;
   int32_t topk = 0;
   int32_t ids_are_int64 = 0;
 };
+
+MOK_HD int64_t tokens_of(const RoutingView& v, int s) {
+  if (v.tokens_dev == nullptr) return v.num_tokens[s];
+  const int64_t t = v.tokens_dev[s];
+  return t < 0 ? 0 : (t < v.num_tokens[s] ? t : v.num_tokens[s]);
+}
 
 MOK_HD int64_t load_id(const RoutingView& v, int s, int64_t token, int j) {
   const int64_t i = token * v.topk + j;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "common/symmetric.hpp"
 #include "runtime/errors.hpp"
 #include "runtime/tensor.hpp"
 
@@ -57,6 +58,7 @@ void check_config(const mokConfig_t& c) {
                 "config.precision = " << c.precision << ": only bf16 (0) is implemented in this build");
   MOK_CHECK_ARG(c.timeout_s > 0, "config.timeout_s = " << c.timeout_s << " must be positive");
   MOK_CHECK_ARG(c.fwd_num_comm_sms >= 0 && c.bwd_num_comm_sms >= 0, "num_comm_sms must be >= 0");
+  MOK_CHECK_ARG(c.num_blocks >= 0, "config.num_blocks = " << c.num_blocks << " must be >= 0 (0 = one block per SM)");
   MOK_CHECK_ARG(c.schedule_capacity_multiplier > 0, "schedule_capacity_multiplier must be positive");
   const std::string why = plan::check_plan_dims(plan_dims(c));
   MOK_CHECK_ARG(why.empty(), "config: " << why);
@@ -81,6 +83,14 @@ std::string describe_buffers(const mokConfig_t& c) {
      << "  ring               = macrobatch_size*H*2 B = " << c.macrobatch_size << "*" << c.hidden << "*2 = "
      << c.macrobatch_size * c.hidden * 2 << " B (GPU backend)\n"
      << "  error record       = 4 x 8 B\n";
+  if (c.ep_size > 1) {
+    const SymLayout l = sym_layout(c.ep_size, c.max_tokens, c.topk, c.hidden);
+    os << "  symmetric region (per rank, same map on every rank; mokSymmetricBytes) = " << l.bytes << " B:\n"
+       << "    flags_start, flags_end, tokens = 3 x 64 x 8 B (1 KB aligned each)\n"
+       << "    routing = P*align1K(T_max*k*8) = " << c.ep_size << "*" << l.routing_rank_stride << " B\n"
+       << "    x       = T_max*H*2 = " << c.max_tokens * c.hidden * 2 << " B\n"
+       << "    slots   = T_max*k*H*2 = " << c.max_tokens * c.topk * c.hidden * 2 << " B\n";
+  }
   if (c.device < 0) os << "  backend: CPU reference (buffers are allocated per call)\n";
   return os.str();
 }

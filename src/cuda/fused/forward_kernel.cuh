@@ -1,4 +1,7 @@
-// The fused forward megakernel at EP=1: one persistent launch, grid = SM count.
+// The fused forward megakernel: one persistent launch, grid = SM count (or config.num_blocks).
+// EP >= 2: the comm blocks pull rows from the x of their rank's region (NVLink), the down
+// epilogue pushes each row to the slot of its home rank, and an end barrier over the group
+// comes before the combine (ep.cuh).
 //
 // Roles (dispatched at the end of this file by block index, then warpgroup):
 //   kComm       blocks [0, num_comm): gather routed rows of x into the ring (bulk copies
@@ -23,6 +26,7 @@
 #pragma once
 
 #include "cuda/combine.cuh"
+#include "cuda/ep.cuh"
 #include "cuda/fused/schedule.cuh"
 #include "cuda/gemm/tile.cuh"
 
@@ -67,6 +71,8 @@ struct ForwardParams {
   __nv_bfloat16* shared_act;  // [T_max, I_s]
   __nv_bfloat16* shared_out;  // [T_max, H]
   __nv_bfloat16* y;           // [T, H]
+  // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
+  ep::Group group;
   // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block
   mokTraceEvent_t* trace;
   int32_t trace_cap;
@@ -89,8 +95,6 @@ struct alignas(1024) FusedShared {
   uint64_t done_full[2];                    // consumer leaders -> signaler: the tile's stores are issued
   uint64_t done_empty[2];                   // signaler -> consumer leaders
   uint64_t gather_bar[16];                  // comm: one per staging row (warps: per warp)
-  float route_weight[kMaxTopK];
-  int32_t route_valid[kMaxTopK];
   int32_t num_segments;
   int32_t num_tasks;
   int32_t n_group;
@@ -156,6 +160,12 @@ __device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t t
 }
 
 // ---- comm role: gather routed rows into the ring ---------------------------------------------
+// The source row of a plan record: x of its rank (EP >= 2: that rank's region, over NVLink).
+__device__ __forceinline__ const __nv_bfloat16* x_row(const ForwardParams& p, uint32_t rec) {
+  const __nv_bfloat16* x = p.group.size > 1 ? ep::x_of(p.group, row_rank(rec)) : p.x;
+  return x + row_token(rec) * p.hidden;
+}
+
 __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
                             int32_t* gather_ready, int32_t n_gate_up) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
@@ -187,7 +197,7 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
         // Row through shared memory: bulk load, then bulk store from the same staging row
         ptx::bulk_wait_read<0>();
         ptx::mbar_arrive_expect_tx(bar, row_bytes);
-        ptx::bulk_load(slot, p.x + row_token(rec) * p.hidden, row_bytes, bar);
+        ptx::bulk_load(slot, x_row(p, rec), row_bytes, bar);
         // NOTES: on a timeout the row is skipped, not the loop: the other lanes must still
         // reach __syncwarp; the recorded timeout makes every other wait of the launch leave.
         if (!gemm::wait_barrier(bar, phase, wait, gemm::WaitSite::kConsumerFull, 6000 + warp)) continue;
@@ -226,8 +236,7 @@ __device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, c
     if (row_is_pad(rec)) return;
     const int s = static_cast<int>(r % slots);
     ptx::mbar_arrive_expect_tx(&sh.gather_bar[s], row_bytes);
-    ptx::bulk_load(base + static_cast<size_t>(s) * row_bytes, p.x + row_token(rec) * p.hidden, row_bytes,
-                   &sh.gather_bar[s]);
+    ptx::bulk_load(base + static_cast<size_t>(s) * row_bytes, x_row(p, rec), row_bytes, &sh.gather_bar[s]);
   };
   TraceWriter trace(p, 3);
   uint64_t t_begin = 0;
@@ -280,26 +289,17 @@ __device__ void comm_gather_pipelined(FusedShared& sh, const ForwardParams& p, c
   release_upto(rows);
 }
 
-// ---- fixed-order combine of one token ----------------------------------------------------------
-// Threads [first_thread, first_thread + num_threads) of the block; 8 bf16 (16 B) per step.
-__device__ void combine_token(FusedShared& sh, const ForwardParams& p, int64_t t, int first_thread, int num_threads) {
-  const int tid = threadIdx.x - first_thread;
-  const int k = p.topk;
-  if (tid < k) {
-    int64_t id;
-    sh.route_valid[tid] = plan::check_route(p.routing, 0, t, tid, &id) == RouteCheck::kOk;
-    sh.route_weight[tid] = p.topk_weights[t * k + tid];
-  }
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), num_threads);
+// ---- fixed-order combine of one token by one warp -------------------------------------------
+__device__ __forceinline__ void combine_token(const ForwardParams& p, int64_t t) {
   const int64_t row_vecs = p.hidden / 8;
-  const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
+  const int k = p.topk;
   const uint4* shared_out = reinterpret_cast<const uint4*>(p.shared_out);
-  uint4* y = reinterpret_cast<uint4*>(p.y);
-  const uint4* shared_row = p.shared_inter > 0 ? shared_out + t * row_vecs : nullptr;
-  for (int64_t c = tid; c < row_vecs; c += num_threads)
-    y[t * row_vecs + c] = combine_chunk(slots + t * k * row_vecs, row_vecs, k, sh.route_valid, sh.route_weight,
-                                        shared_row, c);
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), num_threads);
+  combine_token_warp(reinterpret_cast<const uint4*>(p.slots) + t * k * row_vecs, row_vecs, k, p.topk_weights + t * k,
+                     p.shared_inter > 0 ? shared_out + t * row_vecs : nullptr,
+                     reinterpret_cast<uint4*>(p.y) + t * row_vecs, [&](int j) {
+                       int64_t id;
+                       return plan::check_route(p.routing, p.group.rank, t, j, &id) == RouteCheck::kOk;
+                     });
 }
 
 // ---- producer: claim tasks, wait for their inputs, issue their loads ---------------------------
@@ -397,7 +397,9 @@ __device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardPara
                               int64_t{info.n_block} * 128);
         break;
       case TaskKind::kDown:
-        gemm::epilogue_scatter(acc, consumer, p.slots, p.hidden, p.rows + int64_t{b} * 128, p.topk,
+        gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) {
+          return p.group.size > 1 && !row_is_pad(rec) ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
+        }, p.hidden, p.rows + int64_t{b} * 128, p.topk,
                                int64_t{info.n_block} * 256);
         break;
       default:
@@ -463,12 +465,23 @@ __device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, cons
   if (threadIdx.x == 128) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
-    wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9999);
+    if (wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9999) && p.group.size > 1) {
+      // EP end barrier: every block's pushes were fenced at system scope before it arrived;
+      // block 0 tells every rank that this rank's pushes landed, then each block waits for
+      // every rank's word before combining its share of this rank's tokens.
+      const int64_t seq = *p.group.seq;
+      if (blockIdx.x == 0) ep::publish<true>(p.group, seq);
+      ep::wait_group<true>(p.group, seq, wait);
+    }
   }
   if (threadIdx.x < 128) return;
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   const uint64_t t_combine = ptx::globaltimer_ns();
-  for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) combine_token(sh, p, t, 128, 256);
+  // Warp w of block b takes tokens b·8 + w, then every 8·gridDim-th.
+  const int warp = __shfl_sync(0xffffffffu, (threadIdx.x - 128) / 32, 0);
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * 8)
+    combine_token(p, t);
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   if (threadIdx.x == 128) {
     trace.add(mokTraceGridBarrier, t_arrive, t_combine, 255, -1, -1);
     trace.add(mokTraceCombine, t_combine, ptx::globaltimer_ns(), 255, -1, -1);
@@ -481,6 +494,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   auto& sh = *reinterpret_cast<FusedShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
+  // A wait of this call already expired (EP: the start barrier): leave; the host reports it.
+  if (p.timeout_record && *reinterpret_cast<volatile int64_t*>(p.timeout_record) != 0) return;
   int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
 
   // Geometry and the task table, identical on every block
@@ -538,6 +553,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   }
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   consume_tasks(sh, p, g, counts, warpgroup - 1, wait);
+  if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   finish_and_combine(sh, p, wait);
 }

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
         epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
         break;
       case Epilogue::kScatter:
-        epilogue_scatter(acc, consumer, p.out, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
+        epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
         break;
     }
   }

@@ -24,22 +24,29 @@ struct PipelineState {
 // kTimeout* layout).  The first expiry wins; the others only leave.
 struct WaitContext {
   uint64_t deadline_ns;     // %globaltimer value; set at kernel entry from the timeout
-  int64_t* timeout_record;  // [5]: flag, role, block, phase/stage, expected
+  int64_t* timeout_record;  // [kTimeoutWords]: flag, site, block, detail, expected, observed, rank
 };
+
+// Words of a timeout record (the workspace's error words after the route error record).
+inline constexpr int kTimeoutWords = 7;
 
 enum class WaitSite : int32_t {
   kProducerEmpty = 1,  // producer waits for a consumer to free a stage
   kConsumerFull = 2,   // consumer waits for TMA to fill a stage
   kCounter = 3,        // a global dependency counter
+  kStartBarrier = 4,   // EP: a peer's start flag (routing exchange); detail = peer
+  kEndBarrier = 5,     // EP: a peer's end flag (every push landed); detail = peer
 };
 
-static __device__ __forceinline__ void report_timeout(const WaitContext& ctx, WaitSite site, int64_t detail, int64_t expected) {
+static __device__ __forceinline__ void report_timeout(const WaitContext& ctx, WaitSite site, int64_t detail,
+                                                      int64_t expected, int64_t observed = -1) {
   if (ctx.timeout_record == nullptr) return;
   if (atomicCAS(reinterpret_cast<unsigned long long*>(ctx.timeout_record), 0ull, 1ull) == 0ull) {
     ctx.timeout_record[1] = static_cast<int64_t>(site);
     ctx.timeout_record[2] = blockIdx.x;
     ctx.timeout_record[3] = detail;
     ctx.timeout_record[4] = expected;
+    ctx.timeout_record[5] = observed;
     __threadfence();
   }
 }

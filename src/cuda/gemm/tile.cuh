@@ -184,15 +184,18 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[TileConfig::kA
   }
 }
 
-// Each tile row r goes to out[token*k + j] of its plan row record; padding rows are skipped.
-__device__ __forceinline__ void epilogue_scatter(const float (&acc)[TileConfig::kAccRegs], int consumer,
-                                                 __nv_bfloat16* out, int64_t ld, const uint32_t* tile_rows, int topk,
-                                                 int64_t col0) {
+// Each tile row r goes to slots(rec)[token*k + j] of its plan row record (slots(rec): the
+// slot array of the record's home rank; EP >= 2 pushes to a peer); padding rows are skipped.
+template <typename Slots>
+__device__ __forceinline__ void epilogue_scatter(const float (&acc)[TileConfig::kAccRegs], int consumer, Slots slots,
+                                                 int64_t ld, const uint32_t* tile_rows, int topk, int64_t col0) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const uint32_t rec = tile_rows[fragment_row(consumer, half)];
-    const int64_t row = row_is_pad(rec) ? 0 : row_token(rec) * topk + row_slot(rec);
-    store_row_16b<32>(out + row * ld + col0, !row_is_pad(rec),
+    const bool pad = row_is_pad(rec);
+    const int64_t row = pad ? 0 : row_token(rec) * topk + row_slot(rec);
+    __nv_bfloat16* out = slots(pad ? kPadRow : rec);
+    store_row_16b<32>(out + row * ld + col0, !pad,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }

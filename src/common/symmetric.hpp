@@ -1,0 +1,45 @@
+// Byte map of an EP rank's symmetric region (the same on every rank; docs/design.md).
+// Host and device code alike; offsets are 1 KB aligned.
+//
+//   flags_start  kMaxRanks x int64   [s] = sequence number of rank s's last started call
+//   flags_end    kMaxRanks x int64   [s] = sequence number of rank s's last call whose pushes landed
+//   tokens       kMaxRanks x int64   [s] = T_s of rank s's current call
+//   routing      P x T_max x k x int64   [s] = rank s's topk_ids of the current call
+//   x            T_max x H x bf16    this rank's x of the current call (peers pull from it)
+//   slots        T_max x k x H x bf16  one output row per route of this rank's tokens (peers push)
+#pragma once
+
+#include <cstdint>
+
+#include "common/defs.hpp"
+
+namespace mok {
+
+struct SymLayout {
+  int64_t flags_start = 0, flags_end = 0, tokens = 0, routing = 0, x = 0, slots = 0, bytes = 0;
+  int64_t routing_rank_stride = 0;  // bytes between routing[s] and routing[s + 1]
+};
+
+MOK_HD int64_t sym_align(int64_t v) { return (v + 1023) / 1024 * 1024; }
+
+MOK_HD SymLayout sym_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk, int64_t hidden) {
+  SymLayout l;
+  int64_t at = 0;
+  l.flags_start = at;
+  at = sym_align(at + kMaxRanks * 8);
+  l.flags_end = at;
+  at = sym_align(at + kMaxRanks * 8);
+  l.tokens = at;
+  at = sym_align(at + kMaxRanks * 8);
+  l.routing = at;
+  l.routing_rank_stride = sym_align(max_tokens * topk * 8);
+  at += num_ranks * l.routing_rank_stride;
+  l.x = at;
+  at = sym_align(at + max_tokens * hidden * 2);
+  l.slots = at;
+  at = sym_align(at + max_tokens * topk * hidden * 2);
+  l.bytes = at;
+  return l;
+}
+
+}  // namespace mok

@@ -1,0 +1,22 @@
+// EP >= 2, host side of a call's start (src/cuda/ep.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/ep.cuh"
+#include "mok/mok.h"
+#include "plan/plan.hpp"
+#include "ref/reference.hpp"
+
+namespace mok::cuda {
+
+struct DeviceWorkspace;
+
+ep::Group ep_group(const DeviceWorkspace& ws);
+// x copy, routing exchange, start barrier: stream-ordered, no host synchronisation.
+void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, int64_t* timeout_record,
+              cudaStream_t stream);
+// The routing of the whole group as this rank's region holds it (T_s read on the device).
+plan::RoutingView ep_routing(const DeviceWorkspace& ws, const mokConfig_t& c);
+
+}  // namespace mok::cuda

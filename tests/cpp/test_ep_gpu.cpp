@@ -1,0 +1,324 @@
+// The EP >= 2 forward: P ranks as "virtual ranks" on one GPU (P regions on one device, each
+// rank on its own stream with SMs / P blocks: the whole protocol in one process), and real
+// EP = 2 over two GPUs with peer access when the machine has them.  Every rank's y must be
+// bitwise the EP = 1 forward of the same tokens with all experts local (placement
+// invariance); runs repeat bitwise; a rank that never arrives is a timeout error naming the
+// peer, not a hang.  Skips cleanly without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "mok/mok.h"
+#include "mok/mok.hpp"
+#include "gpu_util.hpp"
+#include "test_util.hpp"
+
+namespace mok::test {
+namespace {
+
+using mok::tensor_view;
+
+struct Shape {
+  int64_t H = 512, I = 256, Is = 0, E = 16, k = 4;
+};
+
+// One rank's inputs (host) and, per device, the layer's global weights.
+struct RankData {
+  int64_t T;
+  std::vector<bf16_t> x;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+struct Weights {
+  std::vector<bf16_t> wg, wu, wd, sg, su, sd;
+};
+
+Weights make_weights(std::mt19937_64& rng, const Shape& s) {
+  const float sh = 1.f / std::sqrt(static_cast<float>(s.H)), si = 1.f / std::sqrt(static_cast<float>(s.I));
+  Weights w;
+  w.wg = random_bf16(rng, static_cast<size_t>(s.E * s.I * s.H), sh);
+  w.wu = random_bf16(rng, static_cast<size_t>(s.E * s.I * s.H), sh);
+  w.wd = random_bf16(rng, static_cast<size_t>(s.E * s.H * s.I), si);
+  const int64_t Is = std::max<int64_t>(s.Is, 1);
+  w.sg = random_bf16(rng, static_cast<size_t>(Is * s.H), sh);
+  w.su = random_bf16(rng, static_cast<size_t>(Is * s.H), sh);
+  w.sd = random_bf16(rng, static_cast<size_t>(s.H * Is), 1.f / std::sqrt(static_cast<float>(Is)));
+  return w;
+}
+
+RankData make_rank(std::mt19937_64& rng, const Shape& s, int64_t T, int64_t E_l, Routing r) {
+  RankData d{T, random_bf16(rng, static_cast<size_t>(T * s.H), 1.f), {}, random_f32(rng, static_cast<size_t>(T * s.k), -0.2f, 1.f)};
+  d.ids = to_int32(make_ids(rng, T, static_cast<int>(s.k), s.E, E_l, r));
+  return d;
+}
+
+struct DeviceWeights {
+  DeviceBuffer wg, wu, wd, sg, su, sd;
+  explicit DeviceWeights(const Weights& w) : wg(w.wg), wu(w.wu), wd(w.wd), sg(w.sg), su(w.su), sd(w.sd) {}
+};
+
+mokConfig_t config_for(const Shape& s, int64_t max_tokens, int64_t P, int64_t rank, int device) {
+  mokConfig_t c = MOK_CONFIG_INITIALIZER;
+  c.hidden = s.H;
+  c.intermediate = s.I;
+  c.shared_intermediate = s.Is;
+  c.num_experts = s.E;
+  c.topk = s.k;
+  c.ep_size = P;
+  c.ep_rank = rank;
+  c.max_tokens = std::max<int64_t>(max_tokens, 1);
+  c.device = device;
+  c.timeout_s = 20;
+  return c;
+}
+
+// A rank's device inputs and output, weights as views of the local slice.
+struct RankCall {
+  DeviceBuffer x, ids, w, y;
+  mokForwardArgs_t a{};
+  RankCall(const Shape& s, const RankData& d, const DeviceWeights& dw, int64_t first_expert, int64_t E_l, int device)
+      : x(d.x), ids(d.ids), w(d.w), y(static_cast<size_t>(d.T * s.H) * 2) {
+    const int64_t T = d.T;
+    a.x = tensor_view(x.ptr, mokBFloat16, {T, s.H}, device);
+    a.topk_ids = tensor_view(ids.ptr, mokInt32, {T, s.k}, device);
+    a.topk_weights = tensor_view(w.ptr, mokFloat32, {T, s.k}, device);
+    auto* wg = static_cast<uint16_t*>(dw.wg.ptr) + first_expert * s.I * s.H;
+    auto* wu = static_cast<uint16_t*>(dw.wu.ptr) + first_expert * s.I * s.H;
+    auto* wd = static_cast<uint16_t*>(dw.wd.ptr) + first_expert * s.H * s.I;
+    a.weights.w_gate = tensor_view(wg, mokBFloat16, {E_l, s.I, s.H}, device);
+    a.weights.w_up = tensor_view(wu, mokBFloat16, {E_l, s.I, s.H}, device);
+    a.weights.w_down = tensor_view(wd, mokBFloat16, {E_l, s.H, s.I}, device);
+    if (s.Is > 0) {
+      a.weights.ws_gate = tensor_view(dw.sg.ptr, mokBFloat16, {s.Is, s.H}, device);
+      a.weights.ws_up = tensor_view(dw.su.ptr, mokBFloat16, {s.Is, s.H}, device);
+      a.weights.ws_down = tensor_view(dw.sd.ptr, mokBFloat16, {s.H, s.Is}, device);
+    }
+    a.y = tensor_view(y.ptr, mokBFloat16, {T, s.H}, device);
+  }
+};
+
+// EP = 1 forward of one rank's tokens with every expert local.
+std::vector<bf16_t> ep1_forward(const Shape& s, const RankData& d, const DeviceWeights& dw, int64_t max_tokens) {
+  mokConfig_t c = config_for(s, max_tokens, 1, 0, 0);
+  mokWorkspace_t ws;
+  EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
+  RankCall call(s, d, dw, 0, s.E, 0);
+  EXPECT_EQ(mokForward(ws, &call.a, nullptr), mokSuccess) << mokGetLastError();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(mokWorkspaceCheckErrors(ws, 1), mokSuccess) << mokGetLastError();
+  mokWorkspaceDestroy(ws);
+  return call.y.get<bf16_t>();
+}
+
+// The group: regions (one allocation per device), workspaces, streams.
+struct Group {
+  int64_t P;
+  std::vector<int> devices;  // device of each rank
+  std::vector<void*> regions;
+  std::vector<void*> allocations;
+  std::vector<mokWorkspace_t> ws;
+  std::vector<cudaStream_t> streams;
+  size_t bytes = 0;
+
+  Group(const Shape& s, int64_t max_tokens, int64_t P_, std::vector<int> devs, int64_t minibatch = 0,
+        int64_t macrobatch = 0, double timeout_s = 20)
+      : P(P_), devices(std::move(devs)) {
+    mokConfig_t c0 = config_for(s, max_tokens, P, 0, devices[0]);
+    EXPECT_EQ(mokSymmetricBytes(&c0, &bytes), mokSuccess) << mokGetLastError();
+    const bool virtual_ranks = devices[0] == devices.back();
+    if (virtual_ranks) {
+      void* base = nullptr;
+      EXPECT_EQ(cudaSetDevice(devices[0]), cudaSuccess);
+      EXPECT_EQ(cudaMalloc(&base, bytes * static_cast<size_t>(P)), cudaSuccess);
+      EXPECT_EQ(cudaMemset(base, 0, bytes * static_cast<size_t>(P)), cudaSuccess);
+      allocations.push_back(base);
+      for (int64_t r = 0; r < P; ++r) regions.push_back(static_cast<uint8_t*>(base) + r * bytes);
+    } else {
+      for (int64_t r = 0; r < P; ++r) {
+        void* p = nullptr;
+        EXPECT_EQ(cudaSetDevice(devices[r]), cudaSuccess);
+        EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+        EXPECT_EQ(cudaMemset(p, 0, bytes), cudaSuccess);
+        allocations.push_back(p);
+        regions.push_back(p);
+      }
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    int sms = 0;
+    EXPECT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, devices[0]), cudaSuccess);
+    for (int64_t r = 0; r < P; ++r) {
+      mokConfig_t c = config_for(s, max_tokens, P, r, devices[r]);
+      if (virtual_ranks) c.num_blocks = sms / P;
+      if (minibatch) c.minibatch_size = minibatch;
+      if (macrobatch) c.macrobatch_size = macrobatch;
+      c.timeout_s = timeout_s;
+      mokWorkspace_t w = nullptr;
+      EXPECT_EQ(mokWorkspaceCreateSymmetric(&c, regions.data(), P, &w), mokSuccess) << mokGetLastError();
+      ws.push_back(w);
+      cudaStream_t st;
+      EXPECT_EQ(cudaSetDevice(devices[r]), cudaSuccess);
+      EXPECT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+      streams.push_back(st);
+    }
+    cudaSetDevice(devices[0]);
+  }
+  ~Group() {
+    for (auto w : ws) mokWorkspaceDestroy(w);
+    for (auto st : streams) cudaStreamDestroy(st);
+    for (auto p : allocations) cudaFree(p);
+    cudaSetDevice(devices[0]);
+  }
+  // One call of every rank (ranks in `which`), each on its own stream; waits for all.
+  void run(std::vector<std::unique_ptr<RankCall>>& calls, const std::vector<int64_t>& which) {
+    for (int64_t r : which) {
+      cudaSetDevice(devices[r]);
+      EXPECT_EQ(cudaMemsetAsync(calls[r]->y.ptr, 0xFF, calls[r]->y.bytes, streams[r]), cudaSuccess);
+      EXPECT_EQ(mokForward(ws[r], &calls[r]->a, streams[r]), mokSuccess) << "rank " << r << ": " << mokGetLastError();
+    }
+    for (int64_t r : which) {
+      cudaSetDevice(devices[r]);
+      EXPECT_EQ(cudaStreamSynchronize(streams[r]), cudaSuccess);
+    }
+    cudaSetDevice(devices[0]);
+  }
+};
+
+struct Case {
+  Shape s;
+  int64_t P;
+  std::vector<int64_t> T;  // per rank
+  Routing routing;
+  int64_t minibatch = 0, macrobatch = 0;
+  int reps = 3;
+};
+
+void check_group(const Case& cs, std::vector<int> devices, uint64_t seed) {
+  const Shape& s = cs.s;
+  const int64_t P = cs.P, E_l = s.E / P;
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " P=" + std::to_string(P) + " routing=" + routing_name(cs.routing) +
+               " devices=" + std::to_string(devices[0]) + ".." + std::to_string(devices.back()));
+  std::mt19937_64 rng(seed);
+  const Weights w = make_weights(rng, s);
+  std::vector<RankData> data;
+  int64_t max_tokens = 1;
+  for (int64_t r = 0; r < P; ++r) {
+    data.push_back(make_rank(rng, s, cs.T[r], E_l, cs.routing));
+    max_tokens = std::max(max_tokens, cs.T[r]);
+  }
+  // EP = 1 on device 0, all experts local: the bits every rank must reproduce
+  cudaSetDevice(devices[0]);
+  const DeviceWeights dw0(w);
+  std::vector<std::vector<bf16_t>> want;
+  for (int64_t r = 0; r < P; ++r) want.push_back(ep1_forward(s, data[r], dw0, max_tokens));
+
+  Group g(s, max_tokens, P, devices, cs.minibatch, cs.macrobatch);
+  std::vector<std::unique_ptr<DeviceWeights>> dws;  // weights on each rank's device
+  std::vector<std::unique_ptr<RankCall>> calls;
+  std::vector<int64_t> all;
+  for (int64_t r = 0; r < P; ++r) {
+    cudaSetDevice(devices[r]);
+    dws.push_back(std::make_unique<DeviceWeights>(w));
+    calls.push_back(std::make_unique<RankCall>(s, data[r], *dws.back(), r * E_l, E_l, devices[r]));
+    all.push_back(r);
+  }
+  cudaSetDevice(devices[0]);
+  for (int rep = 0; rep < cs.reps; ++rep) {
+    g.run(calls, all);
+    for (int64_t r = 0; r < P; ++r) {
+      EXPECT_EQ(mokWorkspaceCheckErrors(g.ws[r], 1), mokSuccess) << "rank " << r << ": " << mokGetLastError();
+      const auto got = calls[r]->y.get<bf16_t>();
+      ASSERT_EQ(got.size(), want[r].size());
+      int64_t bad = 0, first = -1;
+      for (size_t i = 0; i < got.size(); ++i)
+        if (got[i] != want[r][i]) {
+          if (first < 0) first = static_cast<int64_t>(i);
+          ++bad;
+        }
+      ASSERT_EQ(bad, 0) << "rep " << rep << " rank " << r << ": " << bad << " elements differ from EP=1, first at token "
+                        << (first >= 0 ? first / s.H : -1) << " col " << (first >= 0 ? first % s.H : -1);
+    }
+  }
+  std::printf("EP=%ld %s T=[%ld..] devices %d..%d: %d runs, every rank bitwise equal to EP=1\n", (long)P,
+              routing_name(cs.routing), (long)cs.T[0], devices[0], devices.back(), cs.reps);
+}
+
+std::vector<int> same_device(int64_t P) { return std::vector<int>(static_cast<size_t>(P), 0); }
+
+TEST(EpGpu, VirtualRanksMatchEp1) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = fresh_seed();
+  Shape s;
+  for (int64_t P : {2, 4, 8}) {
+    check_group(Case{s, P, std::vector<int64_t>(static_cast<size_t>(P), 300), Routing::kUniform}, same_device(P), seed);
+  }
+}
+
+TEST(EpGpu, VirtualRanksSkew) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = fresh_seed();
+  Shape s;
+  s.Is = 128;
+  const std::vector<int64_t> mixed{300, 0, 517, 129};  // one rank with T = 0, T per rank different
+  for (Routing r : {Routing::kOneExpert, Routing::kOneRank, Routing::kMasked, Routing::kZipf})
+    check_group(Case{s, 4, mixed, r}, same_device(4), seed);
+  // Ring smaller than the routed rows: it wraps
+  check_group(Case{s, 4, mixed, Routing::kUniform, 128, 256}, same_device(4), seed);
+}
+
+TEST(EpGpu, VirtualRanksRunToRun) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  Case cs{s, 4, {200, 333, 64, 250}, Routing::kUniform};
+  cs.reps = 100;
+  check_group(cs, same_device(4), fresh_seed());
+}
+
+TEST(EpGpu, MissingRankTimesOut) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  std::mt19937_64 rng(fresh_seed());
+  const Weights w = make_weights(rng, s);
+  const DeviceWeights dw(w);
+  const RankData d = make_rank(rng, s, 100, s.E / 2, Routing::kUniform);
+  Group g(s, 100, 2, same_device(2), 0, 0, /*timeout_s=*/0.5);
+  std::vector<std::unique_ptr<RankCall>> calls;
+  calls.push_back(std::make_unique<RankCall>(s, d, dw, 0, s.E / 2, 0));
+  calls.push_back(std::make_unique<RankCall>(s, d, dw, s.E / 2, s.E / 2, 0));
+  g.run(calls, {0});  // rank 1 never calls: rank 0 must come back on its own
+  EXPECT_EQ(mokWorkspaceCheckErrors(g.ws[0], 1), mokTimeout);
+  const std::string msg = mokGetLastError();
+  EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("peer 1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("start barrier"), std::string::npos) << msg;
+  std::printf("timeout message: %s\n", msg.c_str());
+}
+
+TEST(EpGpu, TwoGpusMatchEp1) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "fewer than two CUDA devices";
+  int can01 = 0, can10 = 0;
+  cudaDeviceCanAccessPeer(&can01, 0, 1);
+  cudaDeviceCanAccessPeer(&can10, 1, 0);
+  if (!can01 || !can10) GTEST_SKIP() << "no peer access between devices 0 and 1";
+  for (int d : {0, 1}) {
+    cudaSetDevice(d);
+    const cudaError_t e = cudaDeviceEnablePeerAccess(1 - d, 0);
+    ASSERT_TRUE(e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled) << cudaGetErrorString(e);
+    cudaGetLastError();
+  }
+  cudaSetDevice(0);
+  Shape s;
+  s.Is = 128;
+  const uint64_t seed = fresh_seed();
+  Case cs{s, 2, {300, 517}, Routing::kUniform};
+  cs.reps = 20;
+  check_group(cs, {0, 1}, seed);
+  check_group(Case{s, 2, {0, 200}, Routing::kOneRank}, {0, 1}, seed);
+}
+
+}  // namespace
+}  // namespace mok::test
