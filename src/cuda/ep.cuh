@@ -43,6 +43,7 @@ __device__ __forceinline__ __nv_bfloat16* slots_of(const Group& g, int s) {
 __device__ __forceinline__ bool wait_flag(const int64_t* flag, int64_t expected, const gemm::WaitContext& wait,
                                           gemm::WaitSite site, int peer) {
   for (uint32_t spin = 0;; ++spin) {
+    if (spin > 16) __nanosleep(256);
     const int64_t v = ptx::ld_acquire_sys(flag);
     if (v >= expected) return true;
     if ((spin & 63u) != 63u) continue;

@@ -277,6 +277,20 @@ TEST(EpGpu, VirtualRanksRunToRun) {
   check_group(cs, same_device(4), fresh_seed());
 }
 
+// The small case compute-sanitizer runs (memcheck, racecheck): virtual EP = 4, one call.
+TEST(EpGpu, SanitizerSmall) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.H = 256;
+  s.I = 128;
+  s.Is = 128;
+  s.E = 8;
+  s.k = 2;
+  Case cs{s, 4, {64, 0, 130, 17}, Routing::kUniform};
+  cs.reps = 1;
+  check_group(cs, same_device(4), fresh_seed());
+}
+
 TEST(EpGpu, MissingRankTimesOut) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Shape s;

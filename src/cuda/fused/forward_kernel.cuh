@@ -107,6 +107,9 @@ __device__ __forceinline__ bool wait_counter(const int32_t* counter, int32_t exp
                                              int64_t which) {
   if (ptx::ld_acquire_gpu(counter) >= expected) return true;
   for (uint32_t spin = 1;; ++spin) {
+    // NOTES: a spinning thread costs power the tensor cores need under the power cap
+    // (sustained runs clock down ~18 %); back off after the first polls.
+    if (spin > 16) __nanosleep(spin > 256 ? 256 : 64);
     if (ptx::ld_acquire_gpu(counter) >= expected) return true;
     if ((spin & 63u) != 0) continue;
     if (wait.timeout_record && *reinterpret_cast<volatile int64_t*>(wait.timeout_record) != 0) return false;
