@@ -1,6 +1,6 @@
 """Baselines of BENCH.md, written the way a strong engineer would: the torch EP=1 pipeline, the
-experts-only grouped GEMMs, the dense-rate floor, the NCCL+PyTorch EP≥2 forward, a float64
-reference on a token slice, and the mok entry.
+experts-only grouped GEMMs, the dense-rate floor, the NCCL+PyTorch and DeepEP+PyTorch EP≥2
+forwards, a float64 reference on a token slice, and the mok entry.
 
 Weight layouts are mok's: w_gate, w_up [E_l, I, H], w_down [E_l, H, I]; shared ws_gate, ws_up
 [I_s, H], ws_down [H, I_s]. `torch._grouped_mm(a, b, offs)` computes a[rows of e] @ b[e], so the
@@ -212,6 +212,77 @@ def deep_ep_available() -> bool:
     except Exception:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------------------
+# EP ≥ 2: DeepEP intranode dispatch/combine + PyTorch (one rank's call)
+
+
+def deep_ep_buffer(group, hidden: int, num_nvl_bytes: Optional[int] = None):
+    """A deep_ep.Buffer for intranode (NVLink) dispatch/combine of bf16 rows of `hidden`
+    (collective over `group`: create it once, on every rank, and reuse it). Its NVLink buffer is
+    DeepEP's size hint for the dispatch and combine configs of this group size, unless given."""
+    import deep_ep
+    import torch.distributed as dist
+
+    num_ranks = dist.get_world_size(group)
+    if num_nvl_bytes is None:
+        hidden_bytes = hidden * 2
+        hints = []
+        for name in ("get_dispatch_config", "get_combine_config"):
+            config = getattr(deep_ep.Buffer, name)(num_ranks)
+            hints.append(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+        num_nvl_bytes = max(hints)
+    return deep_ep.Buffer(group, int(num_nvl_bytes), 0)
+
+
+def deep_ep_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, buffer, shared=None, *,
+                    w_gateup: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y [T, H] of one rank under EP = buffer's group size, with DeepEP's intranode dispatch and
+    combine around the same grouped GEMMs as nccl_ep_forward (forward only).
+
+    Dispatch sends each token once to every rank that owns one of its experts, with its ids made
+    local (−1 for the other ranks' experts) and the per-local-expert row counts on the host (the
+    host sync DeepEP's normal mode needs). The receiving rank sorts the selected (token, j) routes
+    by local expert, runs the grouped GEMMs, sums each token's weighted routes in fp32 (scatter-add)
+    and combine adds the per-rank partial sums at the token's home rank."""
+    num_local, hidden = w_down.shape[0], x.shape[1]
+    num_experts = num_local * buffer.group_size
+    topk = topk_ids.shape[1]
+    device = x.device
+    ids = topk_ids.to(torch.int64)
+    # Layout, then dispatch of the token rows, ids and weights
+    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, num_experts)
+    recv_x, recv_ids, recv_weights, recv_counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=topk_weights.float())
+    num_recv = recv_x.shape[0]
+    num_rows = int(sum(recv_counts))
+    # Selected routes sorted by local expert (stable); the other ranks' routes after the end
+    flat = recv_ids.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_local)
+    sorted_key, perm = torch.sort(key, stable=True)
+    perm = perm[:num_rows]
+    token = torch.div(perm, topk, rounding_mode="floor")
+    offs = torch.searchsorted(sorted_key, torch.arange(num_local, device=device, dtype=sorted_key.dtype),
+                              right=True, out_int32=True)
+    # Expert GEMMs (grouped) and SwiGLU on the gathered rows
+    partial = torch.zeros(num_recv, hidden, device=device, dtype=torch.float32)
+    if num_rows > 0:
+        a = recv_x.index_select(0, token)
+        if w_gateup is not None:
+            h = _swiglu(grouped_mm(a, w_gateup.transpose(1, 2), offs))
+        else:
+            h = _swiglu(None, grouped_mm(a, w_gate.transpose(1, 2), offs), grouped_mm(a, w_up.transpose(1, 2), offs))
+        rows = grouped_mm(h, w_down.transpose(1, 2), offs)
+        # Weighted sum of each received token's local routes in fp32
+        weight = recv_weights.reshape(-1).index_select(0, perm)
+        partial.index_add_(0, token, rows.float() * weight.unsqueeze(1))
+    # Combine: the home rank adds the partial sums of every rank that served the token
+    combined, _, _ = buffer.combine(partial.to(x.dtype), handle)
+    if shared is None:
+        return combined
+    return (combined.float() + shared_forward(x, shared).float()).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------

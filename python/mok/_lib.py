@@ -14,8 +14,8 @@ from typing import List, Optional
 import torch
 
 # Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
-ABI_VERSION = (0, 2)
-CONFIG_VERSION = 1
+ABI_VERSION = (0, 3)
+CONFIG_VERSION = 2
 MAX_DIMS = 4
 DEVICE_CPU = -1
 
@@ -72,6 +72,8 @@ class mokConfig(ctypes.Structure):
             ("timeout_s", c_double),
             ("device", c_int64),
             ("num_threads", c_int64),
+            # since config version 2
+            ("num_blocks", c_int64),
         ]
     )
 
@@ -81,7 +83,7 @@ CONFIG_DEFAULTS = dict(
     hidden=0, intermediate=0, shared_intermediate=0, num_experts=0, topk=0, ep_size=1, ep_rank=0,
     max_tokens=0, fwd_num_comm_sms=8, bwd_num_comm_sms=8, minibatch_size=1024, macrobatch_size=16384,
     block_m=128, precision=PRECISIONS["bf16"], schedule_capacity_multiplier=1.0, timeout_s=60.0,
-    device=DEVICE_CPU, num_threads=0,
+    device=DEVICE_CPU, num_threads=0, num_blocks=0,
 )
 
 
@@ -165,6 +167,13 @@ def _load() -> ctypes.CDLL:
     )
 
 
+# Entry points of the EP >= 2 symmetric-memory path (C ABI 0.3), name -> (restype, argtypes).
+OPTIONAL_SIGNATURES = {
+    "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),
+    "mokWorkspaceCreateSymmetric": (c_int, [POINTER(mokConfig), POINTER(c_void_p), c_int64, POINTER(c_void_p)]),
+}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "mokGetErrorString": (c_char_p, [c_int]),
@@ -189,10 +198,32 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
+    # Entry points a library built before them lacks: declared where present, and a call
+    # through symbol() raises NotImplementedError otherwise (the import still works).
+    for name, (restype, argtypes) in OPTIONAL_SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
 
 
 lib = _load()
 _declare(lib)
+
+
+def has_symbol(name: str) -> bool:
+    """True when the loaded libmok.so exports `name`."""
+    return hasattr(lib, name)
+
+
+def symbol(name: str):
+    """The C function `name`, or NotImplementedError when this libmok.so does not export it
+    (a library built before the entry point existed)."""
+    if not has_symbol(name):
+        raise NotImplementedError(
+            f"mok: {name} is not exported by {getattr(lib, '_name', 'libmok.so')} (version "
+            f"{version_string()}); rebuild libmok (ninja -C build) from sources that have it")
+    return getattr(lib, name)
 
 
 def version_code() -> int:

@@ -1,7 +1,11 @@
 """mok's functional layer (mirrors MoK's): config, workspaces, schedule, forward, backward.
 
 CPU tensors run the C++ reference backend. CUDA tensors run the CUDA backend where it is
-built (the routing plan today); the layer kernels raise NotImplementedError until they are.
+built; a path that is not built raises NotImplementedError.
+
+EP >= 2 on CUDA runs over symmetric memory, one region per rank (docs/design.md, "EP >= 2"):
+get_workspace(..., group=) allocates it with PyTorch symmetric memory (one process per GPU);
+create_virtual_group puts P ranks in this process on one GPU, each on its own stream.
 """
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import ctypes
 import dataclasses
 import os
 import threading
+import warnings
 from ctypes import byref
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,7 +45,10 @@ def _alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> to
 
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
-    """Runtime knobs of a mok layer (the dimensions come from the workspace)."""
+    """Runtime knobs of a mok layer (the dimensions come from the workspace).
+
+    num_blocks: grid of the persistent CUDA kernels; 0 = one block per SM (a VirtualGroup
+    turns 0 into SMs // P, so that the P ranks' kernels are resident at once)."""
 
     fwd_num_comm_sms: int = 8
     bwd_num_comm_sms: int = 8
@@ -51,6 +59,11 @@ class MoKConfig:
     precision: str = "bf16"
     timeout_s: float = 60.0
     num_threads: int = 0
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if int(self.num_blocks) < 0:
+            raise ValueError(f"config.num_blocks = {self.num_blocks} must be >= 0 (0 = one block per SM)")
 
 
 class LayerDims(NamedTuple):
@@ -77,20 +90,55 @@ def _c_config(dims: LayerDims, config: Optional[MoKConfig], device: int) -> _lib
         if field.name != "precision":
             setattr(c, field.name, getattr(config, field.name))
     c.precision = _lib.PRECISIONS[config.precision]
+    c.num_blocks = config.num_blocks
     c.device = device
     return c
 
 
 class Workspace:
-    """A mok workspace: owns the C handle (destroyed on close() or garbage collection)."""
+    """A mok workspace: owns the C handle (destroyed on close() or garbage collection).
 
-    def __init__(self, dims: LayerDims, config: MoKConfig, device: torch.device) -> None:
+    With `regions` it is one rank of an EP >= 2 group over symmetric memory
+    (mokWorkspaceCreateSymmetric): regions[s] is the address, in this process, of rank s's
+    region of symmetric_bytes() bytes, s in [0, ep_size), regions[dims.ep_rank] this rank's own.
+    Every region must be zero-filled, and every rank's workspace created, before any rank's
+    first call. `owner` is whatever keeps that memory alive (a tensor, a symmetric-memory
+    handle); the workspace holds it until close(). Closing frees nothing the peers may still
+    read only if every rank is done with its calls (synchronise and barrier first)."""
+
+    def __init__(self, dims: LayerDims, config: MoKConfig, device: torch.device, *,
+                 regions: Optional[Sequence[int]] = None, owner: Any = None) -> None:
         self.dims = dims
         self.config = config
         self.device = torch.device(device)
         self._handle = ctypes.c_void_p()
+        self.regions: Optional[Tuple[int, ...]] = None
+        self._owner = owner
         c = _c_config(dims, config, _lib.device_index(self.device))
-        _lib.check(_lib.lib.mokWorkspaceCreate(byref(c), byref(self._handle)))
+        if regions is None:
+            _lib.check(_lib.lib.mokWorkspaceCreate(byref(c), byref(self._handle)))
+            return
+        # EP >= 2: one region per rank of the group
+        self.regions = _check_regions(dims, self.device, regions)
+        create = _lib.symbol("mokWorkspaceCreateSymmetric")
+        addresses = (ctypes.c_void_p * len(self.regions))(*self.regions)
+        _lib.check(create(byref(c), addresses, len(self.regions), byref(self._handle)))
+
+    @classmethod
+    def symmetric(cls, dims: LayerDims, config: MoKConfig, device: torch.device, regions: Sequence[int],
+                  owner: Any = None) -> "Workspace":
+        """One rank's workspace over the group's symmetric regions (see the class docstring)."""
+        return cls(dims, config, device, regions=regions, owner=owner)
+
+    @property
+    def is_symmetric(self) -> bool:
+        """True for an EP >= 2 workspace over symmetric memory."""
+        return self.regions is not None
+
+    @property
+    def owner(self) -> Any:
+        """What keeps the symmetric memory alive (None for a plain workspace)."""
+        return self._owner
 
     @property
     def handle(self) -> ctypes.c_void_p:
@@ -102,6 +150,8 @@ class Workspace:
         if getattr(self, "_handle", None):
             _lib.check(_lib.lib.mokWorkspaceDestroy(self._handle))
             self._handle = ctypes.c_void_p()
+        # The memory goes only after the handle that points into it
+        self._owner = None
 
     def __del__(self) -> None:
         try:
@@ -147,7 +197,138 @@ class Workspace:
         return c
 
     def __repr__(self) -> str:
-        return f"Workspace({self.dims}, {self.config}, device={self.device})"
+        kind = ", symmetric" if self.regions is not None else ""
+        return f"Workspace({self.dims}, {self.config}, device={self.device}{kind})"
+
+
+def _check_regions(dims: LayerDims, device: torch.device, regions: Sequence[int]) -> Tuple[int, ...]:
+    if device.type != "cuda":
+        raise ValueError(f"a workspace over symmetric regions runs on CUDA, not on {device} (the EP group on "
+                         f"the CPU is forward_emulated)")
+    out = tuple(int(r) for r in regions)
+    if len(out) != dims.ep_size:
+        raise ValueError(f"{len(out)} symmetric regions for ep_size = {dims.ep_size}; give one per rank")
+    for s, address in enumerate(out):
+        if address <= 0:
+            raise ValueError(f"symmetric region of rank {s} has address {address:#x}")
+    return out
+
+
+def symmetric_bytes(dims: LayerDims, config: Optional[MoKConfig] = None,
+                    device: Union[str, torch.device] = "cuda") -> int:
+    """Bytes of one rank's symmetric region for these dimensions (mokSymmetricBytes)."""
+    fn = _lib.symbol("mokSymmetricBytes")
+    c = _c_config(dims, config, _lib.device_index(_canonical_device(device)))
+    nbytes = ctypes.c_size_t(0)
+    _lib.check(fn(byref(c), byref(nbytes)))
+    return int(nbytes.value)
+
+
+# NVLink multicast (NVLS) must stay off (DESIGN §3): NCCL's NVLS algorithms, PyTorch symmetric
+# memory's multicast object and NVSHMEM's NVLS team. setdefault, so that a caller can still
+# say otherwise; NCCL reads its variable when a communicator is created.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def multicast_off_env() -> None:
+    """Sets the MULTICAST_OFF_ENV defaults (call before the process group's first collective)."""
+    for name, value in MULTICAST_OFF_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def _symm_mem_module():
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as exc:
+        raise NotImplementedError(f"mok EP >= 2 over a process group needs torch.distributed._symmetric_memory, "
+                                  f"which PyTorch {torch.__version__} does not have") from exc
+    missing = [name for name in ("empty", "rendezvous") if not hasattr(symm_mem, name)]
+    if missing:
+        raise NotImplementedError(f"torch.distributed._symmetric_memory of PyTorch {torch.__version__} has no "
+                                  f"{', '.join(missing)}")
+    return symm_mem
+
+
+def _rendezvous(symm_mem, buffer: torch.Tensor, group):
+    name = getattr(group, "group_name", None)
+    # Older PyTorch needs the group enabled for symmetric memory first; newer ones deprecate that
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    is_enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    if name is not None and enable is not None and (is_enabled is None or not is_enabled(name)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            enable(name)
+    # rendezvous(tensor, group) on newer PyTorch, rendezvous(tensor, group_name) on older
+    errors = []
+    for arg in (group, name):
+        if arg is None:
+            continue
+        try:
+            return symm_mem.rendezvous(buffer, arg)
+        except TypeError as exc:
+            errors.append(f"{type(arg).__name__}: {exc}")
+    raise RuntimeError("torch.distributed._symmetric_memory.rendezvous took neither the process group nor its "
+                       "name: " + "; ".join(errors))
+
+
+def _symmetric_region(nbytes: int, device: torch.device, group) -> Tuple[torch.Tensor, Any, List[int]]:
+    """This rank's zeroed region from PyTorch symmetric memory (collective over `group`), its
+    handle, and every rank's region address as this process maps it."""
+    import torch.distributed as dist
+
+    multicast_off_env()
+    symm_mem = _symm_mem_module()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    with torch.cuda.device(device):
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        buffer.zero_()
+        handle = _rendezvous(symm_mem, buffer, group)
+        ptrs = [int(p) for p in handle.buffer_ptrs]
+        if len(ptrs) != world:
+            raise RuntimeError(f"symmetric memory handle has {len(ptrs)} buffer pointers for a group of {world}")
+        # NOTES: buffer_ptrs[s] is the base of rank s's symmetric allocation as mapped here; the
+        # tensor may sit at an offset inside it (pooled allocations), so each rank's offset is
+        # gathered rather than assumed equal
+        offset = buffer.data_ptr() - ptrs[rank]
+        size = getattr(handle, "buffer_size", None)
+        if offset < 0 or (isinstance(size, int) and size > 0 and offset + nbytes > size):
+            raise RuntimeError(f"symmetric buffer at {buffer.data_ptr():#x} lies outside the handle's allocation "
+                               f"(base {ptrs[rank]:#x}, size {size})")
+        offsets: List[Any] = [None] * world
+        dist.all_gather_object(offsets, offset, group=group)
+    return buffer, handle, [p + int(o) for p, o in zip(ptrs, offsets)]
+
+
+def _barrier(group, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.synchronize(device)
+    if dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def _symmetric_workspace(dims: LayerDims, config: MoKConfig, device: torch.device, group) -> Workspace:
+    # Fail before any collective when the library has no symmetric path
+    _lib.symbol("mokWorkspaceCreateSymmetric")
+    nbytes = symmetric_bytes(dims, config, device)
+    buffer, handle, regions = _symmetric_region(nbytes, device, group)
+    ws = Workspace(dims, config, device, regions=regions, owner=(buffer, handle))
+    # Every region zeroed and every workspace created before any rank's first call
+    _barrier(group, device)
+    return ws
+
+
+def _new_workspace(dims: LayerDims, config: MoKConfig, device: torch.device, group) -> Workspace:
+    if dims.ep_size > 1 and device.type == "cuda":
+        if group is None:
+            raise ValueError(f"an EP = {dims.ep_size} workspace on CUDA needs symmetric memory: pass group= (a "
+                             f"torch.distributed process group of {dims.ep_size} ranks, one GPU each), or use "
+                             f"create_virtual_group for {dims.ep_size} ranks on one GPU")
+        return _symmetric_workspace(dims, config, device, group)
+    return Workspace(dims, config, device)
 
 
 def _group_size_rank(group, ep_size: int, ep_rank: int) -> Tuple[int, int]:
@@ -175,9 +356,14 @@ def create_workspace(hidden: int, intermediate: int, num_experts: int, topk: int
                      shared_intermediate: int = 0, ep_size: int = 1, ep_rank: int = 0,
                      device: Union[str, torch.device] = "cpu", config: Optional[MoKConfig] = None,
                      group=None) -> Workspace:
-    """A new workspace for these dimensions; with `group`, P and r come from the process group."""
+    """A new workspace for these dimensions; with `group`, P and r come from the process group.
+
+    P >= 2 on CUDA (with `group`) is collective: every rank of the group must call it with the
+    same arguments; it allocates this rank's region with PyTorch symmetric memory, zeroes it,
+    creates the workspace and ends with a barrier of the group. NVLink multicast stays off
+    (MULTICAST_OFF_ENV defaults)."""
     dims = _dims(hidden, intermediate, num_experts, topk, max_tokens, shared_intermediate, ep_size, ep_rank, group)
-    return Workspace(dims, config or MoKConfig(), _canonical_device(device))
+    return _new_workspace(dims, config or MoKConfig(), _canonical_device(device), group)
 
 
 _cache: Dict[tuple, Workspace] = {}
@@ -188,7 +374,9 @@ def get_workspace(hidden: int, intermediate: int, num_experts: int, topk: int, m
                   shared_intermediate: int = 0, ep_size: int = 1, ep_rank: int = 0,
                   device: Union[str, torch.device] = "cpu", config: Optional[MoKConfig] = None,
                   group=None) -> Workspace:
-    """Like create_workspace, cached per (group, device, dims, config)."""
+    """Like create_workspace, cached per (group, device, dims, config). With a group of P >= 2
+    on CUDA the first call is collective (see create_workspace): every rank must make the same
+    get_workspace calls in the same order."""
     dims = _dims(hidden, intermediate, num_experts, topk, max_tokens, shared_intermediate, ep_size, ep_rank, group)
     device = _canonical_device(device)
     config = config or MoKConfig()
@@ -196,7 +384,7 @@ def get_workspace(hidden: int, intermediate: int, num_experts: int, topk: int, m
     with _cache_lock:
         ws = _cache.get(key)
         if ws is None:
-            ws = _cache[key] = Workspace(dims, config, device)
+            ws = _cache[key] = _new_workspace(dims, config, device, group)
         return ws
 
 
@@ -357,7 +545,7 @@ def build_schedule(topk_ids, num_experts: int, *, ep_size: Optional[int] = None,
 
 
 # ---------------------------------------------------------------------------------------
-# Forward and backward (one rank, EP = 1 in the call)
+# Forward and backward (one rank; EP >= 2 through a symmetric workspace, every rank calls)
 
 
 @dataclasses.dataclass
@@ -573,3 +761,200 @@ def backward_emulated(ranks, dys: Sequence[torch.Tensor], *, num_experts: int,
         out.append(Gradients(dx, d_topk_weights, **grads))
     _lib.check(_lib.lib.mokBackwardEmulated(byref(c), args, len(ranks)))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Virtual ranks: the EP group in this process on one GPU (DESIGN §7)
+
+# Each rank's region starts on its own 4 KiB boundary.
+_REGION_ALIGN = 4096
+
+
+class VirtualGroup:
+    """P ranks of an EP group in this process on one GPU: one zeroed allocation of P regions,
+    P workspaces (ep_rank = s) over them, each rank's calls on its own stream with
+    config.num_blocks = SMs // P (unless the config sets it), so that all P persistent kernels
+    are resident at once and the whole cross-rank protocol runs on one device.
+
+    forward(ranks) issues every rank's call before anything waits (the ranks wait for each other
+    on the device), with no host synchronisation, and is capturable in a CUDA graph. Calls are
+    sequence-numbered: a rank issued alone (forward_rank) waits on the device until the others
+    issue the same call, or until config.timeout_s (reported by check_errors).
+
+    NOTES: the P kernels must run concurrently, so the ranks' streams must not share a hardware
+    queue: keep CUDA_DEVICE_MAX_CONNECTIONS (default 8) >= P."""
+
+    def __init__(self, dims: LayerDims, config: Optional[MoKConfig] = None,
+                 device: Union[str, torch.device] = "cuda") -> None:
+        self.workspaces: List[Workspace] = []
+        self.streams: List[torch.cuda.Stream] = []
+        self.memory: Optional[torch.Tensor] = None
+        device = _canonical_device(device)
+        if device.type != "cuda":
+            raise ValueError(f"virtual ranks run on a CUDA device, not on {device} (the EP group on the CPU is "
+                             f"forward_emulated)")
+        P = int(dims.ep_size)
+        if P < 1:
+            raise ValueError(f"ep_size = {P}: a virtual group needs at least one rank")
+        if dims.num_experts % P != 0:
+            raise ValueError(f"num_experts = {dims.num_experts} is not a multiple of ep_size = {P}")
+        _warn_connections(P)
+        # The grid of each rank: an equal share of the SMs
+        config = config or MoKConfig()
+        if config.num_blocks == 0:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            if sms < P:
+                raise ValueError(f"{P} virtual ranks on {sms} SMs: each rank needs at least one block")
+            config = dataclasses.replace(config, num_blocks=sms // P)
+        self.dims = dims._replace(ep_rank=0)
+        self.config = config
+        self.device = device
+        # P zeroed regions in one allocation, zero-fill landed before any rank's stream runs
+        self.region_bytes = symmetric_bytes(self.dims, config, device)
+        stride = -(-self.region_bytes // _REGION_ALIGN) * _REGION_ALIGN
+        self.memory = torch.zeros(P * stride, dtype=torch.uint8, device=device)
+        base = self.memory.data_ptr()
+        self.regions = tuple(base + s * stride for s in range(P))
+        torch.cuda.synchronize(device)
+        # One workspace and one stream per rank
+        try:
+            for s in range(P):
+                self.workspaces.append(Workspace(dims._replace(ep_rank=s), config, device, regions=self.regions,
+                                                 owner=self.memory))
+        except BaseException:
+            self.close()
+            raise
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(P)]
+
+    @property
+    def ep_size(self) -> int:
+        return len(self.workspaces)
+
+    def __len__(self) -> int:
+        return self.ep_size
+
+    def __enter__(self) -> "VirtualGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _precheck(self, rank: int, inputs: RankInputs) -> None:
+        # What would make one rank's call fail after its peers were issued, checked first
+        num_tokens, hidden = _shape_of(inputs.x, f"rank {rank} x", 2)
+        if hidden != self.dims.hidden:
+            raise ValueError(f"rank {rank} x has hidden size {hidden}; the group was built for {self.dims.hidden}")
+        if num_tokens > self.dims.max_tokens:
+            raise ValueError(f"rank {rank} x has {num_tokens} tokens; the group was built for max_tokens = "
+                             f"{self.dims.max_tokens}")
+        for name in ("x", "topk_ids", "topk_weights", "w_gate", "w_up", "w_down"):
+            t = getattr(inputs, name)
+            if not isinstance(t, torch.Tensor) or _canonical_device(t.device) != self.device:
+                where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"rank {rank} {name} is on {where}; the group runs on {self.device}")
+        local = _shape_of(inputs.w_gate, f"rank {rank} w_gate", 3)[0]
+        if local * self.ep_size != self.dims.num_experts:
+            raise ValueError(f"rank {rank} w_gate holds {local} experts; rank-local weights of this group hold "
+                             f"num_experts / ep_size = {self.dims.num_experts // self.ep_size}")
+
+    def _issue(self, rank_ids: Sequence[int], args: Sequence[_lib.mokForwardArgs]) -> None:
+        current = torch.cuda.current_stream(self.device)
+        streams = [self.streams[s] for s in rank_ids]
+        # Fork: every rank's stream after the work already on the current stream
+        for stream in streams:
+            stream.wait_stream(current)
+        issued: List[int] = []
+        try:
+            for s, stream, a in zip(rank_ids, streams, args):
+                _lib.check(_lib.lib.mokForward(self.workspaces[s].handle, byref(a), stream.cuda_stream))
+                issued.append(s)
+        except Exception as exc:
+            if issued:
+                failed = rank_ids[len(issued)]
+                raise type(exc)(f"virtual rank {failed}: {exc} (ranks {issued} were already issued and wait for it "
+                                f"until timeout_s = {self.config.timeout_s})") from exc
+            raise
+        finally:
+            # Join: the current stream continues after every rank's call
+            for stream in streams:
+                current.wait_stream(stream)
+
+    def forward(self, ranks) -> List[torch.Tensor]:
+        """y [T_r, H] of every rank, given a list of P RankInputs (or dicts of their fields):
+        rank r's tokens, routing (global expert ids in [-1, E)) and local weights ([E/P, ...],
+        experts r*E/P .. (r+1)*E/P - 1), optional shared weights. Ordered on the current stream."""
+        ranks = _rank_inputs(ranks)
+        if len(ranks) != self.ep_size:
+            raise ValueError(f"{len(ranks)} rank inputs for a virtual group of {self.ep_size} ranks")
+        for s, rank in enumerate(ranks):
+            self._precheck(s, rank)
+        views = _lib.Views()
+        ys, args = [], []
+        for rank in ranks:
+            ys.append(_alloc((rank.x.shape[0], self.dims.hidden), torch.bfloat16, self.device))
+            args.append(_forward_args(views, _rank_context(rank), ys[-1]))
+        self._issue(list(range(self.ep_size)), args)
+        return ys
+
+    def forward_rank(self, rank: int, inputs) -> torch.Tensor:
+        """Issues one rank's call alone, on its stream (ordered after the current stream, which
+        then waits for it). Every other rank must issue the same call, or it times out."""
+        if not 0 <= rank < self.ep_size:
+            raise ValueError(f"rank {rank} outside a virtual group of {self.ep_size} ranks")
+        inputs = _rank_inputs([inputs])[0]
+        self._precheck(rank, inputs)
+        views = _lib.Views()
+        y = _alloc((inputs.x.shape[0], self.dims.hidden), torch.bfloat16, self.device)
+        self._issue([rank], [_forward_args(views, _rank_context(inputs), y)])
+        return y
+
+    def check_errors(self, wait: bool = True) -> None:
+        """Workspace.check_errors over every rank; raises one error naming each rank that
+        reported (RuntimeError when any is not a route error, e.g. a timeout)."""
+        failures = []
+        for s, ws in enumerate(self.workspaces):
+            try:
+                ws.check_errors(wait)
+            except (ValueError, RuntimeError) as exc:
+                failures.append((s, exc))
+        if failures:
+            message = "; ".join(f"virtual rank {s}: {exc}" for s, exc in failures)
+            only_routes = all(isinstance(exc, ValueError) for _, exc in failures)
+            raise (ValueError if only_routes else RuntimeError)(message)
+
+    def close(self) -> None:
+        """Destroys the workspaces, then frees the regions (after the device is idle)."""
+        if self.memory is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+        for ws in self.workspaces:
+            ws.close()
+        self.workspaces = []
+        self.streams = []
+        self.memory = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"VirtualGroup(ep_size={self.ep_size}, {self.dims}, {self.config}, device={self.device}, "
+                f"region_bytes={getattr(self, 'region_bytes', None)})")
+
+
+def _warn_connections(ep_size: int) -> None:
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value is not None and value.isdigit() and int(value) < ep_size:
+        warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={value} < {ep_size} virtual ranks: ranks that share a hardware "
+                      f"queue can wait for each other until timeout_s", RuntimeWarning, stacklevel=3)
+
+
+def create_virtual_group(hidden: int, intermediate: int, num_experts: int, topk: int, max_tokens: int,
+                         shared_intermediate: int = 0, *, ep_size: int, device: Union[str, torch.device] = "cuda",
+                         config: Optional[MoKConfig] = None) -> VirtualGroup:
+    """A VirtualGroup of `ep_size` ranks on one GPU; num_experts is E over the group and
+    max_tokens the most tokens any rank passes in one call."""
+    dims = LayerDims(int(hidden), int(intermediate), int(num_experts), int(topk), int(max_tokens),
+                     int(shared_intermediate), int(ep_size), 0)
+    return VirtualGroup(dims, config, device)

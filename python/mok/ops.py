@@ -25,11 +25,12 @@ def config_args(config: Optional[F.MoKConfig] = None) -> dict:
 
 
 def _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-            schedule_capacity_multiplier, precision, timeout_s, num_threads) -> F.MoKConfig:
+            schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks) -> F.MoKConfig:
     if precision not in _PRECISION_NAMES:
         raise ValueError(f"precision = {precision}; expected one of {sorted(_PRECISION_NAMES)}")
     return F.MoKConfig(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-                       schedule_capacity_multiplier, _PRECISION_NAMES[precision], timeout_s, num_threads)
+                       schedule_capacity_multiplier, _PRECISION_NAMES[precision], timeout_s, num_threads,
+                       num_blocks)
 
 
 def _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config) -> Optional[F.Workspace]:
@@ -46,10 +47,10 @@ def forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w
             max_tokens: int = 0, fwd_num_comm_sms: int = 8, bwd_num_comm_sms: int = 8,
             minibatch_size: int = 1024, macrobatch_size: int = 16384, block_m: int = 128,
             schedule_capacity_multiplier: float = 1.0, precision: int = 0, timeout_s: float = 60.0,
-            num_threads: int = 0) -> Tensor:
+            num_threads: int = 0, num_blocks: int = 0) -> Tensor:
     """y [T, H] bf16 of the MoE layer (EP = 1)."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-                     schedule_capacity_multiplier, precision, timeout_s, num_threads)
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
     ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
     y, _ = F.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, workspace=ws,
                      config=None if ws is not None else config)
@@ -67,12 +68,12 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_ga
              ws_down: Optional[Tensor] = None, max_tokens: int = 0, fwd_num_comm_sms: int = 8,
              bwd_num_comm_sms: int = 8, minibatch_size: int = 1024, macrobatch_size: int = 16384,
              block_m: int = 128, schedule_capacity_multiplier: float = 1.0, precision: int = 0,
-             timeout_s: float = 60.0, num_threads: int = 0
+             timeout_s: float = 60.0, num_threads: int = 0, num_blocks: int = 0
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, d w_gate, d w_up, d w_down, d ws_gate, d ws_up, d ws_down); the
     shared-expert gradients are empty tensors when there is no shared expert."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-                     schedule_capacity_multiplier, precision, timeout_s, num_threads)
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
     ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
     ctx = F.recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                       workspace=ws, config=None if ws is not None else config)

@@ -11,7 +11,7 @@ from mok import functional as F
 
 def test_struct_layouts():
     # Every mokConfig_t field is 8 bytes; mokTensor_t is 8 + 4 + 4 + 2*4*8 + 4 + 4 bytes.
-    assert ctypes.sizeof(_lib.mokConfig) == 20 * 8
+    assert ctypes.sizeof(_lib.mokConfig) == 21 * 8
     assert ctypes.sizeof(_lib.mokTensor) == 88
     assert ctypes.sizeof(_lib.mokWeights) == 6 * 88
     assert ctypes.sizeof(_lib.mokForwardArgs) == 10 * 88
@@ -23,7 +23,7 @@ def test_struct_layouts():
 
 def test_default_config_matches_initializer_and_mokconfig():
     c = _lib.default_config()
-    assert c.size == 160 and c.version == 1
+    assert c.size == 168 and c.version == 2
     assert (c.ep_size, c.ep_rank, c.device, c.block_m, c.precision) == (1, 0, -1, 128, 0)
     for name, value in F.MoKConfig().__dict__.items():
         expect = _lib.PRECISIONS[value] if name == "precision" else value
@@ -31,7 +31,7 @@ def test_default_config_matches_initializer_and_mokconfig():
 
 
 def test_version_and_cuda_flag():
-    assert mok.__version__ == "0.2.0"
+    assert mok.__version__ == "0.3.0"
     assert isinstance(mok.has_cuda(), bool)
 
 

@@ -1,0 +1,427 @@
+"""EP >= 2. On the CPU: the config ABI (num_blocks, config version 2) and clear errors for bad
+arguments. On a GPU (skipped without one, or without the symmetric-memory entry points):
+virtual ranks (P = 2, 4, 8 on one device) bit for bit against EP = 1 with all experts local
+and against the CPU reference, 100 runs bitwise identical, skewed routing with a wrapping
+ring, CUDA-graph replays, a rank that never arrives; and with two GPUs, a real EP = 2 group
+over PyTorch symmetric memory bit for bit against EP = 1."""
+import ctypes
+import dataclasses
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+import mok
+from mok import _lib
+from mok import functional as F
+from oracle import assert_close, make_routing, make_weights, make_x
+
+ROUTED = ("w_gate", "w_up", "w_down")
+SHARED = ("ws_gate", "ws_up", "ws_down")
+SYMMETRIC_SYMBOLS = ("mokSymmetricBytes", "mokWorkspaceCreateSymmetric")
+HEADER = Path(__file__).resolve().parents[2] / "include" / "mok" / "mok.h"
+
+GPU = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not mok.has_cuda(), reason="libmok was built without its CUDA part"),
+    pytest.mark.skipif(not all(_lib.has_symbol(n) for n in SYMMETRIC_SYMBOLS),
+                       reason="libmok has no EP >= 2 symmetric path (mokWorkspaceCreateSymmetric) yet"),
+]
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: the ABI and argument errors
+
+
+def _header_config_fields():
+    """Field names of mokConfig_t in include/mok/mok.h, in order."""
+    text = HEADER.read_text()
+    body = re.search(r"typedef struct mokConfig_t \{(.*?)\} mokConfig_t;", text, re.S).group(1)
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    return re.findall(r"^\s*(?:u?int64_t|double)\s+(\w+)\s*;", body, re.M)
+
+
+def test_config_layout_mirrors_the_c_struct():
+    fields = _lib.mokConfig._fields_
+    # Every field 8 bytes wide, in order, num_blocks last (config version 2)
+    assert ctypes.sizeof(_lib.mokConfig) == 8 * len(fields) == 21 * 8
+    for i, (name, ctype) in enumerate(fields):
+        assert ctypes.sizeof(ctype) == 8, name
+        assert getattr(_lib.mokConfig, name).offset == 8 * i, name
+    assert fields[-1][0] == "num_blocks"
+    assert _lib.ABI_VERSION == (0, 3) and _lib.CONFIG_VERSION == 2
+    c = _lib.default_config()
+    assert (c.size, c.version, c.num_blocks) == (168, 2, 0)
+    if HEADER.is_file():
+        assert [name for name, _ in fields] == _header_config_fields()
+        text = HEADER.read_text()
+        assert re.search(r"#define MOK_CONFIG_VERSION 2\b", text)
+        assert re.search(r"/\*num_blocks\*/ 0", text)
+
+
+def test_get_config_round_trip_keeps_num_blocks():
+    config = F.MoKConfig(num_blocks=7, fwd_num_comm_sms=3, minibatch_size=256, macrobatch_size=512, timeout_s=2.5)
+    ws = F.create_workspace(64, 32, 8, 2, 16, shared_intermediate=16, config=config)
+    try:
+        c = ws.c_config()
+        assert (c.size, c.version) == (ctypes.sizeof(_lib.mokConfig), _lib.CONFIG_VERSION)
+        assert (c.num_blocks, c.fwd_num_comm_sms, c.minibatch_size, c.macrobatch_size, c.timeout_s) == (
+            7, 3, 256, 512, 2.5)
+        assert (c.hidden, c.num_experts, c.max_tokens, c.device) == (64, 8, 16, _lib.DEVICE_CPU)
+    finally:
+        ws.close()
+
+
+def test_version_1_caller_gets_the_default_num_blocks():
+    # A caller compiled against config version 1 passes 20 fields: the C side must not read a 21st.
+    c = F._c_config(F.LayerDims(64, 32, 8, 2, 16), F.MoKConfig(num_blocks=9), _lib.DEVICE_CPU)
+    c.size, c.version = 20 * 8, 1
+    handle = ctypes.c_void_p()
+    _lib.check(_lib.lib.mokWorkspaceCreate(ctypes.byref(c), ctypes.byref(handle)))
+    try:
+        out = _lib.default_config()
+        _lib.check(_lib.lib.mokWorkspaceGetConfig(handle, ctypes.byref(out)))
+        assert (out.num_blocks, out.version, out.hidden) == (0, 2, 64)
+    finally:
+        _lib.check(_lib.lib.mokWorkspaceDestroy(handle))
+
+
+def test_mokconfig_num_blocks():
+    c = F.MoKConfig(num_blocks=4)
+    assert c.num_blocks == 4 and F.MoKConfig().num_blocks == 0
+    assert c != F.MoKConfig() and c == F.MoKConfig(num_blocks=4) and len({c, F.MoKConfig()}) == 2
+    assert dataclasses.replace(c, minibatch_size=512).num_blocks == 4
+    assert dataclasses.replace(c, num_blocks=2).num_blocks == 2
+    assert "num_blocks=4" in repr(c)
+    with pytest.raises(ValueError, match="num_blocks"):
+        F.MoKConfig(num_blocks=-1)
+    # The workspace cache tells them apart
+    assert F.get_workspace(64, 32, 8, 2, 16, config=c) is not F.get_workspace(64, 32, 8, 2, 16)
+    assert F.get_workspace(64, 32, 8, 2, 16, config=c).c_config().num_blocks == 4
+    F.clear_workspace_cache()
+
+
+def test_mokconfig_with_num_blocks_runs_through_nn_and_ops(gen):
+    moe = mok.nn.MoE(64, 32, 8, 2, config=F.MoKConfig(num_blocks=4, num_threads=1))
+    x = make_x(gen, 10, 64)
+    y = moe(x)
+    assert y.shape == x.shape and not torch.isnan(y).any()
+
+
+def test_symmetric_entry_points_are_declared_or_not_implemented():
+    for name in SYMMETRIC_SYMBOLS:
+        if _lib.has_symbol(name):
+            fn = _lib.symbol(name)
+            assert fn.restype is ctypes.c_int and fn.argtypes is not None
+        else:
+            with pytest.raises(NotImplementedError, match=name):
+                _lib.symbol(name)
+    if not _lib.has_symbol("mokSymmetricBytes"):
+        with pytest.raises(NotImplementedError, match="mokSymmetricBytes"):
+            F.symmetric_bytes(F.LayerDims(512, 256, 16, 4, 300, 0, 2, 0), device="cuda:0")
+
+
+@pytest.mark.skipif(not _lib.has_symbol("mokSymmetricBytes"), reason="libmok has no mokSymmetricBytes yet")
+def test_symmetric_bytes_covers_the_byte_map():
+    # A formula of the config: no device is touched
+    for P, T, H, k in [(2, 300, 512, 4), (8, 4096, 7168, 8)]:
+        dims = F.LayerDims(H, 256, 8 * P, k, T, 0, P, 0)
+        nbytes = F.symmetric_bytes(dims, device="cuda:0")
+        # flags, routing tables, x, combine slots (docs/design.md, "EP >= 2")
+        assert nbytes >= 3 * P * 8 + P * T * k * 8 + T * H * 2 + T * k * H * 2
+        assert F.symmetric_bytes(dims._replace(ep_rank=P - 1), device="cuda:0") == nbytes, "byte map differs per rank"
+        assert F.symmetric_bytes(dims._replace(max_tokens=2 * T), device="cuda:0") > nbytes
+        config = F.MoKConfig(num_blocks=16, minibatch_size=256, macrobatch_size=512)
+        assert F.symmetric_bytes(dims, config, device="cuda:0") == nbytes, "knobs change the byte map"
+    with pytest.raises(ValueError, match="num_experts"):
+        F.symmetric_bytes(F.LayerDims(512, 256, 15, 4, 300, 0, 2, 0), device="cuda:0")
+
+
+def test_symmetric_workspace_argument_errors():
+    dims = F.LayerDims(512, 256, 16, 4, 300, 0, 2, 0)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        F.Workspace(dims, F.MoKConfig(), "cpu", regions=[4096, 8192])
+    with pytest.raises(ValueError, match="1 symmetric regions for ep_size = 2"):
+        F.Workspace(dims, F.MoKConfig(), "cuda:0", regions=[4096])
+    with pytest.raises(ValueError, match="rank 1 has address 0x0"):
+        F.Workspace.symmetric(dims, F.MoKConfig(), "cuda:0", [4096, 0])
+    with pytest.raises(ValueError, match="pass group="):
+        F.create_workspace(512, 256, 16, 4, 300, ep_size=2, device="cuda:0")
+    with pytest.raises(ValueError, match="pass group="):
+        F.get_workspace(512, 256, 16, 4, 300, ep_size=2, ep_rank=1, device="cuda:0")
+
+
+def test_virtual_group_argument_errors():
+    with pytest.raises(ValueError, match="CUDA device"):
+        F.create_virtual_group(512, 256, 16, 4, 300, ep_size=2, device="cpu")
+    with pytest.raises(ValueError, match="at least one rank"):
+        F.create_virtual_group(512, 256, 16, 4, 300, ep_size=0, device="cuda:0")
+    with pytest.raises(ValueError, match="multiple of ep_size"):
+        F.create_virtual_group(512, 256, 15, 4, 300, ep_size=2, device="cuda:0")
+
+
+# ---------------------------------------------------------------------------------------
+# GPU helpers
+
+
+TS = [300, 257, 384, 129, 311, 64, 290, 200]
+
+
+def _ids(kind, gen, T, E, k, P):
+    """Routing of one rank: (topk_ids int32 [T, k], topk_weights fp32 [T, k])."""
+    ids, tw = make_routing(gen, T, E, k, masked=0.5 if kind == "masked" else 0.1)
+    if kind == "one_expert":
+        # Every token to expert E-1, its other routes spread over the rest
+        ids = torch.rand(T, E - 1, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
+        ids[:, 0] = E - 1
+    elif kind == "one_rank":
+        # Every route to rank 0's experts (as many as it owns), the rest masked
+        local = E // P
+        n = min(k, local)
+        ids = torch.full((T, k), -1, dtype=torch.int32)
+        ids[:, :n] = torch.rand(T, local, generator=gen).argsort(dim=1)[:, :n].to(torch.int32)
+    return ids.contiguous(), tw
+
+
+def _token_counts(kind, P):
+    if kind == "empty_rank":
+        return [0 if s == 1 else TS[s] for s in range(P)]
+    if kind == "all_empty":
+        return [0] * P
+    if kind == "uneven":
+        return [1, 480, 33, 300, 2, 400, 128, 0][:P]
+    return TS[:P]
+
+
+def _make_ranks(gen, P, H, I, E, k, counts, kind="uniform", I_s=0):
+    """Per-rank CPU inputs: tokens, global routing, the rank's E/P experts, shared weights."""
+    w = make_weights(gen, H, I, E, I_s)
+    E_l = E // P
+    ranks = []
+    for s, T in enumerate(counts):
+        ids, tw = _ids(kind, gen, T, E, k, P)
+        local = {n: w[n][s * E_l:(s + 1) * E_l].contiguous() for n in ROUTED}
+        ranks.append(F.RankInputs(make_x(gen, T, H), ids, tw, **local, **{n: w[n] for n in SHARED}))
+    return ranks
+
+
+def _to_cuda(rank: F.RankInputs) -> F.RankInputs:
+    fields = {f.name: getattr(rank, f.name) for f in dataclasses.fields(rank)}
+    return F.RankInputs(**{n: (None if t is None else t.cuda()) for n, t in fields.items()})
+
+
+def _ep1_outputs(ranks, config=None):
+    """Every rank's tokens in one EP = 1 CUDA call with all experts local (the ranks' weights
+    concatenated), split back per rank."""
+    x = torch.cat([r.x for r in ranks])
+    ids = torch.cat([r.topk_ids for r in ranks])
+    tw = torch.cat([r.topk_weights for r in ranks])
+    weights = {n: torch.cat([getattr(r, n) for r in ranks]) for n in ROUTED}
+    weights.update({n: getattr(ranks[0], n) for n in SHARED})
+    ep1_config = dataclasses.replace(config or F.MoKConfig(), num_blocks=0)
+    y, _ = F.forward(x, ids, tw, **weights, config=ep1_config)
+    return list(torch.split(y, [r.x.shape[0] for r in ranks]))
+
+
+def _assert_bitwise(name, got, want):
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    a, b = got.view(torch.int16), want.view(torch.int16)
+    if not torch.equal(a, b):
+        rows = (a != b).any(dim=1).nonzero().flatten().tolist()
+        raise AssertionError(f"{name}: {len(rows)} of {got.shape[0]} tokens differ in their bits "
+                             f"(first: {rows[:8]})")
+
+
+def _check_outputs(ys, ranks, ranks_cpu, E, config=None):
+    """Bitwise vs EP = 1 per token, and vs the CPU reference (relative Frobenius < 1e-2)."""
+    for r, (y, want) in enumerate(zip(ys, _ep1_outputs(ranks, config))):
+        _assert_bitwise(f"rank {r} y vs EP=1", y, want)
+    for r, (y, ref) in enumerate(zip(ys, F.forward_emulated(ranks_cpu, num_experts=E))):
+        assert_close(f"rank {r} y vs CPU reference", y.cpu(), ref.double())
+
+
+def _run_group(gen, P, E, k, counts, kind="uniform", config=None, I_s=0, H=512, I=256):
+    ranks_cpu = _make_ranks(gen, P, H, I, E, k, counts, kind, I_s)
+    ranks = [_to_cuda(r) for r in ranks_cpu]
+    with F.create_virtual_group(H, I, E, k, max(max(counts), 1), I_s, ep_size=P, config=config) as group:
+        assert group.config.num_blocks == (config.num_blocks if config and config.num_blocks else
+                                           torch.cuda.get_device_properties(0).multi_processor_count // P)
+        ys = group.forward(ranks)
+        group.check_errors()
+        _check_outputs(ys, ranks, ranks_cpu, E, config)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: virtual ranks
+
+
+class TestVirtualRanks:
+    pytestmark = GPU
+
+    @pytest.mark.parametrize("P,E,k,I_s", [(2, 16, 4, 0), (2, 32, 8, 256), (4, 16, 4, 256), (4, 32, 8, 0),
+                                           (8, 16, 4, 0), (8, 32, 8, 256)])
+    def test_equals_ep1_bitwise_and_reference(self, gen, P, E, k, I_s):
+        _run_group(gen, P, E, k, TS[:P], I_s=I_s)
+
+    @pytest.mark.parametrize("kind", ["one_expert", "one_rank", "empty_rank", "all_empty", "masked", "uneven"])
+    @pytest.mark.parametrize("P", [2, 4, 8])
+    def test_skewed_routing_with_a_wrapping_ring(self, gen, P, kind):
+        # Minibatches of 128 rows in a ring of 256: every rank's routed rows wrap it
+        config = F.MoKConfig(minibatch_size=128, macrobatch_size=256)
+        _run_group(gen, P, 16, 4, _token_counts(kind, P), kind, config)
+
+    def test_explicit_num_blocks_and_comm_sms(self, gen):
+        config = F.MoKConfig(num_blocks=12, fwd_num_comm_sms=2, minibatch_size=256, macrobatch_size=512)
+        _run_group(gen, 4, 16, 4, TS[:4], config=config)
+
+    @pytest.mark.parametrize("P", [2, 4, 8])
+    def test_100_runs_bitwise_identical(self, gen, P):
+        assert F.poison_outputs, "conftest poisons every output"
+        E, k = 16, 4
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, P, 512, 256, E, k, TS[:P], I_s=256)]
+        with F.create_virtual_group(512, 256, E, k, max(TS[:P]), 256, ep_size=P) as group:
+            first = group.forward(ranks)
+            for run in range(100):
+                again = group.forward(ranks)
+                for r in range(P):
+                    _assert_bitwise(f"run {run + 1} rank {r}", again[r], first[r])
+            group.check_errors()
+
+    def test_inputs_are_checked_before_any_rank_is_issued(self, gen):
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, 2, 512, 256, 16, 4, [300, 200])]
+        with F.create_virtual_group(512, 256, 16, 4, 256, ep_size=2) as group:
+            with pytest.raises(ValueError, match="rank 0 x has 300 tokens"):
+                group.forward(ranks)
+            with F.create_virtual_group(512, 256, 18, 4, 256, ep_size=3) as three:
+                with pytest.raises(ValueError, match="2 rank inputs for a virtual group of 3"):
+                    three.forward(ranks)
+            wrong = dataclasses.replace(ranks[1], w_gate=torch.cat([ranks[1].w_gate] * 2))
+            with pytest.raises(ValueError, match="rank 1 w_gate holds 16 experts"):
+                group.forward([dataclasses.replace(ranks[0], x=ranks[0].x[:256], topk_ids=ranks[0].topk_ids[:256],
+                                                   topk_weights=ranks[0].topk_weights[:256]), wrong])
+            with pytest.raises(ValueError, match="rank 1 x is on cpu"):
+                group.forward_rank(1, dataclasses.replace(ranks[1], x=ranks[1].x.cpu()))
+            # Nothing was issued: the group still works
+            ranks[0] = dataclasses.replace(ranks[0], x=ranks[0].x[:256], topk_ids=ranks[0].topk_ids[:256],
+                                           topk_weights=ranks[0].topk_weights[:256])
+            ys = group.forward(ranks)
+            group.check_errors()
+            for r, (y, want) in enumerate(zip(ys, _ep1_outputs(ranks))):
+                _assert_bitwise(f"rank {r}", y, want)
+
+    @pytest.mark.parametrize("P", [2, 4, 8])
+    def test_graph_replays_with_new_inputs(self, gen, P):
+        E, k, I_s = 16, 4, 256
+        counts = TS[:P]
+        static = [_to_cuda(r) for r in _make_ranks(gen, P, 512, 256, E, k, counts, I_s=I_s)]
+        with F.create_virtual_group(512, 256, E, k, max(counts), I_s, ep_size=P) as group:
+            group.forward(static)  # warm-up outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = group.forward(static)
+            for _ in range(10):
+                # New tokens and routing copied into the captured inputs
+                for rank, new in zip(static, _make_ranks(gen, P, 512, 256, E, k, counts, "masked", I_s)):
+                    rank.x.copy_(new.x)
+                    rank.topk_ids.copy_(new.topk_ids)
+                    rank.topk_weights.copy_(new.topk_weights)
+                graph.replay()
+                eager = group.forward(static)
+                for r in range(P):
+                    _assert_bitwise(f"rank {r} graph replay vs eager", captured[r], eager[r])
+            group.check_errors()
+            for r, (y, want) in enumerate(zip(captured, _ep1_outputs(static))):
+                _assert_bitwise(f"rank {r} last replay vs EP=1", y, want)
+
+    def test_a_rank_that_never_arrives_times_out(self, gen):
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, 2, 512, 256, 16, 4, [300, 200])]
+        # A fresh group: after a timeout its workspaces may be unusable
+        group = F.create_virtual_group(512, 256, 16, 4, 300, ep_size=2, config=F.MoKConfig(timeout_s=0.5))
+        try:
+            group.forward_rank(0, ranks[0])  # rank 1 never calls
+            with pytest.raises(RuntimeError) as info:
+                group.check_errors(wait=True)
+            assert not isinstance(info.value, ValueError)
+            message = str(info.value).lower()
+            assert "rank" in message and ("peer" in message or "timeout" in message or "timed out" in message), message
+        finally:
+            group.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Two GPUs: a real EP = 2 group over PyTorch symmetric memory
+
+
+H2, I2, E2, K2, IS2, COUNTS2 = 512, 256, 16, 4, 256, (300, 257)
+
+
+def _two_gpu_case(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return _make_ranks(gen, 2, H2, I2, E2, K2, list(COUNTS2), "masked", IS2)
+
+
+def _two_gpu_worker(rank, world, port, seed, out_dir):
+    """One rank of the EP = 2 group (spawned): its forward, 3 times, saved for the parent."""
+    F.multicast_off_env()
+    import torch.distributed as dist
+
+    F.poison_outputs = True
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mine = _to_cuda(_two_gpu_case(seed)[rank])
+        ws = F.get_workspace(H2, I2, E2, K2, max(COUNTS2), IS2, device=f"cuda:{rank}", group=dist.group.WORLD,
+                             config=F.MoKConfig(minibatch_size=128, macrobatch_size=256))
+        assert ws.is_symmetric and (ws.dims.ep_size, ws.dims.ep_rank) == (world, rank)
+        ys = []
+        for _ in range(3):
+            y, _ = F.forward(mine.x, mine.topk_ids, mine.topk_weights, mine.w_gate, mine.w_up, mine.w_down,
+                             mine.ws_gate, mine.ws_up, mine.ws_down, workspace=ws)
+            ys.append(y)
+        ws.check_errors()
+        for y in ys[1:]:
+            _assert_bitwise(f"rank {rank} run to run", y, ys[0])
+        torch.save(ys[0].cpu(), os.path.join(out_dir, f"y{rank}.pt"))
+        # Nobody frees its region while a peer may still use it
+        torch.cuda.synchronize()
+        dist.barrier()
+        F.clear_workspace_cache()
+        ws.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TestTwoGPUs:
+    pytestmark = GPU + [
+        pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+        pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_nccl_available()),
+                           reason="needs torch.distributed with NCCL"),
+    ]
+
+    def test_ep2_over_symmetric_memory_equals_ep1_and_virtual(self, seed, tmp_path):
+        import torch.multiprocessing as mp
+
+        mp.spawn(_two_gpu_worker, args=(2, _free_port(), seed, str(tmp_path)), nprocs=2, join=True)
+        ys = [torch.load(tmp_path / f"y{r}.pt") for r in range(2)]
+        ranks_cpu = _two_gpu_case(seed)
+        ranks = [_to_cuda(r) for r in ranks_cpu]
+        # Per token: real EP = 2 == EP = 1 on one GPU == virtual EP = 2 on one GPU
+        for r, (y, want) in enumerate(zip(ys, _ep1_outputs(ranks))):
+            _assert_bitwise(f"rank {r} real EP=2 vs EP=1", y, want.cpu())
+        with F.create_virtual_group(H2, I2, E2, K2, max(COUNTS2), IS2, ep_size=2) as group:
+            virtual = group.forward(ranks)
+            group.check_errors()
+        for r in range(2):
+            _assert_bitwise(f"rank {r} real EP=2 vs virtual EP=2", ys[r], virtual[r].cpu())
+        for r, (y, ref) in enumerate(zip(ys, F.forward_emulated(ranks_cpu, num_experts=E2))):
+            assert_close(f"rank {r} y vs CPU reference", y, ref.double())
