@@ -270,6 +270,15 @@ MOK_API mokResult_t mokWorkspaceReadTrace(mokWorkspace_t workspace, void* buffer
 MOK_API mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* stream);
 MOK_API mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream);
 
+/* One call of every rank of an EP group driven from this process (virtual ranks on one GPU, or
+ * several GPUs of one process): rank r = workspaces[r] (its config.ep_rank == r) on streams[r].
+ * The same as mokForward(workspaces[r], &args[r], streams[r]) for every r, except that every
+ * rank is checked before any launch, and the launches are issued phase by phase across the
+ * ranks (start, plan, layer), so that the ranks never wait on each other through a hardware
+ * queue their streams share (more streams than CUDA_DEVICE_MAX_CONNECTIONS share queues). */
+MOK_API mokResult_t mokForwardGroup(const mokWorkspace_t* workspaces, const mokForwardArgs_t* args,
+                                    int64_t num_ranks, void* const* streams);
+
 /* The whole EP group emulated in one process on the CPU reference backend:
  * args[r] holds rank r's inputs, its local weights and its outputs, for r in [0, ep_size).
  * ep_size must equal config->ep_size (it is the length of args). */

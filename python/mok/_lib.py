@@ -171,6 +171,7 @@ def _load() -> ctypes.CDLL:
 OPTIONAL_SIGNATURES = {
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),
     "mokWorkspaceCreateSymmetric": (c_int, [POINTER(mokConfig), POINTER(c_void_p), c_int64, POINTER(c_void_p)]),
+    "mokForwardGroup": (c_int, [POINTER(c_void_p), POINTER(mokForwardArgs), c_int64, POINTER(c_void_p)]),
 }
 
 

@@ -865,6 +865,14 @@ class VirtualGroup:
             stream.wait_stream(current)
         issued: List[int] = []
         try:
+            if list(rank_ids) == list(range(self.ep_size)):
+                # Every rank at once: mokForwardGroup checks them all, then issues phase by phase
+                # across the ranks, so that streams sharing a hardware queue cannot deadlock.
+                handles = (ctypes.c_void_p * self.ep_size)(*[ws.handle.value for ws in self.workspaces])
+                arg_array = (_lib.mokForwardArgs * self.ep_size)(*args)
+                stream_ptrs = (ctypes.c_void_p * self.ep_size)(*[st.cuda_stream for st in streams])
+                _lib.check(_lib.symbol("mokForwardGroup")(handles, arg_array, self.ep_size, stream_ptrs))
+                return
             for s, stream, a in zip(rank_ids, streams, args):
                 _lib.check(_lib.lib.mokForward(self.workspaces[s].handle, byref(a), stream.cuda_stream))
                 issued.append(s)

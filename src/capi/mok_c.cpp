@@ -53,18 +53,22 @@ void reject_cuda_layer(int32_t device, const char* what) {
                                                    "(reference backend)");
 }
 
-// EP=1 forward on the workspace's GPU: checks, then launches with no host synchronisation.
-void run_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, void* stream) {
+// The checks of a forward on the workspace's GPU, before anything is launched.
+mok::ref::RankInputs check_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, const std::string& tag) {
   const mokConfig_t& c = ws.config;
-  MOK_CHECK_ARG(args != nullptr, "mokForward args is NULL");
+  MOK_CHECK_ARG(args != nullptr, tag << "forward args is NULL");
   if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
-  MOK_CHECK_ARG(ws.device != nullptr, "x is on " << mok::device_str(args->x.device)
-                                                 << " but the workspace was created for the CPU (config.device = -1)");
+  MOK_CHECK_ARG(ws.device != nullptr, tag << "x is on " << mok::device_str(args->x.device)
+                                          << " but the workspace was created for the CPU (config.device = -1)");
   const std::string why = mok::cuda::unsupported_shape(c);
-  if (!why.empty()) MOK_FAIL(mokNotSupported, why);
-  const mok::ref::RankInputs in =
-      mok::check_forward_args(c, *args, static_cast<int32_t>(c.device), std::string(), true);
-  mok::cuda::forward(*ws.device, c, in, args->y.data, stream);
+  if (!why.empty()) MOK_FAIL(mokNotSupported, tag << why);
+  return mok::check_forward_args(c, *args, static_cast<int32_t>(c.device), tag, true);
+}
+
+// Forward on the workspace's GPU: checks, then launches with no host synchronisation.
+void run_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, void* stream) {
+  const mok::ref::RankInputs in = check_forward_cuda(ws, args, std::string());
+  mok::cuda::forward(*ws.device, ws.config, in, args->y.data, stream);
 }
 
 mok::plan::RoutingView routing_from(const mokConfig_t& c, const std::vector<mok::ref::RankInputs>& ranks) {
@@ -361,6 +365,30 @@ mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args,
                   "the workspace has ep_size = " << ws.config.ep_size
                                                  << "; EP > 1 on the CPU runs through mokBackwardEmulated");
     run_backward(ws.config, args, 1, "mokBackward");
+  });
+}
+
+mokResult_t mokForwardGroup(const mokWorkspace_t* workspaces, const mokForwardArgs_t* args, int64_t num_ranks,
+                            void* const* streams) {
+  return guarded("mokForwardGroup", [&] {
+    MOK_CHECK_ARG(workspaces != nullptr && args != nullptr && streams != nullptr && num_ranks >= 1,
+                  "mokForwardGroup: workspaces, args and streams must hold num_ranks = " << num_ranks << " entries");
+    // Every rank checked before any is issued: a rank that fails later would leave its peers
+    // waiting until timeout_s.
+    std::vector<mok::ref::RankInputs> in;
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      mok::Workspace& ws = workspace_of(workspaces[r]);
+      const std::string tag = "rank " + std::to_string(r) + ": ";
+      MOK_CHECK_ARG(ws.config.ep_rank == r && ws.config.ep_size == num_ranks,
+                    tag << "workspace of rank " << ws.config.ep_rank << " of " << ws.config.ep_size
+                        << "; entry r must be rank r of a group of num_ranks");
+      in.push_back(check_forward_cuda(ws, &args[r], tag));
+    }
+    for (auto phase : {mok::cuda::ForwardPhase::kStart, mok::cuda::ForwardPhase::kPlan,
+                       mok::cuda::ForwardPhase::kLayer})
+      for (int64_t r = 0; r < num_ranks; ++r)
+        mok::cuda::forward_phase(*workspace_of(workspaces[r]).device, workspace_of(workspaces[r]).config,
+                                 in[static_cast<size_t>(r)], args[r].y.data, streams[r], phase);
   });
 }
 

@@ -26,6 +26,11 @@ void check_errors(DeviceWorkspace& ws, int rank, bool wait);
 // y = layer(x) of this rank on device pointers (already checked by the caller); at EP >= 2
 // every rank of the group makes the same sequence of calls.
 void forward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream);
+// forward() in three phases, for issuing the ranks of a virtual group phase by phase: start
+// (error check, EP routing exchange + start barrier), plan build, the layer kernels.
+enum class ForwardPhase { kStart, kPlan, kLayer };
+void forward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream,
+                   ForwardPhase phase);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);
 

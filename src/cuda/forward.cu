@@ -386,52 +386,69 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   gemm::launch_grouped_gemm(g, static_cast<cudaStream_t>(stream));
 }
 
-void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr) {
+namespace {
+// The routing the plan build and the combine read: this call's ids at EP = 1; at EP >= 2 the
+// whole group's, as exchanged into the own region.
+plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in) {
+  if (ws.ep_size > 1) return ep_routing(ws, c);
+  plan::RoutingView v;
+  v.num_ranks = 1;
+  v.topk = static_cast<int32_t>(c.topk);
+  v.num_experts = c.num_experts;
+  v.ids_are_int64 = in.ids_are_int64;
+  v.ids[0] = in.topk_ids;
+  v.num_tokens[0] = in.num_tokens;
+  return v;
+}
+}  // namespace
+
+void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr,
+                   ForwardPhase phase) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
-  // Raise what an earlier call recorded, without waiting for it (never while capturing:
-  // an event query would invalidate the capture).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-  const int64_t k = c.topk, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
-  MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
-
-  // Plan build from the device-resident ids (EP >= 2: the whole group's, exchanged first)
-  plan::RoutingView v;
-  if (ws.ep_size > 1) {
-    ep_start(ws, c, in, ws.errors + kRouteErrorWords, stream);
-    v = ep_routing(ws, c);
-  } else {
-    v.num_ranks = 1;
-    v.topk = static_cast<int32_t>(k);
-    v.num_experts = c.num_experts;
-    v.ids_are_int64 = in.ids_are_int64;
-    v.ids[0] = in.topk_ids;
-    v.num_tokens[0] = T;
+  switch (phase) {
+    case ForwardPhase::kStart:
+      // Raise what an earlier call recorded, without waiting for it (never while capturing:
+      // an event query would invalidate the capture).
+      if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
+      MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
+      // EP >= 2: x into the region, the routing exchange, the start barrier
+      if (ws.ep_size > 1) ep_start(ws, c, in, ws.errors + kRouteErrorWords, stream);
+      return;
+    case ForwardPhase::kPlan: {
+      // Plan build from the device-resident ids (EP >= 2: the whole group's, in the own region)
+      const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
+      build_plan(d, routing_of(ws, c, in), pv, ws.errors, ws.device, stream_ptr);
+      return;
+    }
+    case ForwardPhase::kLayer:
+      if (use_unfused_path()) {
+        MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "
+                                           << ws.ep_size << ")");
+        forward_unfused(ws, c, in, routing_of(ws, c, in), y, stream);
+      } else {
+        forward_fused(ws, c, in, routing_of(ws, c, in), y, stream);
+      }
+      // Error words to pinned memory; read at the next call or at check_errors(wait)
+      MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, kAllErrorWords * sizeof(int64_t),
+                                     cudaMemcpyDeviceToHost, stream));
+      if (capturing) {
+        ws.captured = true;
+      } else {
+        MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
+        ws.pending = true;
+      }
+      return;
   }
-  const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
-  build_plan(d, v, pv, ws.errors, ws.device, stream_ptr);
+}
 
-  if (use_unfused_path()) {
-    MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "
-                                       << ws.ep_size << ")");
-    forward_unfused(ws, c, in, v, y, stream);
-  } else {
-    forward_fused(ws, c, in, v, y, stream);
-  }
-
-  // Error words to pinned memory; read at the next call or at check_errors(wait)
-  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, kAllErrorWords * sizeof(int64_t), cudaMemcpyDeviceToHost,
-                                 stream));
-  if (capturing) {
-    ws.captured = true;
-  } else {
-    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
-    ws.pending = true;
-  }
+void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream) {
+  for (ForwardPhase phase : {ForwardPhase::kStart, ForwardPhase::kPlan, ForwardPhase::kLayer})
+    forward_phase(ws, c, in, y, stream, phase);
 }
 
 }  // namespace mok::cuda

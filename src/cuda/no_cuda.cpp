@@ -24,6 +24,9 @@ size_t read_trace(DeviceWorkspace&, void*, size_t, int64_t* events_per_recorder)
 }
 void check_errors(DeviceWorkspace&, int, bool) {}
 void forward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*) { no_cuda(); }
+void forward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*, ForwardPhase) {
+  no_cuda();
+}
 std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
 
