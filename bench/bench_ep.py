@@ -34,7 +34,7 @@ from bench import shapes as sh  # noqa: E402
 
 RTOL = 1e-2  # relative Frobenius error allowed against float64 (DESIGN §9)
 SWEEP_COMM_SMS = (4, 8, 16)
-SWEEP_MINIBATCH = (512, 1024, 2048)
+SWEEP_MINIBATCH = (1024, 2048, 4096)  # 512 makes more than 127 minibatches at T_max = 4096, P = 2
 # NVLink multicast stays off (DESIGN §3); the same defaults as mok.functional.MULTICAST_OFF_ENV,
 # set before NCCL creates a communicator and before any symmetric memory exists
 ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
