@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job.  Sets up (missing packages, build), then:
-#   with a GPU:    the layer benchmark (bench/bench_layer.py) on the GPU present, all shapes;
+#   with a GPU:    the layer benchmark (bench/bench_layer.py) on one GPU, all shapes, and with
+#                  two or more GPUs the EP benchmark over all of them (bench/bench_ep.py);
 #   without a GPU: a small layer on the CPU reference backend, checked against float64.
 # Extra arguments go to the benchmark (e.g. --shapes dsv3 --fwd-only).
 set -euo pipefail
@@ -10,8 +11,12 @@ bash tools/setup.sh
 cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON | grep -E "mok:|Error" || true
 ninja -C build
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$gpus" -ge 1 ]; then
   PYTHONPATH=python python3 bench/bench_layer.py --shapes all --routing uniform,zipf --out out/bench "$@"
+  if [ "$gpus" -ge 2 ]; then
+    PYTHONPATH=python python3 bench/bench_ep.py --shapes all --routing uniform,zipf --out out/bench
+  fi
 else
   PYTHONPATH=python python3 tools/demo_cpu.py
 fi
