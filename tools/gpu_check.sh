@@ -24,6 +24,14 @@ for t in build/tests/cpp/test_*; do
   echo "$name: rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' /tmp/$name.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || { status=1; tail -30 /tmp/$name.log; }
 done
+echo "== compute-sanitizer (memcheck, racecheck) on virtual EP=4, small shape"
+for tool in memcheck racecheck; do
+  timeout 300 compute-sanitizer --tool $tool --print-limit 20 build/tests/cpp/test_ep_gpu \
+    --gtest_filter=EpGpu.SanitizerSmall >"$OUT/sanitizer_$tool.log" 2>&1
+  rc=$?
+  echo "$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
+  [ $rc -eq 0 ] || status=1
+done
 echo "== Python tests"
 PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

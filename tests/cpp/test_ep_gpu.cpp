@@ -328,6 +328,33 @@ TEST(EpGpu, MissingRankTimesOut) {
   std::printf("timeout message: %s\n", msg.c_str());
 }
 
+// A bad id on one rank is masked on the device and reported by every rank (each rank's plan
+// build validates the whole group's routing), naming the rank, token and j; no hang.
+TEST(EpGpu, InvalidIdReportedOnEveryRank) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  const int64_t P = 4, E_l = s.E / P;
+  std::mt19937_64 rng(fresh_seed());
+  const Weights w = make_weights(rng, s);
+  const DeviceWeights dw(w);
+  std::vector<RankData> data;
+  for (int64_t r = 0; r < P; ++r) data.push_back(make_rank(rng, s, 100, E_l, Routing::kUniform));
+  data[2].ids[static_cast<size_t>(7 * s.k + 1)] = static_cast<int32_t>(s.E + 5);  // rank 2, token 7, j = 1
+  Group g(s, 100, P, same_device(P));
+  std::vector<std::unique_ptr<RankCall>> calls;
+  std::vector<int64_t> all;
+  for (int64_t r = 0; r < P; ++r) {
+    calls.push_back(std::make_unique<RankCall>(s, data[r], dw, r * E_l, E_l, 0));
+    all.push_back(r);
+  }
+  g.run(calls, all);
+  for (int64_t r = 0; r < P; ++r) {
+    EXPECT_EQ(mokWorkspaceCheckErrors(g.ws[r], 1), mokDeviceInvalidRoute) << "rank " << r;
+    const std::string msg = mokGetLastError();
+    EXPECT_NE(msg.find("topk_ids of rank 2 [7, 1] = " + std::to_string(s.E + 5)), std::string::npos) << msg;
+  }
+}
+
 TEST(EpGpu, TwoGpusMatchEp1) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "fewer than two CUDA devices";
