@@ -163,6 +163,11 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline",
                 env::kGather.name << " = " << gather << ": expected warps or pipeline");
   p.gather_mode = gather == "pipeline" ? 1 : 0;
+  const std::string push = env::get(env::kPush);
+  MOK_CHECK_ARG(push == "epilogue" || push == "comm", env::kPush.name << " = " << push << ": expected epilogue or comm");
+  p.push_mode = push == "comm" ? 1 : 0;
+  MOK_CHECK_ARG(!(p.push_mode && p.gather_mode), env::kPush.name << "=comm runs with " << env::kGather.name
+                                                                  << "=warps only");
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;
   p.block_expert = ws.block_expert;
@@ -237,7 +242,7 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
     ws->ring_rows = std::min<int64_t>(c.macrobatch_size, ws->max_rows);
     ws->ring = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * H), &b);
     ws->act = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * I), &b);
-    ws->num_counters = 2 + 3 * ws->max_blocks + ws->shared_blocks;
+    ws->num_counters = 2 + 5 * ws->max_blocks;  // 5 arrays (fused/forward_kernel.cuh); max_blocks >= shared_blocks
     ws->counters = device_alloc<int32_t>(static_cast<size_t>(ws->num_counters), &b);
     if (ws->ep_size > 1) {
       // The group's regions: slots live in this rank's own; the table goes to the device.

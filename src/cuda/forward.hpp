@@ -21,7 +21,7 @@ namespace mok::cuda {
 //   plan.scratch       chunks*E_l x 4      (chunk bases of the device plan build)
 //   ring               ring_rows x H x 2   routed rows gathered from x (ring_rows = min(macrobatch, max_rows))
 //   act                ring_rows x I x 2   SwiGLU output of gate/up, the down GEMM's A
-//   counters           (2 + 3*max_blocks + shared_blocks) x 4   dependency counters of the fused kernel
+//   counters           (2 + 5*max_blocks) x 4   dependency counters of the fused kernel
 //   slots              T_max*k x H x 2     one output row per route, slot token*k + j
 //   shared_block       ceil(T_max/128) x 4 (zeros: every block of the shared expert is expert 0)
 //   shared_act         T_max x I_s x 2     shared_out  T_max x H x 2

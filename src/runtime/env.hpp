@@ -27,6 +27,11 @@ inline constexpr Knob kGather{"MOK_GATHER", "warps",
                                "fused forward gather: warps (one row in flight per comm warp) or pipeline "
                                "(one thread per comm block keeps ~8 row loads and 4 stores in flight)"};
 
+inline constexpr Knob kPush{"MOK_PUSH", "epilogue",
+                             "fused forward output rows: epilogue (the down GEMM's epilogue stores each row "
+                             "to its home slot, over NVLink at EP >= 2) or comm (the epilogue stores into the "
+                             "ring and the comm blocks push rows home with bulk copies)"};
+
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

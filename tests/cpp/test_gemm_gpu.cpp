@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <tuple>
 
 #include "mok/mok.h"
 #include "mok/mok.hpp"
@@ -269,17 +271,20 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
       unsetenv("MOK_FORWARD_PATH");
       ASSERT_EQ(0, std::memcmp(fused.data(), unfused.data(), fused.size() * 2)) << "fused vs unfused";
     }
-    for (const char* gather : {"warps", "pipeline"}) {
-      setenv("MOK_GATHER", gather, 1);
+    // Gather modes, and MOK_PUSH=comm (down rows into the ring, comm blocks push them home)
+    for (const char* mode : {"warps", "pipeline", "push"}) {
+      setenv("MOK_GATHER", std::string(mode) == "pipeline" ? "pipeline" : "warps", 1);
+      setenv("MOK_PUSH", std::string(mode) == "push" ? "comm" : "epilogue", 1);
       for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
                                         {128, 128, 2}, {1024, 16384, 16}, {512, 512, 3}}) {
         GpuLayer g(l, mini, macro, comm);
         const auto y = g.run();
         ASSERT_EQ(0, std::memcmp(fused.data(), y.data(), fused.size() * 2))
-            << "gather " << gather << " minibatch " << mini << " macrobatch " << macro << " comm " << comm;
+            << "mode " << mode << " minibatch " << mini << " macrobatch " << macro << " comm " << comm;
       }
     }
     unsetenv("MOK_GATHER");
+    unsetenv("MOK_PUSH");
   }
 }
 

@@ -114,7 +114,7 @@ struct ProtocolModel {
   int num_segments = 0;
   int32_t num_tasks = 0;
   int32_t n_group = 1;
-  std::vector<int32_t> counters[4];
+  std::vector<int32_t> counters[5];
   int32_t task_next = 0;
 
   struct Compute {
@@ -170,6 +170,25 @@ struct ProtocolModel {
         finish(cb.in_flight.front());
         cb.in_flight.pop_front();
     }
+    return true;
+  }
+  // One step of comm block `index` of `num_comm` under MOK_PUSH=comm (warps gather): its
+  // gather and push jobs in CommJobs order; it does not join the compute roles.
+  bool step_push(CommJobs& jobs, bool& started) {
+    if (jobs.done()) return false;
+    int32_t q;
+    const bool push = jobs.next(g, &q);
+    const int32_t b = g.block_at(q);
+    Wait w[kMaxWaits];
+    const int n = push ? push_waits(b, c, w) : gather_waits(b, g, c, w);
+    if (!started) {
+      if (!ready(w, n)) return false;
+      started = true;
+      return true;
+    }
+    counters[push ? 4 : 0][static_cast<size_t>(b)] = 128;
+    (push ? jobs.next_push : jobs.next_gather)++;
+    started = false;
     return true;
   }
   // One step of comm block `index` of `num_comm`.  `drain`: release finished blocks before
@@ -236,6 +255,74 @@ bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, 
   }
   *why = "step limit";
   return false;
+}
+
+// MOK_PUSH=comm: down tiles write the ring, comm blocks push rows home before the gather
+// that reuses the slot.  Random geometries and interleavings must always finish.
+bool run_push_model(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, std::string* why) {
+  std::mt19937_64 rng(seed);
+  std::vector<ProtocolModel::Compute> compute(static_cast<size_t>(num_compute));
+  std::vector<CommJobs> jobs;
+  std::vector<char> started(static_cast<size_t>(num_comm), 0);
+  for (int i = 0; i < num_comm; ++i) jobs.emplace_back(m.g, i, num_comm);
+  for (int64_t steps = 0; steps < 50000000; ++steps) {
+    std::vector<int> order(static_cast<size_t>(num_compute + num_comm));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    bool progressed = false;
+    for (int a : order) {
+      bool moved;
+      if (a < num_compute) {
+        moved = m.step(compute[static_cast<size_t>(a)], rng);
+      } else {
+        bool st = started[static_cast<size_t>(a - num_compute)] != 0;
+        moved = m.step_push(jobs[static_cast<size_t>(a - num_compute)], st);
+        started[static_cast<size_t>(a - num_compute)] = st ? 1 : 0;
+      }
+      if (moved) {
+        progressed = true;
+        break;
+      }
+    }
+    if (!progressed) {
+      bool done = m.task_next >= m.num_tasks;
+      for (auto& cb : compute) done &= cb.pending < 0 && cb.in_flight.empty();
+      for (auto& j : jobs) done &= j.done();
+      for (int32_t b = 0; b < m.g.num_blocks; ++b) done &= m.counters[4][static_cast<size_t>(b)] == 128;
+      if (!done) *why = "deadlock at task_next " + std::to_string(m.task_next) + " of " + std::to_string(m.num_tasks);
+      return done;
+    }
+  }
+  *why = "step limit";
+  return false;
+}
+
+TEST(FusedSchedule, BlockPositionsInvertBlockAt) {
+  for (int32_t blocks = 0; blocks < 40; ++blocks)
+    for (int32_t ring : {1, 2, 3, 4, 8})
+      for (int32_t mini : {1, ring}) {
+        if (ring % mini) continue;
+        const Geometry g = Geometry::make(blocks, ring, mini);
+        for (int32_t q = 0; q < blocks; ++q) ASSERT_EQ(g.position_of_block(g.block_at(q)), q);
+      }
+}
+
+TEST(FusedSchedule, PushByCommModelAlwaysFinishes) {
+  std::mt19937_64 rng(fresh_protocol_seed());
+  for (int iter = 0; iter < 300; ++iter) {
+    const int32_t mini = 1 << (rng() % 3), ring = mini << (rng() % 3);
+    const int32_t blocks = static_cast<int32_t>(rng() % 24);
+    TaskCounts c{1 + static_cast<int32_t>(rng() % 3), 1 + static_cast<int32_t>(rng() % 2),
+                 static_cast<int32_t>(rng() % 2), 1, static_cast<int32_t>(rng() % 3)};
+    c.push_by_comm = 1;
+    ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
+    const int num_compute = 1 + static_cast<int>(rng() % 5), num_comm = 1 + static_cast<int>(rng() % 3);
+    std::string why;
+    const uint64_t seed = rng();
+    ASSERT_TRUE(run_push_model(m, num_compute, num_comm, seed, &why))
+        << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
+        << ", comm " << num_comm << ", seed " << seed << ")";
+  }
 }
 
 TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {

@@ -56,6 +56,8 @@ struct ForwardParams {
   int32_t max_blocks, shared_blocks;
   int32_t n_group;            // raster: N-blocks per group within a segment
   int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline
+  int32_t push_mode;          // 0: the down epilogue stores rows to their slots; 1: it stores them
+                              // into the ring and the comm blocks push them home (MOK_PUSH=comm)
   // Plan
   const uint32_t* rows;
   const int32_t* expert_offset;
@@ -77,7 +79,7 @@ struct ForwardParams {
   mokTraceEvent_t* trace;
   int32_t trace_cap;
   // Synchronisation
-  int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done [max_blocks], sgu_done
+  int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done, sgu_done, push_done [max_blocks]
   uint64_t timeout_ns;
   int64_t* timeout_record;
 };
@@ -125,7 +127,8 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
   ptx::red_release_gpu_add(counter, add);
 }
 
-// Counter arrays after the header: gather_ready, gu_done, dn_done [max_blocks], sgu_done.
+// Counter arrays after the header: gather_ready, gu_done, dn_done, sgu_done, push_done, each
+// [max_blocks] (max_blocks >= ceil(T_max / 128), the shared blocks).
 __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
 }
@@ -162,59 +165,124 @@ __device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t t
   return TaskInfo{t.kind, t.block, t.n_block, 0};
 }
 
-// ---- comm role: gather routed rows into the ring ---------------------------------------------
+// ---- comm role: gather routed rows into the ring (and, MOK_PUSH=comm, push outputs home) ------
 // The source row of a plan record: x of its rank (EP >= 2: that rank's region, over NVLink).
 __device__ __forceinline__ const __nv_bfloat16* x_row(const ForwardParams& p, uint32_t rec) {
   const __nv_bfloat16* x = p.group.size > 1 ? ep::x_of(p.group, row_rank(rec)) : p.x;
   return x + row_token(rec) * p.hidden;
 }
+// The slot row of a plan record in its home rank's slots.
+__device__ __forceinline__ __nv_bfloat16* slot_row(const ForwardParams& p, uint32_t rec) {
+  __nv_bfloat16* slots = p.group.size > 1 ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
+  return slots + (row_token(rec) * p.topk + row_slot(rec)) * p.hidden;
+}
+
+// One warp's staging row in the (otherwise unused) stage memory, and its barrier.
+struct CommWarp {
+  uint8_t* slot;
+  uint64_t* bar;
+  uint32_t phase = 0;
+  uint32_t row_bytes;
+};
+
+// Copies row src -> dst through the warp's staging row (lane 0: bulk load, wait, bulk store).
+// NOTES: on a timeout the row is skipped, not the loop: the other lanes must still reach
+// __syncwarp; the recorded timeout makes every other wait of the launch leave.
+__device__ __forceinline__ void copy_row(CommWarp& w, const void* src, void* dst, const gemm::WaitContext& wait,
+                                         int64_t detail) {
+  if ((threadIdx.x & 31) != 0) return;
+  ptx::bulk_wait_read<0>();  // the staging row's previous store has read it
+  ptx::mbar_arrive_expect_tx(w.bar, w.row_bytes);
+  ptx::bulk_load(w.slot, src, w.row_bytes, w.bar);
+  if (!gemm::wait_barrier(w.bar, w.phase, wait, gemm::WaitSite::kConsumerFull, detail)) return;
+  w.phase ^= 1u;
+  ptx::bulk_store(dst, w.slot, w.row_bytes);
+  ptx::bulk_commit();
+}
+
+// Gathers row block b (processing position q) into its ring rows, zeros for padding rows;
+// releases gather_ready[b] per warp once its stores completed.
+__device__ void gather_block(CommWarp& w, const ForwardParams& p, const Geometry& g, int32_t b,
+                             const gemm::WaitContext& wait, int32_t* gather_ready) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const int64_t row_vecs = p.hidden / 8;
+  int32_t rows_done = 0;
+  for (int i = warp; i < 128; i += num_warps, ++rows_done) {
+    const uint32_t rec = p.rows[static_cast<int64_t>(b) * 128 + i];
+    __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
+    if (row_is_pad(rec)) {
+      // Padding rows are zeros (generic stores)
+      for (int64_t v = lane; v < row_vecs; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    copy_row(w, x_row(p, rec), dst, wait, 6000 + warp);
+  }
+  // Publish this warp's rows of block b once its stores completed
+  if (lane == 0) ptx::bulk_wait<0>();
+  ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
+  __syncwarp();
+  if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], rows_done);
+}
+
+// MOK_PUSH=comm: pushes the down outputs of row block b (in its ring rows) to their home
+// slots; releases push_done[b] per warp once its stores completed.
+__device__ void push_block(CommWarp& w, const ForwardParams& p, const Geometry& g, int32_t b,
+                           const gemm::WaitContext& wait, int32_t* push_done) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  int32_t rows_done = 0;
+  for (int i = warp; i < 128; i += num_warps, ++rows_done) {
+    const uint32_t rec = p.rows[static_cast<int64_t>(b) * 128 + i];
+    if (row_is_pad(rec)) continue;
+    copy_row(w, p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden, slot_row(p, rec), wait, 8000 + warp);
+  }
+  if (lane == 0) {
+    ptx::bulk_wait<0>();
+    ptx::fence_proxy_async_global();
+    if (p.group.size > 1) __threadfence_system();  // pushed rows visible to their home rank
+    ptx::red_release_gpu_add(&push_done[b], rows_done);
+  }
+  __syncwarp();
+}
 
 __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
-                            int32_t* gather_ready, int32_t n_gate_up) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
-  // One staging row per warp in the (otherwise unused) stage memory.
-  uint8_t* slot = reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * row_bytes;
-  uint64_t* bar = &sh.gather_bar[warp];
-  uint32_t phase = 0;
-  const int64_t row_vecs = p.hidden / 8;
-  const int32_t total = g.num_blocks;
+                            int32_t* gather_ready, const TaskCounts& counts) {
+  const int warp = threadIdx.x / 32;
+  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
+             0, static_cast<uint32_t>(p.hidden) * 2};
   TraceWriter trace(p, 3);
-  for (int32_t q = blockIdx.x; q < total; q += p.num_comm) {
+  Wait waits[kMaxWaits];
+  if (!counts.push_by_comm) {
+    for (int32_t q = blockIdx.x; q < g.num_blocks; q += p.num_comm) {
+      const int32_t b = g.block_at(q);
+      const uint64_t t_begin = ptx::globaltimer_ns();
+      // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
+      if (!wait_all(p, waits, gather_waits(b, g, counts, waits), wait)) return;
+      gather_block(w, p, g, b, wait, gather_ready);
+      if (warp == 0 && (threadIdx.x & 31) == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
+    }
+    return;
+  }
+  // MOK_PUSH=comm: gathers and pushes of this comm block's row blocks in CommJobs order
+  int32_t* push_done = p.counters + static_cast<int>(Counter::kHeader) +
+                       static_cast<int64_t>(CounterArray::kPushDone) * p.max_blocks;
+  CommJobs jobs(g, static_cast<int32_t>(blockIdx.x), p.num_comm);
+  while (!jobs.done()) {
+    int32_t q;
+    const bool push = jobs.next(g, &q);
     const int32_t b = g.block_at(q);
     const uint64_t t_begin = ptx::globaltimer_ns();
-    // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
-    Wait waits[kMaxWaits];
-    if (!wait_all(p, waits, gather_waits(b, g, TaskCounts{n_gate_up, 0, 0, 0, 0}, waits), wait)) return;
-    int32_t rows_done = 0;
-    for (int i = warp; i < 128; i += num_warps, ++rows_done) {
-      const int64_t plan_row = static_cast<int64_t>(b) * 128 + i;
-      const uint32_t rec = p.rows[plan_row];
-      __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
-      if (row_is_pad(rec)) {
-        // Padding rows are zeros (generic stores)
-        for (int64_t v = lane; v < row_vecs; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
-        continue;
-      }
-      if (lane == 0) {
-        // Row through shared memory: bulk load, then bulk store from the same staging row
-        ptx::bulk_wait_read<0>();
-        ptx::mbar_arrive_expect_tx(bar, row_bytes);
-        ptx::bulk_load(slot, x_row(p, rec), row_bytes, bar);
-        // NOTES: on a timeout the row is skipped, not the loop: the other lanes must still
-        // reach __syncwarp; the recorded timeout makes every other wait of the launch leave.
-        if (!gemm::wait_barrier(bar, phase, wait, gemm::WaitSite::kConsumerFull, 6000 + warp)) continue;
-        phase ^= 1u;
-        ptx::bulk_store(dst, slot, row_bytes);
-        ptx::bulk_commit();
-      }
+    if (push) {
+      if (!wait_all(p, waits, push_waits(b, counts, waits), wait)) return;
+      ptx::fence_proxy_async_global();  // the down epilogue's generic stores, read by bulk loads
+      push_block(w, p, g, b, wait, push_done);
+      ++jobs.next_push;
+    } else {
+      if (!wait_all(p, waits, gather_waits(b, g, counts, waits), wait)) return;
+      gather_block(w, p, g, b, wait, gather_ready);
+      ++jobs.next_gather;
     }
-    // Publish this warp's rows of block b once its stores completed
-    if (lane == 0) ptx::bulk_wait<0>();
-    ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
-    __syncwarp();
-    if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], rows_done);
-    if (warp == 0 && lane == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
+    if (warp == 0 && (threadIdx.x & 31) == 0)
+      trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), push ? 254 : 255, b, -1);
   }
 }
 
@@ -400,10 +468,16 @@ __device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardPara
                               int64_t{info.n_block} * 128);
         break;
       case TaskKind::kDown:
-        gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) {
-          return p.group.size > 1 && !row_is_pad(rec) ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
-        }, p.hidden, p.rows + int64_t{b} * 128, p.topk,
+        if (p.push_mode) {
+          // MOK_PUSH=comm: into the block's ring rows (its x rows are dead: every gate/up tile
+          // of the block is done); the comm blocks push them home
+          gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(b), int64_t{p.ring_blocks} * 128,
                                int64_t{info.n_block} * 256);
+        } else {
+          gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) {
+            return p.group.size > 1 && !row_is_pad(rec) ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
+          }, p.hidden, p.rows + int64_t{b} * 128, p.topk, int64_t{info.n_block} * 256);
+        }
         break;
       default:
         break;
@@ -504,7 +578,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // Geometry and the task table, identical on every block
   const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
   const Geometry g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
-  const TaskCounts counts{p.inter / 128, p.hidden / 256, p.shared_inter / 128, p.hidden / 256, p.shared_blocks};
+  const TaskCounts counts{p.inter / 128, p.hidden / 256, p.shared_inter / 128, p.hidden / 256, p.shared_blocks,
+                          p.push_mode};
   const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
   if (threadIdx.x == 0) {
     int32_t num_tasks = 0;
@@ -543,9 +618,15 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       if (threadIdx.x == 0)
         comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, base, slots, zero_row);
     } else {
-      comm_gather(sh, p, g, wait, gather_ready, counts.n_gate_up);
+      comm_gather(sh, p, g, wait, gather_ready, counts);
     }
     __syncthreads();
+    if (p.push_mode) {
+      // Pushing comm blocks stay comm blocks to the end: straight to the grid barrier (their
+      // pushes completed and were fenced in push_block) and the combine
+      finish_and_combine(sh, p, wait);
+      return;
+    }
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == 0) {
