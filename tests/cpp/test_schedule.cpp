@@ -226,29 +226,27 @@ struct ProtocolModel {
   }
 };
 
-bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, bool drain, uint64_t seed,
-               std::string* why) {
+// Runs compute blocks and comm blocks (comm_step(i, rng): one step of comm block i) in random
+// interleavings until nothing can move; true when everything finished (finished()).
+template <typename CommStep, typename Finished>
+bool run_actors(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, CommStep comm_step, Finished finished,
+                std::string* why) {
   std::mt19937_64 rng(seed);
   std::vector<ProtocolModel::Compute> compute(static_cast<size_t>(num_compute));
-  std::vector<ProtocolModel::Comm> comm(static_cast<size_t>(num_comm));
   for (int64_t steps = 0; steps < 50000000; ++steps) {
     std::vector<int> order(static_cast<size_t>(num_compute + num_comm));
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
     bool progressed = false;
     for (int a : order) {
-      const bool moved = a < num_compute ? m.step(compute[static_cast<size_t>(a)], rng)
-                                         : m.step(comm[static_cast<size_t>(a - num_compute)], a - num_compute,
-                                                  num_comm, pipelined, 4, drain, rng);
-      if (moved) {
+      if (a < num_compute ? m.step(compute[static_cast<size_t>(a)], rng) : comm_step(a - num_compute, rng)) {
         progressed = true;
         break;
       }
     }
     if (!progressed) {
-      bool done = m.task_next >= m.num_tasks;
+      bool done = m.task_next >= m.num_tasks && finished();
       for (auto& cb : compute) done &= cb.pending < 0 && cb.in_flight.empty();
-      for (auto& cm : comm) done &= cm.joined.pending < 0 && cm.joined.in_flight.empty();
       if (!done) *why = "deadlock at task_next " + std::to_string(m.task_next) + " of " + std::to_string(m.num_tasks);
       return done;
     }
@@ -257,44 +255,41 @@ bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, 
   return false;
 }
 
+bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, bool drain, uint64_t seed,
+               std::string* why) {
+  std::vector<ProtocolModel::Comm> comm(static_cast<size_t>(num_comm));
+  return run_actors(
+      m, num_compute, num_comm, seed,
+      [&](int i, std::mt19937_64& rng) { return m.step(comm[static_cast<size_t>(i)], i, num_comm, pipelined, 4, drain, rng); },
+      [&] {
+        bool done = true;
+        for (auto& cm : comm) done &= cm.joined.pending < 0 && cm.joined.in_flight.empty();
+        return done;
+      },
+      why);
+}
+
 // MOK_PUSH=comm: down tiles write the ring, comm blocks push rows home before the gather
-// that reuses the slot.  Random geometries and interleavings must always finish.
+// that reuses the slot, and never join compute.
 bool run_push_model(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, std::string* why) {
-  std::mt19937_64 rng(seed);
-  std::vector<ProtocolModel::Compute> compute(static_cast<size_t>(num_compute));
   std::vector<CommJobs> jobs;
-  std::vector<char> started(static_cast<size_t>(num_comm), 0);
+  std::vector<bool> started(static_cast<size_t>(num_comm), false);
   for (int i = 0; i < num_comm; ++i) jobs.emplace_back(m.g, i, num_comm);
-  for (int64_t steps = 0; steps < 50000000; ++steps) {
-    std::vector<int> order(static_cast<size_t>(num_compute + num_comm));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    bool progressed = false;
-    for (int a : order) {
-      bool moved;
-      if (a < num_compute) {
-        moved = m.step(compute[static_cast<size_t>(a)], rng);
-      } else {
-        bool st = started[static_cast<size_t>(a - num_compute)] != 0;
-        moved = m.step_push(jobs[static_cast<size_t>(a - num_compute)], st);
-        started[static_cast<size_t>(a - num_compute)] = st ? 1 : 0;
-      }
-      if (moved) {
-        progressed = true;
-        break;
-      }
-    }
-    if (!progressed) {
-      bool done = m.task_next >= m.num_tasks;
-      for (auto& cb : compute) done &= cb.pending < 0 && cb.in_flight.empty();
-      for (auto& j : jobs) done &= j.done();
-      for (int32_t b = 0; b < m.g.num_blocks; ++b) done &= m.counters[4][static_cast<size_t>(b)] == 128;
-      if (!done) *why = "deadlock at task_next " + std::to_string(m.task_next) + " of " + std::to_string(m.num_tasks);
-      return done;
-    }
-  }
-  *why = "step limit";
-  return false;
+  return run_actors(
+      m, num_compute, num_comm, seed,
+      [&](int i, std::mt19937_64&) {
+        bool st = started[static_cast<size_t>(i)];
+        const bool moved = m.step_push(jobs[static_cast<size_t>(i)], st);
+        started[static_cast<size_t>(i)] = st;
+        return moved;
+      },
+      [&] {
+        bool done = true;
+        for (auto& j : jobs) done &= j.done();
+        for (int32_t b = 0; b < m.g.num_blocks; ++b) done &= m.counters[4][static_cast<size_t>(b)] == 128;
+        return done;
+      },
+      why);
 }
 
 TEST(FusedSchedule, BlockPositionsInvertBlockAt) {
