@@ -1,6 +1,7 @@
 // Byte map of an EP rank's symmetric region (the same on every rank; docs/design.md).
 // Host and device code alike; offsets are 1 KB aligned.
 //
+//   header       1 KB                [0] = fingerprint of the creating rank's configuration
 //   flags_start  kMaxRanks x int64   [s] = sequence number of rank s's last started call
 //   flags_end    kMaxRanks x int64   [s] = sequence number of rank s's last call whose pushes landed
 //   tokens       kMaxRanks x int64   [s] = T_s of rank s's current call
@@ -16,7 +17,7 @@
 namespace mok {
 
 struct SymLayout {
-  int64_t flags_start = 0, flags_end = 0, tokens = 0, routing = 0, x = 0, slots = 0, bytes = 0;
+  int64_t header = 0, flags_start = 0, flags_end = 0, tokens = 0, routing = 0, x = 0, slots = 0, bytes = 0;
   int64_t routing_rank_stride = 0;  // bytes between routing[s] and routing[s + 1]
 };
 
@@ -25,6 +26,8 @@ MOK_HD int64_t sym_align(int64_t v) { return (v + 1023) / 1024 * 1024; }
 MOK_HD SymLayout sym_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk, int64_t hidden) {
   SymLayout l;
   int64_t at = 0;
+  l.header = at;
+  at = sym_align(at + 8);
   l.flags_start = at;
   at = sym_align(at + kMaxRanks * 8);
   l.flags_end = at;
@@ -40,6 +43,18 @@ MOK_HD SymLayout sym_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
   at = sym_align(at + max_tokens * topk * hidden * 2);
   l.bytes = at;
   return l;
+}
+
+// Fingerprint of what must agree across the ranks of a group (the byte map and the layer):
+// written into a region's header at creation, compared before a call touches a peer's region.
+MOK_HD uint64_t sym_fingerprint(const int64_t* fields, int n) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a over the 8-byte fields
+  for (int i = 0; i < n; ++i)
+    for (int b = 0; b < 8; ++b) {
+      h ^= (static_cast<uint64_t>(fields[i]) >> (8 * b)) & 0xFFu;
+      h *= 0x100000001b3ull;
+    }
+  return h | 1ull;  // never 0 (an unwritten header)
 }
 
 }  // namespace mok

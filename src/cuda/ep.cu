@@ -24,7 +24,32 @@
 namespace mok::cuda {
 namespace {
 
-__global__ void ep_exchange_kernel(ep::Group g, const void* ids, int ids_are_int64, int64_t num_tokens, int topk) {
+__global__ void ep_exchange_kernel(ep::Group g, const void* ids, int ids_are_int64, int64_t num_tokens, int topk,
+                                   int64_t* timeout_record) {
+  // First, every peer's region must have this rank's byte map: a peer created with another
+  // configuration would be written at wrong offsets.  Compared by every block before it
+  // writes; block 0 records the first mismatch, and the call stops at the start kernel.
+  __shared__ int mismatch;
+  if (threadIdx.x == 0) {
+    mismatch = -1;
+    for (int s = 0; s < g.size && mismatch < 0; ++s) {
+      const uint64_t fp = *reinterpret_cast<const volatile uint64_t*>(ep::region(g, s) + g.layout.header);
+      if (fp != g.fingerprint) {
+        mismatch = s;
+        if (blockIdx.x == 0 && timeout_record &&
+            atomicCAS(reinterpret_cast<unsigned long long*>(timeout_record), 0ull, 1ull) == 0ull) {
+          timeout_record[1] = static_cast<int64_t>(gemm::WaitSite::kConfigMismatch);
+          timeout_record[2] = 0;
+          timeout_record[3] = s;
+          timeout_record[4] = static_cast<int64_t>(g.fingerprint);
+          timeout_record[5] = static_cast<int64_t>(fp);
+          __threadfence();
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (mismatch >= 0) return;
   const int64_t n = num_tokens * topk;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -47,6 +72,8 @@ __global__ void ep_start_kernel(ep::Group g, int64_t* seq_word, int64_t* timeout
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
+  // A configuration mismatch (ep_exchange_kernel) stops the call here: nothing is published.
+  if (*reinterpret_cast<volatile int64_t*>(timeout_record) != 0) return;
   const gemm::WaitContext wait{ptx::globaltimer_ns() + timeout_ns, timeout_record};
   ep::publish<false>(g, seq);
   ep::wait_group<false>(g, seq, wait);
@@ -61,7 +88,14 @@ ep::Group ep_group(const DeviceWorkspace& ws) {
   g.rank = ws.ep_rank;
   g.size = ws.ep_size;
   g.seq = ws.ep_seq;
+  g.fingerprint = ws.fingerprint;
   return g;
+}
+
+uint64_t ep_fingerprint(const mokConfig_t& c) {
+  const int64_t fields[] = {3 /* byte-map version */, c.ep_size, c.max_tokens, c.topk, c.hidden, c.intermediate,
+                            c.shared_intermediate, c.num_experts, c.block_m, c.precision};
+  return sym_fingerprint(fields, static_cast<int>(sizeof(fields) / sizeof(fields[0])));
 }
 
 void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, int64_t* timeout_record,
@@ -74,7 +108,8 @@ void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
                                    stream));
   const int64_t n = T * k;
   const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(plan::ceil_div(n, 256), 64)));
-  ep_exchange_kernel<<<blocks, 256, 0, stream>>>(g, in.topk_ids, in.ids_are_int64, T, static_cast<int>(k));
+  ep_exchange_kernel<<<blocks, 256, 0, stream>>>(g, in.topk_ids, in.ids_are_int64, T, static_cast<int>(k),
+                                                 timeout_record);
   MOK_CUDA_CHECK(cudaGetLastError());
   ep_start_kernel<<<1, 32, 0, stream>>>(g, ws.ep_seq, timeout_record, static_cast<uint64_t>(c.timeout_s * 1e9));
   MOK_CUDA_CHECK(cudaGetLastError());

@@ -22,6 +22,7 @@ struct Group {
   SymLayout layout;
   int32_t rank = 0, size = 1;
   const int64_t* seq = nullptr;       // this call's sequence number (device word)
+  uint64_t fingerprint = 0;           // of this rank's configuration (common/symmetric.hpp)
 };
 
 __device__ __forceinline__ uint8_t* region(const Group& g, int s) { return g.regions[s]; }

@@ -13,6 +13,8 @@ namespace mok::cuda {
 struct DeviceWorkspace;
 
 ep::Group ep_group(const DeviceWorkspace& ws);
+// What every rank's configuration must agree on, hashed (written into the region header).
+uint64_t ep_fingerprint(const mokConfig_t& c);
 // x copy, routing exchange, start barrier: stream-ordered, no host synchronisation.
 void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, int64_t* timeout_record,
               cudaStream_t stream);

@@ -261,6 +261,10 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
       ws->ep_seq = device_alloc<int64_t>(1, &b);
       MOK_CUDA_CHECK(cudaMemset(ws->ep_seq, 0, sizeof(int64_t)));
       ws->slots = ws->regions[ws->ep_rank] + ws->sym.slots;
+      // The configuration's fingerprint in the own header: peers compare it before writing here
+      ws->fingerprint = ep_fingerprint(c);
+      MOK_CUDA_CHECK(cudaMemcpy(ws->regions[ws->ep_rank] + ws->sym.header, &ws->fingerprint, sizeof(uint64_t),
+                                cudaMemcpyHostToDevice));
     } else {
       ws->slots = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * c.topk * H), &b);
     }
@@ -322,6 +326,18 @@ void check_errors(DeviceWorkspace& ws, int rank, bool wait) {
     const int64_t site = t[1];
     std::ostringstream what;
     what << "rank " << rank << ": a device-side wait passed its deadline (timeout_s): ";
+    if (site == static_cast<int64_t>(gemm::WaitSite::kConfigMismatch)) {
+      if (t[5] == 0)
+        MOK_FAIL(mokInvalidUsage, "rank " << rank << ": peer " << t[3]
+                                          << " has no workspace over its symmetric region yet: create every rank's "
+                                             "workspace before any rank's first call; the call did not run");
+      MOK_FAIL(mokInvalidUsage, "rank " << rank << ": the symmetric region of peer " << t[3]
+                                        << " was created with another configuration (fingerprint " << std::hex
+                                        << t[5] << ", this rank's " << t[4] << std::dec
+                                        << "): every rank of a group needs the same ep_size, max_tokens, topk, "
+                                           "hidden, intermediate, shared_intermediate, num_experts, block_m and "
+                                           "precision; nothing was written, the call did not run");
+    }
     if (site == static_cast<int64_t>(gemm::WaitSite::kStartBarrier) ||
         site == static_cast<int64_t>(gemm::WaitSite::kEndBarrier)) {
       what << (site == static_cast<int64_t>(gemm::WaitSite::kStartBarrier)

@@ -36,6 +36,7 @@ struct DeviceWorkspace {
   std::vector<uint8_t*> regions;   // host copy of regions_dev (EP >= 2)
   uint8_t** regions_dev = nullptr;
   int64_t* ep_seq = nullptr;
+  uint64_t fingerprint = 0;        // of the configuration, in the own region's header
   int32_t grid = 0;                // blocks of the persistent kernels (config.num_blocks or SMs)
   int64_t max_rows = 0, max_blocks = 0, shared_blocks = 0, ring_rows = 0;
   int32_t num_sms = 0;

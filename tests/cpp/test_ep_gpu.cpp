@@ -7,10 +7,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
 
+#include "common/symmetric.hpp"
 #include "mok/mok.h"
 #include "mok/mok.hpp"
 #include "gpu_util.hpp"
@@ -367,6 +369,57 @@ TEST(EpGpu, InvalidIdReportedOnEveryRank) {
     const std::string msg = mokGetLastError();
     EXPECT_NE(msg.find("topk_ids of rank 2 [7, 1] = " + std::to_string(s.E + 5)), std::string::npos) << msg;
   }
+}
+
+// Ranks created with different configurations: every rank reports the peer whose region has
+// another byte map, before writing anything into it; the call does not run (no timeout wait).
+TEST(EpGpu, ConfigMismatchIsReportedNotWritten) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  std::mt19937_64 rng(fresh_seed());
+  const Weights w = make_weights(rng, s);
+  const DeviceWeights dw(w);
+  const RankData d = make_rank(rng, s, 100, s.E / 2, Routing::kUniform);
+  mokConfig_t c0 = config_for(s, 100, 2, 0, 0), c1 = config_for(s, 200, 2, 1, 0);  // max_tokens differ
+  c0.num_blocks = c1.num_blocks = 16;
+  size_t b0 = 0, b1 = 0;
+  ASSERT_EQ(mokSymmetricBytes(&c0, &b0), mokSuccess);
+  ASSERT_EQ(mokSymmetricBytes(&c1, &b1), mokSuccess);
+  const size_t bytes = std::max(b0, b1);
+  DeviceBuffer regions_mem(2 * bytes, 0);
+  void* regions[2] = {regions_mem.ptr, static_cast<uint8_t*>(regions_mem.ptr) + bytes};
+  mokWorkspace_t ws[2] = {nullptr, nullptr};
+  ASSERT_EQ(mokWorkspaceCreateSymmetric(&c0, regions, 2, &ws[0]), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(mokWorkspaceCreateSymmetric(&c1, regions, 2, &ws[1]), mokSuccess) << mokGetLastError();
+  RankCall r0(s, d, dw, 0, s.E / 2, 0), r1(s, d, dw, s.E / 2, s.E / 2, 0);
+  // What rank 0 would write into rank 1's region lies before x in rank 0's byte map (header,
+  // flags, tokens, routing); rank 1 itself writes nothing there when the call stops.
+  const size_t watched = static_cast<size_t>(mok::sym_layout(2, 100, s.k, s.H).x);
+  const std::vector<uint8_t> before = [&] {
+    std::vector<uint8_t> h(watched);
+    cudaMemcpy(h.data(), regions[1], watched, cudaMemcpyDeviceToHost);
+    return h;
+  }();
+  mokForwardArgs_t args[2] = {r0.a, r1.a};
+  cudaStream_t st[2];
+  for (auto& x : st) ASSERT_EQ(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking), cudaSuccess);
+  void* streams[2] = {st[0], st[1]};
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(mokForwardGroup(ws, args, 2, streams), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 5.0) << "a mismatch must stop the call, not wait for the deadline";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(mokWorkspaceCheckErrors(ws[r], 1), mokInvalidUsage) << "rank " << r;
+    const std::string msg = mokGetLastError();
+    EXPECT_NE(msg.find("peer " + std::to_string(1 - r)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("another configuration"), std::string::npos) << msg;
+  }
+  std::vector<uint8_t> after(watched);
+  cudaMemcpy(after.data(), regions[1], watched, cudaMemcpyDeviceToHost);
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), after.begin())) << "rank 0 wrote into a mismatched region";
+  for (auto& x : st) cudaStreamDestroy(x);
+  for (auto& x : ws) mokWorkspaceDestroy(x);
 }
 
 TEST(EpGpu, TwoGpusMatchEp1) {

@@ -36,6 +36,7 @@ enum class WaitSite : int32_t {
   kCounter = 3,        // a global dependency counter
   kStartBarrier = 4,   // EP: a peer's start flag (routing exchange); detail = peer
   kEndBarrier = 5,     // EP: a peer's end flag (every push landed); detail = peer
+  kConfigMismatch = 6, // EP: a peer's region was created with another configuration; detail = peer
 };
 
 static __device__ __forceinline__ void report_timeout(const WaitContext& ctx, WaitSite site, int64_t detail,
