@@ -108,6 +108,20 @@ TEST(GemmGpu, SwiGLUTiles) {
   check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, true, 0);
 }
 
+// MOK_GEMM_CLUSTER=2: 2-CTA clusters, B multicast within a pair of row blocks of one expert;
+// pairs of two experts, a lone last block (CTA 1 recomputes and stores nothing), tiny grids.
+TEST(GemmGpu, PairClustersShareB) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  setenv("MOK_GEMM_CLUSTER", "2", 1);
+  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, false, 0);
+  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, false, 0);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, false, 0);
+  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, true, 0);
+  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, false, 3);
+  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 0, 1, 1, 1, 1, 0, 0, 1}, true, 1);
+  unsetenv("MOK_GEMM_CLUSTER");
+}
+
 // A pipeline whose only job is to finish: many tiles over a tiny grid wrap the stage ring
 // many times (phases flip hundreds of times per block).
 TEST(GemmGpu, PipelineFinishesWithFewBlocks) {

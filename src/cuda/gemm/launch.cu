@@ -92,9 +92,27 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
   p.timeout_record = g.timeout_record;
+  const int total_tiles = g.max_m_blocks * g.num_n_blocks;
+  if (env::get_int(env::kGemmCluster) == 2) {
+    // 2-CTA clusters sharing B: as many clusters as fit at once
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kPairSmemBytes)));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
+    cfg.blockDim = dim3(C::kThreads);
+    cfg.dynamicSmemBytes = kPairSmemBytes;
+    cfg.stream = stream;
+    int clusters = 0;
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_pair_kernel, &cfg));
+    const int pairs = (g.max_m_blocks + 1) / 2 * g.num_n_blocks;
+    int want = g.num_blocks > 0 ? g.num_blocks / 2 : clusters;
+    want = std::max(1, std::min({want, clusters > 0 ? clusters : 1, pairs}));
+    grouped_gemm_pair_kernel<<<2 * want, C::kThreads, kPairSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+    MOK_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kGemmSmemBytes)));
-  const int total_tiles = g.max_m_blocks * g.num_n_blocks;
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, total_tiles);
   grouped_gemm_kernel<<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
   MOK_CUDA_CHECK(cudaGetLastError());

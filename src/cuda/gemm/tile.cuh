@@ -76,9 +76,13 @@ __device__ __forceinline__ bool produce_tile(StageStorage& s, PipelineState<Tile
 }
 
 // Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · Bᵀ over all k-blocks.
+// kPair (2-CTA clusters): each freed stage is also reported to the peer CTA's pair_empty,
+// whose producer multicasts into this CTA's stages.
+template <bool kPair = false>
 __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[TileConfig::kAccRegs],
-                                             const WaitContext& wait) {
+                                             const WaitContext& wait, uint64_t* pair_empty = nullptr,
+                                             uint32_t peer = 0) {
   using C = TileConfig;
   const bool leader = threadIdx.x % 128 == 0;
   int prev_index = 0;
@@ -98,14 +102,20 @@ __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<Tile
     // Release the previous stage once its MMAs retired (one group stays in flight)
     if (kb > 0) {
       ptx::wgmma_wait<1>();
-      if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
+      if (leader) {
+        ptx::mbar_arrive(&s.tile_empty[prev_index]);
+        if constexpr (kPair) ptx::mbar_arrive_cluster(&pair_empty[prev_index], peer);
+      }
     }
     prev_index = stage.index;
     stage.advance();
   }
   ptx::wgmma_wait<0>();
   ptx::fence_regs(acc);
-  if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
+  if (leader) {
+    ptx::mbar_arrive(&s.tile_empty[prev_index]);
+    if constexpr (kPair) ptx::mbar_arrive_cluster(&pair_empty[prev_index], peer);
+  }
   return true;
 }
 
