@@ -44,8 +44,15 @@ if [ "${PERF:-0}" = 1 ]; then
   PYTHONPATH=python timeout 240 python3 tools/sweep_forward.py dsv3 2>&1 | tee "$OUT/sweep.log" | tail -40
   echo "== timing ring"
   PYTHONPATH=python timeout 120 python3 tools/trace_forward.py dsv3 --comm 8 --out "$OUT" 2>&1 | tail -16
+  echo "== the bars at the sustained clock (interleaved timing after 3 s of load)"
+  PYTHONPATH=python timeout 120 python3 tools/sustained.py dsv3 2>&1 | tail -7
   echo "== layer benchmark"
   PYTHONPATH=python timeout 420 python3 bench/bench_layer.py --shapes all --routing uniform,zipf --fwd-only \
     --reps 10 --variants fused/gather --out "$OUT" 2>&1 | tail -20
+  if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "== EP benchmark (all GPUs)"
+    PYTHONPATH=python timeout 400 python3 bench/bench_ep.py --shapes dsv3,qwen3 --routing uniform --sweep \
+      --out "$OUT" 2>&1 | tail -24
+  fi
 fi
 exit $status
