@@ -422,27 +422,40 @@ TEST(EpGpu, ConfigMismatchIsReportedNotWritten) {
   for (auto& x : ws) mokWorkspaceDestroy(x);
 }
 
-TEST(EpGpu, TwoGpusMatchEp1) {
+// Real EP over every visible GPU (2 on an x2 machine, 4 or 8 where lent), peer access in one
+// process: every rank's bits equal EP = 1.
+TEST(EpGpu, AllGpusMatchEp1) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n < 2) GTEST_SKIP() << "fewer than two CUDA devices";
-  int can01 = 0, can10 = 0;
-  cudaDeviceCanAccessPeer(&can01, 0, 1);
-  cudaDeviceCanAccessPeer(&can10, 1, 0);
-  if (!can01 || !can10) GTEST_SKIP() << "no peer access between devices 0 and 1";
-  for (int d : {0, 1}) {
-    cudaSetDevice(d);
-    const cudaError_t e = cudaDeviceEnablePeerAccess(1 - d, 0);
-    ASSERT_TRUE(e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled) << cudaGetErrorString(e);
-    cudaGetLastError();
-  }
+  const int P = n >= 8 ? 8 : (n >= 4 ? 4 : 2);  // E = 16 experts: P must divide it
+  for (int d = 0; d < P; ++d)
+    for (int e = 0; e < P; ++e) {
+      if (d == e) continue;
+      int can = 0;
+      cudaDeviceCanAccessPeer(&can, d, e);
+      if (!can) GTEST_SKIP() << "no peer access from device " << d << " to " << e;
+      cudaSetDevice(d);
+      const cudaError_t err = cudaDeviceEnablePeerAccess(e, 0);
+      ASSERT_TRUE(err == cudaSuccess || err == cudaErrorPeerAccessAlreadyEnabled) << cudaGetErrorString(err);
+      cudaGetLastError();
+    }
   cudaSetDevice(0);
   Shape s;
   s.Is = 128;
   const uint64_t seed = fresh_seed();
-  Case cs{s, 2, {300, 517}, Routing::kUniform};
+  std::vector<int> devices;
+  std::vector<int64_t> T, T_skew;
+  const int64_t counts[] = {300, 517, 129, 384, 64, 290, 200, 311};
+  for (int d = 0; d < P; ++d) {
+    devices.push_back(d);
+    T.push_back(counts[d]);
+    T_skew.push_back(d == 1 ? 0 : counts[d]);  // one rank with T = 0
+  }
+  Case cs{s, P, T, Routing::kUniform};
   cs.reps = 20;
-  check_group(cs, {0, 1}, seed);
-  check_group(Case{s, 2, {0, 200}, Routing::kOneRank}, {0, 1}, seed);
+  check_group(cs, devices, seed);
+  check_group(Case{s, P, T_skew, Routing::kZipf}, devices, seed);
+  check_group(Case{s, P, T, Routing::kMasked, 128, 256}, devices, seed);  // the ring wraps
 }
 
 }  // namespace

@@ -353,19 +353,25 @@ class TestVirtualRanks:
 
 
 # ---------------------------------------------------------------------------------------
-# Two GPUs: a real EP = 2 group over PyTorch symmetric memory
+# Every visible GPU (2, 4 or 8): a real EP group over PyTorch symmetric memory
 
 
-H2, I2, E2, K2, IS2, COUNTS2 = 512, 256, 16, 4, 256, (300, 257)
+H2, I2, E2, K2, IS2 = 512, 256, 16, 4, 256
+COUNTS_BY_WORLD = {2: (300, 257), 4: (300, 0, 384, 129), 8: (300, 0, 384, 129, 311, 64, 290, 200)}
 
 
-def _two_gpu_case(seed):
+def _world() -> int:
+    n = torch.cuda.device_count()
+    return 8 if n >= 8 else (4 if n >= 4 else 2)
+
+
+def _multi_gpu_case(seed, world):
     gen = torch.Generator().manual_seed(seed)
-    return _make_ranks(gen, 2, H2, I2, E2, K2, list(COUNTS2), "masked", IS2)
+    return _make_ranks(gen, world, H2, I2, E2, K2, list(COUNTS_BY_WORLD[world]), "masked", IS2)
 
 
-def _two_gpu_worker(rank, world, port, seed, out_dir):
-    """One rank of the EP = 2 group (spawned): its forward, 3 times, saved for the parent."""
+def _multi_gpu_worker(rank, world, port, seed, out_dir):
+    """One rank of the EP group (spawned): its forward, 3 times, saved for the parent."""
     F.multicast_off_env()
     import torch.distributed as dist
 
@@ -373,8 +379,9 @@ def _two_gpu_worker(rank, world, port, seed, out_dir):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        mine = _to_cuda(_two_gpu_case(seed)[rank])
-        ws = F.get_workspace(H2, I2, E2, K2, max(COUNTS2), IS2, device=f"cuda:{rank}", group=dist.group.WORLD,
+        mine = _to_cuda(_multi_gpu_case(seed, world)[rank])
+        ws = F.get_workspace(H2, I2, E2, K2, max(COUNTS_BY_WORLD[world]), IS2, device=f"cuda:{rank}",
+                             group=dist.group.WORLD,
                              config=F.MoKConfig(minibatch_size=128, macrobatch_size=256))
         assert ws.is_symmetric and (ws.dims.ep_size, ws.dims.ep_rank) == (world, rank)
         ys = []
@@ -401,27 +408,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TestTwoGPUs:
+class TestMultiGPU:
     pytestmark = GPU + [
         pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
         pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_nccl_available()),
                            reason="needs torch.distributed with NCCL"),
     ]
 
-    def test_ep2_over_symmetric_memory_equals_ep1_and_virtual(self, seed, tmp_path):
+    def test_real_ep_over_symmetric_memory_equals_ep1_and_virtual(self, seed, tmp_path):
         import torch.multiprocessing as mp
 
-        mp.spawn(_two_gpu_worker, args=(2, _free_port(), seed, str(tmp_path)), nprocs=2, join=True)
-        ys = [torch.load(tmp_path / f"y{r}.pt") for r in range(2)]
-        ranks_cpu = _two_gpu_case(seed)
+        world = _world()
+        mp.spawn(_multi_gpu_worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world, join=True)
+        ys = [torch.load(tmp_path / f"y{r}.pt") for r in range(world)]
+        ranks_cpu = _multi_gpu_case(seed, world)
         ranks = [_to_cuda(r) for r in ranks_cpu]
-        # Per token: real EP = 2 == EP = 1 on one GPU == virtual EP = 2 on one GPU
+        # Per token: real EP = P == EP = 1 on one GPU == virtual EP = P on one GPU
         for r, (y, want) in enumerate(zip(ys, _ep1_outputs(ranks))):
-            _assert_bitwise(f"rank {r} real EP=2 vs EP=1", y, want.cpu())
-        with F.create_virtual_group(H2, I2, E2, K2, max(COUNTS2), IS2, ep_size=2) as group:
+            _assert_bitwise(f"rank {r} real EP={world} vs EP=1", y, want.cpu())
+        with F.create_virtual_group(H2, I2, E2, K2, max(COUNTS_BY_WORLD[world]), IS2, ep_size=world) as group:
             virtual = group.forward(ranks)
             group.check_errors()
-        for r in range(2):
-            _assert_bitwise(f"rank {r} real EP=2 vs virtual EP=2", ys[r], virtual[r].cpu())
+        for r in range(world):
+            _assert_bitwise(f"rank {r} real EP={world} vs virtual EP={world}", ys[r], virtual[r].cpu())
         for r, (y, ref) in enumerate(zip(ys, F.forward_emulated(ranks_cpu, num_experts=E2))):
             assert_close(f"rank {r} y vs CPU reference", y, ref.double())
