@@ -781,8 +781,10 @@ class VirtualGroup:
     sequence-numbered: a rank issued alone (forward_rank) waits on the device until the others
     issue the same call, or until config.timeout_s (reported by check_errors).
 
-    NOTES: the P kernels must run concurrently, so the ranks' streams must not share a hardware
-    queue: keep CUDA_DEVICE_MAX_CONNECTIONS (default 8) >= P."""
+    NOTES: the P kernels must run concurrently. forward() issues the ranks through
+    mokForwardGroup, phase by phase across the ranks, so streams that share a hardware queue
+    (more streams than CUDA_DEVICE_MAX_CONNECTIONS) cannot block each other; ranks issued one by
+    one with forward_rank can, when that setting is below P."""
 
     def __init__(self, dims: LayerDims, config: Optional[MoKConfig] = None,
                  device: Union[str, torch.device] = "cuda") -> None:
@@ -954,8 +956,9 @@ class VirtualGroup:
 def _warn_connections(ep_size: int) -> None:
     value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if value is not None and value.isdigit() and int(value) < ep_size:
-        warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={value} < {ep_size} virtual ranks: ranks that share a hardware "
-                      f"queue can wait for each other until timeout_s", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={value} < {ep_size} virtual ranks: ranks issued one by one "
+                      f"(forward_rank) whose streams share a hardware queue can wait for each other until "
+                      f"timeout_s; forward() is not affected", RuntimeWarning, stacklevel=3)
 
 
 def create_virtual_group(hidden: int, intermediate: int, num_experts: int, topk: int, max_tokens: int,

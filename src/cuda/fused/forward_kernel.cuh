@@ -171,10 +171,14 @@ __device__ __forceinline__ const __nv_bfloat16* x_row(const ForwardParams& p, ui
   const __nv_bfloat16* x = p.group.size > 1 ? ep::x_of(p.group, row_rank(rec)) : p.x;
   return x + row_token(rec) * p.hidden;
 }
-// The slot row of a plan record in its home rank's slots.
+// The slot array of a plan record's home rank (EP >= 2: in that rank's region); p.slots for
+// padding records, which are never stored.
+__device__ __forceinline__ __nv_bfloat16* home_slots(const ForwardParams& p, uint32_t rec) {
+  return p.group.size > 1 && !row_is_pad(rec) ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
+}
+// The slot row of a (non-padding) plan record in its home rank's slots.
 __device__ __forceinline__ __nv_bfloat16* slot_row(const ForwardParams& p, uint32_t rec) {
-  __nv_bfloat16* slots = p.group.size > 1 ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
-  return slots + (row_token(rec) * p.topk + row_slot(rec)) * p.hidden;
+  return home_slots(p, rec) + (row_token(rec) * p.topk + row_slot(rec)) * p.hidden;
 }
 
 // One warp's staging row in the (otherwise unused) stage memory, and its barrier.
@@ -474,9 +478,8 @@ __device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardPara
           gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(b), int64_t{p.ring_blocks} * 128,
                                int64_t{info.n_block} * 256);
         } else {
-          gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) {
-            return p.group.size > 1 && !row_is_pad(rec) ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
-          }, p.hidden, p.rows + int64_t{b} * 128, p.topk, int64_t{info.n_block} * 256);
+          gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
+                                 p.rows + int64_t{b} * 128, p.topk, int64_t{info.n_block} * 256);
         }
         break;
       default:
