@@ -1,5 +1,5 @@
-"""Baselines of BENCH.md, written the way a strong engineer would: the torch EP=1 pipeline, the
-experts-only grouped GEMMs, the dense-rate floor, the NCCL+PyTorch and DeepEP+PyTorch EP≥2
+"""Baselines of docs/benchmarks.md, written the way a strong engineer would: the torch EP=1
+pipeline, the experts-only grouped GEMMs, the dense-rate floor, the NCCL+PyTorch and DeepEP+PyTorch EP≥2
 forwards, a float64 reference on a token slice, and the mok entry.
 
 Weight layouts are mok's: w_gate, w_up [E_l, I, H], w_down [E_l, H, I]; shared ws_gate, ws_up

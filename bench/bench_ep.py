@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""EP ≥ 2 MoE layer benchmark (BENCH.md): one process per GPU, P = number of GPUs. Per shape and
-routing, in the same run: NCCL+PyTorch, DeepEP+PyTorch (where `deep_ep` imports), the
+"""EP ≥ 2 MoE layer benchmark (docs/benchmarks.md): one process per GPU, P = number of GPUs.
+Per shape and routing, in the same run: NCCL+PyTorch, DeepEP+PyTorch (where `deep_ep` imports), the
 experts-only grouped GEMMs on the rows each rank receives, the dense-rate floor, and mok over
 PyTorch symmetric memory (mok.functional.get_workspace(group=...)); with --sweep, mok over
 fwd_num_comm_sms × minibatch_size. Every figure is the slowest rank's median. Prints a table,
@@ -32,11 +32,12 @@ from bench import baselines as bl  # noqa: E402
 from bench import harness as hz  # noqa: E402
 from bench import shapes as sh  # noqa: E402
 
-RTOL = 1e-2  # relative Frobenius error allowed against float64 (DESIGN §9)
+RTOL = 1e-2  # relative Frobenius error allowed against float64 (docs/contracts.md §9)
 SWEEP_COMM_SMS = (4, 8, 16)
 SWEEP_MINIBATCH = (1024, 2048, 4096)  # 512 makes more than 127 minibatches at T_max = 4096, P = 2
-# NVLink multicast stays off (DESIGN §3); the same defaults as mok.functional.MULTICAST_OFF_ENV,
-# set before NCCL creates a communicator and before any symmetric memory exists
+# NVLink multicast stays off (docs/contracts.md §3); the same defaults as
+# mok.functional.MULTICAST_OFF_ENV, set before NCCL creates a communicator and before any
+# symmetric memory exists
 ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 NVLINK_NOTE = ("NVLink GB/s of mok are averages over the whole call: bytes of the rows a rank pulls from "
                "other ranks (its experts' remote routes x H x 2 B) / that rank's median call time; the push "
@@ -552,7 +553,7 @@ def run_rank(rank: int, num_ranks: int, device: torch.device, args) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="dsv3,dsv3-t2k,qwen3", help="comma-separated BENCH.md shape names, or 'all'")
+    p.add_argument("--shapes", default="dsv3,dsv3-t2k,qwen3", help="comma-separated shape names (docs/benchmarks.md), or 'all'")
     p.add_argument("--routing", default="uniform,zipf", help="comma-separated: uniform, zipf")
     p.add_argument("--gpus", type=int, default=0, help="ranks P (one GPU each; default: every visible GPU)")
     p.add_argument("--shared", type=int, choices=(0, 1), default=0, help="shared expert with I_s = I")

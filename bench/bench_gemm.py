@@ -1,5 +1,5 @@
-"""Standalone grouped-GEMM benchmark: mok's engine vs torch._grouped_mm on the BENCH.md
-expert shapes (gate/up: K=H, N=2I with the SwiGLU fused; down: K=I, N=H), same run,
+"""Standalone grouped-GEMM benchmark: mok's engine vs torch._grouped_mm on the expert shapes
+of docs/benchmarks.md (gate/up: K=H, N=2I with the SwiGLU fused; down: K=I, N=H), same run,
 same inputs, CUDA events, median of repeated runs, outputs checked against torch.
 
     python3 bench/bench_gemm.py [--shapes dsv3,qwen3|all] [--reps 20] [--out DIR]

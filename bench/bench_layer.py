@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""MoE layer benchmark (BENCH.md): per shape and routing, the torch EP=1 pipeline (forward in
-each gate/up × combine variant, and forward+backward of the fastest), the experts-only grouped
+"""MoE layer benchmark (docs/benchmarks.md): per shape and routing, the torch EP=1 pipeline
+(forward in each gate/up × combine variant, and forward+backward of the fastest), the experts-only grouped
 GEMMs, the dense-rate floor, and mok where it is built. Prints a table, writes
 DIR/bench_layer.json and DIR/bench_layer.png.
 
@@ -28,7 +28,7 @@ from bench import harness as hz  # noqa: E402
 from bench import shapes as sh  # noqa: E402
 
 VARIANTS = ("fused/gather", "split/gather", "fused/index_add", "split/index_add")
-RTOL = 1e-2  # relative Frobenius error allowed against float64 (DESIGN §9)
+RTOL = 1e-2  # relative Frobenius error allowed against float64 (docs/contracts.md §9)
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def ratio_table(cases: List[Dict[str, Any]]) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="all", help="comma-separated names of BENCH.md shapes, or 'all'")
+    p.add_argument("--shapes", default="all", help="comma-separated shape names (docs/benchmarks.md), or 'all'")
     p.add_argument("--routing", default="uniform,zipf", help="comma-separated: uniform, zipf")
     p.add_argument("--shared", type=int, choices=(0, 1), default=0, help="shared expert with I_s = I")
     p.add_argument("--reps", type=int, default=20, help="timed runs per figure (median)")
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
               "Use --device cpu --tiny for a smoke test of the code paths.")
         return 0
     if args.device == "cpu" and not args.tiny:
-        print("bench_layer: --device cpu runs only with --tiny (the BENCH.md shapes are GPU-sized).")
+        print("bench_layer: --device cpu runs only with --tiny (the docs/benchmarks.md shapes are GPU-sized).")
         return 2
     device = torch.device(args.device)
     if device.type == "cpu":

@@ -39,7 +39,7 @@ class Benchmark:
 
 
 # ---------------------------------------------------------------------------------------
-# FLOP and byte models of one MoE layer (BENCH.md)
+# FLOP and byte models of one MoE layer (docs/benchmarks.md)
 
 
 def moe_flops(T: int, k: int, H: int, I: int, I_s: int = 0, *, direction: str = "fwd",

@@ -1,4 +1,4 @@
-"""Benchmark shapes of BENCH.md by name, and deterministic routing generators."""
+"""Benchmark shapes of docs/benchmarks.md by name, and deterministic routing generators."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,6 @@
 """Ceiling probe on the GPU present: dense bf16 matmul rate, HBM copy bandwidth, and the
-grouped-GEMM rate of torch._grouped_mm on the BENCH.md expert shapes.  Random data, CUDA
-events, warm-up, median of repeated runs, inputs rotated where the L2 could hold them.
+grouped-GEMM rate of torch._grouped_mm on the expert shapes of docs/benchmarks.md.  Random
+data, CUDA events, warm-up, median of repeated runs, inputs rotated where the L2 could hold them.
 Writes JSON to the path given (default: stdout only)."""
 import json
 import os

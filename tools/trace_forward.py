@@ -2,7 +2,7 @@
 
     python3 tools/trace_forward.py [shape] [--comm N] [--minibatch R] [--out DIR]
 
-Runs the fused forward on a BENCH.md shape with MOK_TRACE=1, reads the ring
+Runs the fused forward on a shape of docs/benchmarks.md with MOK_TRACE=1, reads the ring
 (mokWorkspaceReadTrace), prints a summary (tile time by kind, producer waits, gather
 progress, grid barrier, combine) and draws a timeline PNG (matplotlib, when present)."""
 import argparse

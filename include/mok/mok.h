@@ -24,9 +24,12 @@ extern "C" {
 #define MOK_API __attribute__((visibility("default")))
 #endif
 
+/* The one version number of mok: CMake's project() version, the Python package's
+ * (pyproject.toml) and mok.__version__ are all read from these lines. */
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 3
+#define MOK_VERSION_MINOR 4
 #define MOK_VERSION_PATCH 0
+#define MOK_VERSION_STRING "0.4.0"
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
 typedef enum mokResult_t {
@@ -119,15 +122,25 @@ typedef struct mokConfig_t {
                                    (virtual ranks: SMs / P each, so that all P run at once) */
 } mokConfig_t;
 
-#define MOK_CONFIG_INITIALIZER                                                          \
-  {                                                                                     \
-    sizeof(mokConfig_t), MOK_CONFIG_VERSION, /*hidden*/ 0, /*intermediate*/ 0,          \
-        /*shared_intermediate*/ 0, /*num_experts*/ 0, /*topk*/ 0, /*ep_size*/ 1,        \
-        /*ep_rank*/ 0, /*max_tokens*/ 0, /*fwd_num_comm_sms*/ 8, /*bwd_num_comm_sms*/ 8, \
-        /*minibatch_size*/ 1024, /*macrobatch_size*/ 16384, /*block_m*/ 128,             \
-        /*precision*/ mokPrecisionBF16, /*schedule_capacity_multiplier*/ 1.0,           \
-        /*timeout_s*/ 60.0, /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0,               \
-        /*num_blocks*/ 0                                                                \
+/* The defaults of the knobs: their one home.  C++ (mok::default_config), the plan and the
+ * Python front (mok.functional.MoKConfig, mok.ops, read through mokGetDefaultConfig) take
+ * them from here. */
+#define MOK_DEFAULT_FWD_NUM_COMM_SMS 8
+#define MOK_DEFAULT_BWD_NUM_COMM_SMS 8
+#define MOK_DEFAULT_MINIBATCH_SIZE 1024
+#define MOK_DEFAULT_MACROBATCH_SIZE 16384
+#define MOK_DEFAULT_BLOCK_M 128
+#define MOK_DEFAULT_TIMEOUT_S 60.0
+
+#define MOK_CONFIG_INITIALIZER                                                                  \
+  {                                                                                             \
+    sizeof(mokConfig_t), MOK_CONFIG_VERSION, /*hidden*/ 0, /*intermediate*/ 0,                  \
+        /*shared_intermediate*/ 0, /*num_experts*/ 0, /*topk*/ 0, /*ep_size*/ 1,                \
+        /*ep_rank*/ 0, /*max_tokens*/ 0, MOK_DEFAULT_FWD_NUM_COMM_SMS,                          \
+        MOK_DEFAULT_BWD_NUM_COMM_SMS, MOK_DEFAULT_MINIBATCH_SIZE, MOK_DEFAULT_MACROBATCH_SIZE,  \
+        MOK_DEFAULT_BLOCK_M, /*precision*/ mokPrecisionBF16,                                    \
+        /*schedule_capacity_multiplier*/ 1.0, MOK_DEFAULT_TIMEOUT_S,                           \
+        /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0, /*num_blocks*/ 0                          \
   }
 
 /* Weights of one rank: its E_l = E/P routed experts and the optional shared expert.
@@ -219,6 +232,9 @@ MOK_API const char* mokGetErrorString(mokResult_t result);
 /* Detail of the last failing call on this thread (empty when none). */
 MOK_API const char* mokGetLastError(void);
 MOK_API int mokGetVersion(void);
+/* Writes MOK_CONFIG_INITIALIZER as this library was compiled with it: bindings that cannot
+ * expand the macro (Python) read the defaults from here instead of repeating them. */
+MOK_API mokResult_t mokGetDefaultConfig(mokConfig_t* config);
 /* 1 when the library was compiled with its CUDA part. */
 MOK_API int mokHasCuda(void);
 

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 
 # Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
-ABI_VERSION = (0, 3)
+ABI_VERSION = (0, 4)
 CONFIG_VERSION = 2
 MAX_DIMS = 4
 DEVICE_CPU = -1
@@ -78,18 +78,18 @@ class mokConfig(ctypes.Structure):
     )
 
 
-# MOK_CONFIG_INITIALIZER, field by field.
-CONFIG_DEFAULTS = dict(
-    hidden=0, intermediate=0, shared_intermediate=0, num_experts=0, topk=0, ep_size=1, ep_rank=0,
-    max_tokens=0, fwd_num_comm_sms=8, bwd_num_comm_sms=8, minibatch_size=1024, macrobatch_size=16384,
-    block_m=128, precision=PRECISIONS["bf16"], schedule_capacity_multiplier=1.0, timeout_s=60.0,
-    device=DEVICE_CPU, num_threads=0, num_blocks=0,
-)
-
-
 def default_config() -> mokConfig:
-    """A mokConfig equal to MOK_CONFIG_INITIALIZER."""
-    return mokConfig(size=ctypes.sizeof(mokConfig), version=CONFIG_VERSION, **CONFIG_DEFAULTS)
+    """A mokConfig equal to MOK_CONFIG_INITIALIZER, as the loaded library was compiled with it
+    (mokGetDefaultConfig): the defaults are written once, in mok.h."""
+    config = mokConfig()
+    check(lib.mokGetDefaultConfig(ctypes.byref(config)))
+    return config
+
+
+def config_defaults() -> dict:
+    """The library's default of every mokConfig field (size and version excluded)."""
+    config = default_config()
+    return {name: getattr(config, name) for name, _ in mokConfig._fields_ if name not in ("size", "version")}
 
 
 class mokWeights(ctypes.Structure):
@@ -147,23 +147,28 @@ TRACE_RECORDERS = 4
 
 
 def _candidates() -> List[Path]:
+    """Where libmok.so is looked for, in order: $MOK_LIBRARY; inside the installed package
+    (pip install . puts it in mok/lib); the build folder of a source checkout (build/lib)."""
     here = Path(__file__).resolve().parent
     paths = []
     if os.environ.get("MOK_LIBRARY"):
         paths.append(Path(os.environ["MOK_LIBRARY"]))
-    paths.append(here.parent.parent / "build" / "lib" / "libmok.so")
     paths.append(here / "lib" / "libmok.so")
+    paths.append(here.parent.parent / "build" / "lib" / "libmok.so")
     return paths
 
 
 def _load() -> ctypes.CDLL:
     tried = _candidates()
+    if os.environ.get("MOK_LIBRARY") and not tried[0].is_file():
+        raise ImportError(f"mok: MOK_LIBRARY={tried[0]} is not a file")
     for path in tried:
         if path.is_file():
             return ctypes.CDLL(str(path))
     raise ImportError(
-        "mok: libmok.so not found; build it (cmake -S . -B build -G Ninja && ninja -C build) or set "
-        "MOK_LIBRARY to its full path. Tried: " + ", ".join(str(p) for p in tried)
+        "mok: libmok.so not found. Install the package (pip install .), or build it in a source "
+        "checkout (cmake -S . -B build -G Ninja && ninja -C build), or set MOK_LIBRARY to its full "
+        "path. Tried: " + ", ".join(str(p) for p in tried)
     )
 
 
@@ -180,6 +185,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mokGetErrorString": (c_char_p, [c_int]),
         "mokGetLastError": (c_char_p, []),
         "mokGetVersion": (c_int, []),
+        "mokGetDefaultConfig": (c_int, [POINTER(mokConfig)]),
         "mokHasCuda": (c_int, []),
         "mokWorkspaceCreate": (c_int, [POINTER(mokConfig), POINTER(c_void_p)]),
         "mokWorkspaceDestroy": (c_int, [c_void_p]),

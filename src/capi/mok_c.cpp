@@ -149,6 +149,13 @@ const char* mokGetErrorString(mokResult_t result) {
 
 const char* mokGetLastError(void) { return g_last_error.c_str(); }
 int mokGetVersion(void) { return MOK_VERSION_CODE; }
+
+mokResult_t mokGetDefaultConfig(mokConfig_t* config) {
+  return guarded("mokGetDefaultConfig", [&] {
+    if (config == nullptr) MOK_FAIL(mokInvalidUsage, "config out-pointer is NULL");
+    *config = MOK_CONFIG_INITIALIZER;
+  });
+}
 int mokHasCuda(void) { return mok::cuda::built() ? 1 : 0; }
 
 mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace) {

@@ -11,7 +11,7 @@
 //
 // Minibatch m = rows [m*minibatch_size, (m+1)*minibatch_size), the unit of overlap;
 // macrobatch M = rows [M*macrobatch_size, ...), the size of the ring; a row lives in ring
-// slot row % macrobatch_size.  Capacity is worst case by construction (DESIGN §3): a token
+// slot row % macrobatch_size.  Capacity is worst case by construction (docs/contracts.md §3): a token
 // routes to each expert at most once, so an expert gets at most P*T_max rows and the rank
 // at most P*T_max*min(k, E_l), plus at most block_m-1 padding rows per expert.
 #pragma once
@@ -28,10 +28,10 @@ struct PlanDims {
   int32_t rank = 0;           // r, the expert-owning rank this plan is for
   int64_t num_experts = 0;    // E (all ranks)
   int32_t topk = 0;           // k
-  int32_t block_m = 128;
+  int32_t block_m = MOK_DEFAULT_BLOCK_M;
   int64_t max_tokens = 0;     // T_max
-  int64_t minibatch_size = 1024;
-  int64_t macrobatch_size = 16384;
+  int64_t minibatch_size = MOK_DEFAULT_MINIBATCH_SIZE;
+  int64_t macrobatch_size = MOK_DEFAULT_MACROBATCH_SIZE;
 
   MOK_HD int64_t local_experts() const { return num_experts / num_ranks; }
   MOK_HD int64_t first_expert() const { return static_cast<int64_t>(rank) * local_experts(); }

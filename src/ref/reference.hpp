@@ -1,6 +1,6 @@
 // CPU reference backend: the oracle of every test and the CPU fallback.
 //
-// It computes the layer of DESIGN §1 with the roundings every mok backend uses
+// It computes the layer of docs/contracts.md §1 with the roundings every mok backend uses
 // (docs/design.md, "Numerics"):
 //   g, u   = x·w_gateᵀ, x·w_upᵀ              fp32 accumulation
 //   a      = bf16(silu(g) ⊙ u)                the intermediate, stored once in bf16

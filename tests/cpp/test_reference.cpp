@@ -143,7 +143,7 @@ double b2d(bf16_t v) { return static_cast<double>(bf16_to_float(v)); }
 double bf16_round(double v) { return b2d(float_to_bf16(static_cast<float>(v))); }
 double silu_d(double g) { return g / (1.0 + std::exp(-g)); }
 
-// Hand-written loops in double, rounding to bf16 only where DESIGN puts a stored bf16
+// Hand-written loops in double, rounding to bf16 only where contracts §1 puts a stored bf16
 // (the intermediate a and each expert output row in forward).
 struct Naive {
   std::vector<double> y, dx, dtopk, dw_gate, dw_up, dw_down, dws_gate, dws_up, dws_down;

@@ -1,5 +1,5 @@
-"""Float64 oracle of the MoE layer (DESIGN §1), independent of mok, plus input makers and
-comparison helpers for the tests.
+"""Float64 oracle of the MoE layer (docs/contracts.md §1), independent of mok, plus input makers
+and comparison helpers for the tests.
 
 y[t] = sum_j w[t,j] * expert_{id(t,j)}(x[t]) + shared(x[t]),
 expert_e(v) = w_down_e (silu(w_gate_e v) * (w_up_e v)); gradients by torch.autograd.

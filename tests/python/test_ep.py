@@ -52,7 +52,7 @@ def test_config_layout_mirrors_the_c_struct():
         assert ctypes.sizeof(ctype) == 8, name
         assert getattr(_lib.mokConfig, name).offset == 8 * i, name
     assert fields[-1][0] == "num_blocks"
-    assert _lib.ABI_VERSION == (0, 3) and _lib.CONFIG_VERSION == 2
+    assert _lib.ABI_VERSION == (0, 4) and _lib.CONFIG_VERSION == 2
     c = _lib.default_config()
     assert (c.size, c.version, c.num_blocks) == (168, 2, 0)
     if HEADER.is_file():

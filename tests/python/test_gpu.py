@@ -1,6 +1,6 @@
 """GPU tests: the device-built schedule equals the host one bit for bit, device-side route
-validation, the CUDA forward against the float64 oracle (small shapes and every BENCH.md
-shape), graph capture, and clear errors for what is not built yet. Skipped without a GPU."""
+validation, the CUDA forward against the float64 oracle (small shapes and every shape of
+bench/shapes.py), graph capture, and clear errors for what is not built yet. Skipped without a GPU."""
 import pytest
 import torch
 
@@ -149,8 +149,9 @@ def test_cuda_forward_matches_oracle(gen, H, I, E, k, T, I_s, masked):
 
 @pytest.mark.parametrize("name", ["dsv3", "dsv3-t2k", "qwen3", "qwen35", "glm5", "dsv4pro"])
 def test_cuda_forward_bench_shapes(gen, name):
-    # Every BENCH.md shape at full size; a sample of tokens against a float64 oracle on the GPU
-    # (a token's output does not depend on the other tokens: batch invariance).
+    # Every shape of bench/shapes.py (docs/benchmarks.md) at full size; a sample of tokens against
+    # a float64 oracle on the GPU (a token's output does not depend on the other tokens: batch
+    # invariance).
     H, I, k, E, T = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
                      "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
                      "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096)}[name]

@@ -1,5 +1,7 @@
 """The ctypes mirror of the C ABI: layouts, defaults, tensor views and error mapping."""
 import ctypes
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +32,19 @@ def test_default_config_matches_initializer_and_mokconfig():
         assert getattr(c, name) == expect, name
 
 
+def _header_version():
+    header = Path(__file__).resolve().parents[2] / "include" / "mok" / "mok.h"
+    text = header.read_text()
+    parts = [re.search(rf"#define MOK_VERSION_{p} (\d+)", text).group(1) for p in ("MAJOR", "MINOR", "PATCH")]
+    string = re.search(r'#define MOK_VERSION_STRING "([^"]+)"', text).group(1)
+    return ".".join(parts), string
+
+
 def test_version_and_cuda_flag():
-    assert mok.__version__ == "0.3.0"
+    # One version number: mok.h's numbers, its string, the library's and the package's.
+    numbers, string = _header_version()
+    assert numbers == string == mok.__version__ == _lib.version_string()
+    assert (int(numbers.split(".")[0]), int(numbers.split(".")[1])) == _lib.ABI_VERSION
     assert isinstance(mok.has_cuda(), bool)
 
 
