@@ -507,6 +507,13 @@ def run_rank(rank: int, num_ranks: int, device: torch.device, args) -> None:
         ok, why = agree(module is not None, why, group)
         state.update(mok=module if ok else None, mok_status="importable" if ok else why)
         if ok:
+            # Knobs not given on the command line: mok's defaults (MoKConfig, from libmok)
+            defaults = module.functional.MoKConfig()
+            for arg, field in (("comm_sms", "fwd_num_comm_sms"), ("minibatch", "minibatch_size"),
+                               ("macrobatch", "macrobatch_size"), ("timeout_s", "timeout_s")):
+                if getattr(args, arg) is None:
+                    setattr(args, arg, getattr(defaults, field))
+
             def config_factory(comm_sms, minibatch):
                 return module.functional.MoKConfig(fwd_num_comm_sms=comm_sms, minibatch_size=minibatch,
                                                    macrobatch_size=args.macrobatch, timeout_s=args.timeout_s)
@@ -562,10 +569,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default="out/bench", help="directory for bench_ep.json and .png")
     p.add_argument("--sweep", action="store_true",
                    help=f"mok over fwd_num_comm_sms {SWEEP_COMM_SMS} x minibatch_size {SWEEP_MINIBATCH}")
-    p.add_argument("--comm-sms", type=int, default=8, help="mok fwd_num_comm_sms of the headline figure")
-    p.add_argument("--minibatch", type=int, default=1024, help="mok minibatch_size of the headline figure")
-    p.add_argument("--macrobatch", type=int, default=16384, help="mok macrobatch_size (ring rows)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="mok device-side wait deadline")
+    p.add_argument("--comm-sms", type=int, help="mok fwd_num_comm_sms of the headline figure (default: mok's)")
+    p.add_argument("--minibatch", type=int, help="mok minibatch_size of the headline figure (default: mok's)")
+    p.add_argument("--macrobatch", type=int, help="mok macrobatch_size, ring rows (default: mok's)")
+    p.add_argument("--timeout-s", type=float, help="mok device-side wait deadline (default: mok's)")
     p.add_argument("--timeout", type=int, default=900, help="seconds a collective may take before NCCL aborts")
     p.add_argument("--ceiling-tflops", type=float, help="dense bf16 rate (default: measured 8192^3 matmul)")
     p.add_argument("--seed", type=int, default=0)

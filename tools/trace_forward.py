@@ -90,8 +90,8 @@ def draw(ev, t0, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="dsv3")
-    ap.add_argument("--comm", type=int, default=8)
-    ap.add_argument("--minibatch", type=int, default=1024)
+    ap.add_argument("--comm", type=int, default=F.MoKConfig().fwd_num_comm_sms)
+    ap.add_argument("--minibatch", type=int, default=F.MoKConfig().minibatch_size)
     ap.add_argument("--out", default=".")
     ap.add_argument("--warm", type=int, default=3, help="untraced calls first (sustained load: 30+)")
     args = ap.parse_args()

@@ -9,7 +9,7 @@ import ctypes
 import os
 from ctypes import POINTER, c_char_p, c_double, c_int, c_int32, c_int64, c_size_t, c_uint64, c_void_p
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -272,14 +272,16 @@ def check(result: int) -> None:
     raise RuntimeError(f"{message} [{error_string(result)}]")
 
 
-def device_index(device: torch.device) -> int:
-    """MOK_DEVICE_CPU for host memory, the CUDA ordinal otherwise."""
+def device_index(device: torch.device, name: Optional[str] = None) -> int:
+    """MOK_DEVICE_CPU for host memory, the CUDA ordinal otherwise. Any other device raises
+    ValueError naming `name`, the tensor that is on it (None: the device argument itself)."""
     device = torch.device(device)
     if device.type == "cpu":
         return DEVICE_CPU
     if device.type == "cuda":
         return device.index if device.index is not None else torch.cuda.current_device()
-    raise ValueError(f"mok runs on cpu and cuda tensors, not on {device}")
+    what = "device must be cpu or cuda" if name is None else f"{name} must be on a cpu or cuda device"
+    raise ValueError(f"{what}, got {device}")
 
 
 def stream_of(device_idx: int) -> Optional[int]:
@@ -289,22 +291,50 @@ def stream_of(device_idx: int) -> Optional[int]:
     return torch.cuda.current_stream(device_idx).cuda_stream
 
 
+# The dtypes each tensor argument takes, as the C side checks them (src/runtime/layer.cpp):
+# x, y, dx, dy, the weights and their gradients bf16; topk_ids int32 or int64; topk_weights,
+# d_topk_weights and main_grads fp32.
+BF16 = (torch.bfloat16,)
+FP32 = (torch.float32,)
+INT32 = (torch.int32,)
+IDS = (torch.int32, torch.int64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the names the C side's messages use)."""
+    return str(dtype).replace("torch.", "")
+
+
+def expect_tensor(t, name: str, dtypes: Optional[Sequence[torch.dtype]] = None,
+                  ndim: Optional[int] = None) -> torch.Tensor:
+    """t, after checking that it is a tensor (TypeError), of one of `dtypes` and with `ndim`
+    dimensions (ValueError; None: not checked); each message names `name` and what it expected."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(dtype_name(d) for d in dtypes)}, got {dtype_name(t.dtype)}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {list(t.shape)}")
+    return t
+
+
 class Views:
     """Turns tensors into mokTensor views and keeps every viewed tensor alive while it lives."""
 
     def __init__(self) -> None:
         self._alive: List[torch.Tensor] = []
 
-    def __call__(self, t: Optional[torch.Tensor], name: str = "tensor") -> mokTensor:
+    def __call__(self, t: Optional[torch.Tensor], name: str = "tensor",
+                 dtypes: Optional[Sequence[torch.dtype]] = None) -> mokTensor:
+        """The view of t (an absent view for None). `name` is the argument's, for the errors;
+        `dtypes` the ones it takes (BF16, FP32, IDS...; None: any dtype mok has)."""
         view = mokTensor()
         if t is None:
             return view
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{name} has dtype {t.dtype}, which mok does not take")
+        expect_tensor(t, name, dtypes if dtypes is not None else tuple(DTYPES))
         if t.dim() > MAX_DIMS:
-            raise ValueError(f"{name} has {t.dim()} dimensions; mok views hold at most {MAX_DIMS}")
+            raise ValueError(f"{name} must have at most {MAX_DIMS} dimensions, got shape {list(t.shape)}")
+        view.device = device_index(t.device, name)
         self._alive.append(t)
         view.data = t.data_ptr() or None
         view.dtype = DTYPES[t.dtype]
@@ -312,12 +342,11 @@ class Views:
         for i, (size, stride) in enumerate(zip(t.shape, t.stride())):
             view.shape[i] = size
             view.strides[i] = stride
-        view.device = device_index(t.device)
         return view
 
-    def weights(self, tensors: dict, prefix: str = "") -> mokWeights:
+    def weights(self, tensors: dict, prefix: str = "", dtypes: Optional[Sequence[torch.dtype]] = None) -> mokWeights:
         """A mokWeights from a dict name -> tensor (absent names stay absent)."""
         w = mokWeights()
         for name, _ in mokWeights._fields_:
-            setattr(w, name, self(tensors.get(name), prefix + name))
+            setattr(w, name, self(tensors.get(name), prefix + name, dtypes))
         return w

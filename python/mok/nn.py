@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import ops
+from . import _lib, ops
 from .functional import MoKConfig
 
 
@@ -48,6 +48,8 @@ class MoE(nn.Module):
     @config.setter
     def config(self, config: Optional[MoKConfig]) -> None:
         # The op arguments are derived once here, so that forward stays traceable.
+        if config is not None and not isinstance(config, MoKConfig):
+            raise TypeError(f"config must be a mok MoKConfig or None, got {type(config).__name__}")
         self._config = config or MoKConfig()
         self._op_config = ops.config_args(self._config)
 
@@ -76,6 +78,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: Optional[torch.Tensor] = None,
                 topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_input(x, "x", self.hidden, "hidden", _lib.BF16)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden).contiguous()
         # Route, or take the caller's routing.
@@ -85,11 +88,24 @@ class MoE(nn.Module):
             topk_ids, topk_weights = self.route(x2)
         elif topk_weights is None:
             raise ValueError("topk_ids given without topk_weights")
+        else:
+            self._check_input(topk_ids, "topk_ids", self.topk, "topk", _lib.IDS)
+            # any floating dtype: forward takes them as float32
+            self._check_input(topk_weights, "topk_weights", self.topk, "topk", None)
         topk_ids = topk_ids.reshape(-1, self.topk).contiguous()
         topk_weights = topk_weights.reshape(-1, self.topk).float().contiguous()
         y = ops.forward(x2, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
                         self.ws_down, **self._op_config)
         return y.reshape(shape)
+
+    def _check_input(self, t, name: str, last: int, what: str, dtypes) -> None:
+        # A tensor [..., last] of one of dtypes on the weights' device
+        _lib.expect_tensor(t, name, dtypes)
+        if t.dim() == 0 or t.shape[-1] != last:
+            raise ValueError(f"{name} must have shape [..., {what} = {last}], got {list(t.shape)}")
+        if t.device != self.w_gate.device:
+            raise ValueError(f"{name} must be on {self.w_gate.device} (the device of this MoE's weights), got "
+                             f"{t.device}")
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "

@@ -15,6 +15,10 @@ from . import _lib
 from . import functional as F
 
 _PRECISION_NAMES = {code: name for name, code in F._lib.PRECISIONS.items()}
+# The knob defaults of the op signatures: libmok's (mokGetDefaultConfig), as plain numbers when
+# the ops are defined (torch.library takes literal-valued defaults). tests/python/test_defaults.py
+# checks that they match MoKConfig's.
+_D = _lib.config_defaults()
 
 
 def config_args(config: Optional[F.MoKConfig] = None) -> dict:
@@ -44,10 +48,12 @@ def _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config) -> Optional[F.W
 @torch.library.custom_op("mok::forward", mutates_args=())
 def forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
             ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
-            max_tokens: int = 0, fwd_num_comm_sms: int = 8, bwd_num_comm_sms: int = 8,
-            minibatch_size: int = 1024, macrobatch_size: int = 16384, block_m: int = 128,
-            schedule_capacity_multiplier: float = 1.0, precision: int = 0, timeout_s: float = 60.0,
-            num_threads: int = 0, num_blocks: int = 0) -> Tensor:
+            max_tokens: int = 0, fwd_num_comm_sms: int = _D["fwd_num_comm_sms"],
+            bwd_num_comm_sms: int = _D["bwd_num_comm_sms"], minibatch_size: int = _D["minibatch_size"],
+            macrobatch_size: int = _D["macrobatch_size"], block_m: int = _D["block_m"],
+            schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
+            precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
+            num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"]) -> Tensor:
     """y [T, H] bf16 of the MoE layer (EP = 1)."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
                      schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
@@ -65,10 +71,12 @@ def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None,
 @torch.library.custom_op("mok::backward", mutates_args=())
 def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
              w_down: Tensor, ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None,
-             ws_down: Optional[Tensor] = None, max_tokens: int = 0, fwd_num_comm_sms: int = 8,
-             bwd_num_comm_sms: int = 8, minibatch_size: int = 1024, macrobatch_size: int = 16384,
-             block_m: int = 128, schedule_capacity_multiplier: float = 1.0, precision: int = 0,
-             timeout_s: float = 60.0, num_threads: int = 0, num_blocks: int = 0
+             ws_down: Optional[Tensor] = None, max_tokens: int = 0,
+             fwd_num_comm_sms: int = _D["fwd_num_comm_sms"], bwd_num_comm_sms: int = _D["bwd_num_comm_sms"],
+             minibatch_size: int = _D["minibatch_size"], macrobatch_size: int = _D["macrobatch_size"],
+             block_m: int = _D["block_m"], schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
+             precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
+             num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"]
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, d w_gate, d w_up, d w_down, d ws_gate, d ws_up, d ws_down); the
     shared-expert gradients are empty tensors when there is no shared expert."""
@@ -112,8 +120,8 @@ forward.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("mok::build_schedule", mutates_args=())
 def build_schedule(topk_ids: List[Tensor], num_experts: int, ep_rank: int = 0, max_tokens: int = 0,
-                   block_m: int = 128, minibatch_size: int = 1024, macrobatch_size: int = 16384
-                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   block_m: int = _D["block_m"], minibatch_size: int = _D["minibatch_size"],
+                   macrobatch_size: int = _D["macrobatch_size"]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rows, expert_count, expert_offset, block_expert, error) of rank ep_rank's plan from the
     gathered routing (P = len(topk_ids)); max_tokens = 0: the largest T."""
     config = F.MoKConfig(block_m=block_m, minibatch_size=minibatch_size, macrobatch_size=macrobatch_size)
@@ -122,7 +130,8 @@ def build_schedule(topk_ids: List[Tensor], num_experts: int, ep_rank: int = 0, m
 
 
 @build_schedule.register_fake
-def _(topk_ids, num_experts, ep_rank=0, max_tokens=0, block_m=128, minibatch_size=1024, macrobatch_size=16384):
+def _(topk_ids, num_experts, ep_rank=0, max_tokens=0, block_m=_D["block_m"], minibatch_size=_D["minibatch_size"],
+      macrobatch_size=_D["macrobatch_size"]):
     if max_tokens <= 0:
         max_tokens = max(t.shape[0] for t in topk_ids)
     config = F.MoKConfig(block_m=block_m, minibatch_size=minibatch_size, macrobatch_size=macrobatch_size)
@@ -142,11 +151,20 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
     block's expert (-1: past the end, left unwritten); b0, b1 [E, N, K] bf16.
     Without b1: out = a @ b0[e].T (N a multiple of 256).  With b1: out = silu(a @ b0[e].T) *
     (a @ b1[e].T), the SwiGLU gate/up (N a multiple of 128)."""
+    _lib.expect_tensor(a, "a", _lib.BF16, ndim=2)
+    _lib.expect_tensor(b0, "b0", _lib.BF16, ndim=3)
+    _lib.expect_tensor(block_expert, "block_expert", _lib.INT32, ndim=1)
+    if b1 is not None:
+        _lib.expect_tensor(b1, "b1", _lib.BF16, ndim=3)
+    if out is not None:
+        _lib.expect_tensor(out, "out", _lib.BF16, ndim=2)
+    _lib.device_index(a.device, "a")
     if out is None:
         out = torch.empty(a.shape[0], b0.shape[1], dtype=torch.bfloat16, device=a.device)
     views = _lib.Views()
-    args = _lib.mokGroupedGemmArgs(views(a, "a"), views(b0, "b0"), views(b1 if b1 is not None else b0, "b1"),
-                                   views(block_expert, "block_expert"), views(out, "out"),
+    args = _lib.mokGroupedGemmArgs(views(a, "a", _lib.BF16), views(b0, "b0", _lib.BF16),
+                                   views(b1 if b1 is not None else b0, "b1", _lib.BF16),
+                                   views(block_expert, "block_expert", _lib.INT32), views(out, "out", _lib.BF16),
                                    1 if b1 is not None else 0, 0)
     _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
     return out

@@ -14,7 +14,7 @@ sys.path.insert(0, str(_HERE))
 import mok  # noqa: E402
 
 # Every output starts as NaN (or junk integers): an element the C side does not write fails.
-mok.functional.poison_outputs = True
+mok.config.poison_outputs = True
 
 
 def _fresh_seed() -> int:

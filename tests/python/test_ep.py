@@ -279,7 +279,7 @@ class TestVirtualRanks:
 
     @pytest.mark.parametrize("P", [2, 4, 8])
     def test_100_runs_bitwise_identical(self, gen, P):
-        assert F.poison_outputs, "conftest poisons every output"
+        assert mok.config.poison_outputs, "conftest poisons every output"
         E, k = 16, 4
         ranks = [_to_cuda(r) for r in _make_ranks(gen, P, 512, 256, E, k, TS[:P], I_s=256)]
         with F.create_virtual_group(512, 256, E, k, max(TS[:P]), 256, ep_size=P) as group:
@@ -375,7 +375,7 @@ def _multi_gpu_worker(rank, world, port, seed, out_dir):
     F.multicast_off_env()
     import torch.distributed as dist
 
-    F.poison_outputs = True
+    mok.config.poison_outputs = True
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:

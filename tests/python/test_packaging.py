@@ -74,7 +74,14 @@ def _venv(path: Path) -> Path:
     # --system-site-packages: torch comes from the machine (a fresh torch download is not what
     # is under test); mok itself must come from the venv.
     _run([sys.executable, "-m", "venv", "--system-site-packages", path])
-    return path / "bin" / "python"
+    python = path / "bin" / "python"
+    if sys.prefix != sys.base_prefix:
+        # This interpreter is itself a venv (torch lives in it, not in the base interpreter's
+        # site-packages): hand its packages on with a .pth file, after the new venv's own.
+        import site
+        parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
+        (Path(_site_packages(python)) / "_mok_test_parent.pth").write_text("\n".join(parents) + "\n")
+    return python
 
 
 def _pip_flags():

@@ -1,0 +1,100 @@
+"""What a forward or backward call hands the C side: ForwardContext (the forward inputs and
+the workspace), Gradients, and the mokForwardArgs / mokBackwardArgs built from them. Shared by
+mok.functional (one rank), emulated.py and virtual.py (the EP group in one process).
+
+mok.functional re-exports all of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from . import _lib
+from .config import Workspace, _alloc
+
+
+WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+ROUTED_NAMES = WEIGHT_NAMES[:3]
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    """What backward needs: the forward inputs and the workspace."""
+
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    weights: Dict[str, Optional[torch.Tensor]]
+    workspace: Workspace
+
+
+@dataclasses.dataclass
+class Gradients:
+    """Gradients of one backward call (shared-expert ones are None without a shared expert)."""
+
+    dx: torch.Tensor
+    d_topk_weights: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    ws_gate: Optional[torch.Tensor] = None
+    ws_up: Optional[torch.Tensor] = None
+    ws_down: Optional[torch.Tensor] = None
+
+
+def _weights_dict(w_gate, w_up, w_down, ws_gate, ws_up, ws_down) -> Dict[str, Optional[torch.Tensor]]:
+    return dict(w_gate=w_gate, w_up=w_up, w_down=w_down, ws_gate=ws_gate, ws_up=ws_up, ws_down=ws_down)
+
+
+def _shape_of(t, name: str, ndim: int) -> Tuple[int, ...]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {list(t.shape)}")
+    return tuple(t.shape)
+
+
+def _rank_tag(ep_size: int, rank: int) -> str:
+    """What the C side puts before an argument's name in an EP group of one process."""
+    return f"rank {rank}: " if ep_size > 1 else ""
+
+
+def _forward_args(views: _lib.Views, ctx: ForwardContext, y: Optional[torch.Tensor],
+                  tag: str = "") -> _lib.mokForwardArgs:
+    # tag: "rank r: " in an EP group of one process, as the C side's messages say it
+    return _lib.mokForwardArgs(x=views(ctx.x, tag + "x", _lib.BF16),
+                               topk_ids=views(ctx.topk_ids, tag + "topk_ids", _lib.IDS),
+                               topk_weights=views(ctx.topk_weights, tag + "topk_weights", _lib.FP32),
+                               weights=views.weights(ctx.weights, tag, _lib.BF16), y=views(y, tag + "y", _lib.BF16))
+
+
+def _grad_buffers(x, topk_ids, weights, out_dtype=torch.bfloat16):
+    num_tokens, hidden = _shape_of(x, "x", 2)
+    _, topk = _shape_of(topk_ids, "topk_ids", 2)
+    grads = {name: (None if w is None else _alloc(tuple(w.shape), out_dtype, w.device))
+             for name, w in weights.items()}
+    dx = _alloc((num_tokens, hidden), torch.bfloat16, x.device)
+    d_topk_weights = _alloc((num_tokens, topk), torch.float32, x.device)
+    return dx, d_topk_weights, grads
+
+
+def _check_main_grads(main_grads: Optional[Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    if main_grads is not None and not isinstance(main_grads, Mapping):
+        raise TypeError(f"main_grads must be a mapping weight name -> float32 tensor, or None, got "
+                        f"{type(main_grads).__name__}")
+    main_grads = dict(main_grads or {})
+    unknown = set(main_grads) - set(WEIGHT_NAMES)
+    if unknown:
+        raise ValueError(f"main_grads has unknown names {sorted(unknown)}; expected some of {WEIGHT_NAMES}")
+    return main_grads
+
+
+def _backward_args(views: _lib.Views, ctx: ForwardContext, dy, dx, d_topk_weights, grads, main_grads,
+                   tag: str = ""):
+    return _lib.mokBackwardArgs(fwd=_forward_args(views, ctx, None, tag), dy=views(dy, tag + "dy", _lib.BF16),
+                                dx=views(dx, tag + "dx", _lib.BF16),
+                                d_topk_weights=views(d_topk_weights, tag + "d_topk_weights", _lib.FP32),
+                                grads=views.weights(grads, tag + "grad of ", _lib.BF16),
+                                main_grads=views.weights(main_grads, tag + "main_grad of ", _lib.FP32))

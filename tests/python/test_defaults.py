@@ -1,0 +1,82 @@
+"""The knob defaults have one home, libmok's MOK_CONFIG_INITIALIZER (mokGetDefaultConfig): MoKConfig,
+the op schemas and the benchmark command lines take them from there. A literal default written
+again that disagrees fails here."""
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import mok  # noqa: F401  (registers the ops)
+from mok import _lib, ops
+from mok import functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+KNOBS = [f.name for f in dataclasses.fields(F.MoKConfig)]
+
+
+def _expected(name):
+    """The library's default of a MoKConfig field, as MoKConfig holds it."""
+    value = _lib.config_defaults()[name]
+    return {code: p for p, code in _lib.PRECISIONS.items()}[value] if name == "precision" else value
+
+
+def test_config_defaults_cover_every_knob():
+    defaults = _lib.config_defaults()
+    assert set(KNOBS) <= set(defaults)
+    assert (defaults["fwd_num_comm_sms"], defaults["minibatch_size"], defaults["block_m"]) == (8, 1024, 128)
+
+
+@pytest.mark.parametrize("name", KNOBS)
+def test_mokconfig_defaults_are_the_library_defaults(name):
+    field = {f.name: f for f in dataclasses.fields(F.MoKConfig)}[name]
+    assert field.default == _expected(name), name
+    assert getattr(F.MoKConfig(), name) == _expected(name), name
+    assert type(getattr(F.MoKConfig(), name)) is type(_expected(name)), name
+
+
+@pytest.mark.parametrize("op", ["forward", "backward", "build_schedule"])
+def test_op_schema_defaults_are_the_library_defaults(op):
+    defaults = _lib.config_defaults()
+    schema = getattr(torch.ops.mok, op).default._schema
+    checked = []
+    for arg in schema.arguments:
+        if arg.name in KNOBS:
+            assert arg.default_value == defaults[arg.name], f"mok::{op} {arg.name}"
+            checked.append(arg.name)
+    expect = KNOBS if op != "build_schedule" else ["block_m", "minibatch_size", "macrobatch_size"]
+    assert sorted(checked) == sorted(expect)
+
+
+def test_config_args_of_the_default_config_are_the_op_defaults():
+    schema = torch.ops.mok.forward.default._schema
+    op_defaults = {a.name: a.default_value for a in schema.arguments if a.name in KNOBS}
+    assert ops.config_args() == op_defaults == ops.config_args(F.MoKConfig())
+
+
+# Command-line options of bench/ and tools/ that set a knob: their default must come from mok
+# (MoKConfig or None, filled from it), never a number written in the script.
+KNOB_OPTIONS = {"--comm-sms", "--comm", "--minibatch", "--macrobatch", "--timeout-s", "--block-m", "--num-blocks",
+                "--num-threads", "--bwd-comm-sms"}
+
+
+def _knob_options_with_literal_defaults(path):
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+            continue
+        names = {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        if not names & KNOB_OPTIONS:
+            continue
+        for kw in node.keywords:
+            if kw.arg == "default" and isinstance(kw.value, ast.Constant) and isinstance(kw.value.value, (int, float)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {sorted(names)} default={kw.value.value}")
+    return found
+
+
+def test_scripts_write_no_literal_knob_default():
+    scripts = sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "tools").glob("*.py"))
+    assert scripts
+    found = [f for path in scripts for f in _knob_options_with_literal_defaults(path)]
+    assert not found, "knob defaults written as literals (read them from mok.MoKConfig()): " + "; ".join(found)
