@@ -21,7 +21,9 @@ fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
     echo "setup: apt-get install ${need_apt[*]}"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"; } >/tmp/mok-setup-apt.log 2>&1 ||
+    # Bounded: on a machine without network access apt-get would retry for minutes.
+    { timeout 300 apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq "${need_apt[@]}"; } >/tmp/mok-setup-apt.log 2>&1 ||
       echo "setup: apt-get could not install ${need_apt[*]} (see /tmp/mok-setup-apt.log); going on without" >&2
   else
     echo "setup: missing ${need_apt[*]} and cannot apt-get install them; going on without" >&2
@@ -31,7 +33,7 @@ fi
 pip_install() {  # name, import name
   python3 -c "import $2" 2>/dev/null && return 0
   echo "setup: pip install $1"
-  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$1" ||
+  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --retries 2 --timeout 30 "$1" ||
     echo "setup: pip could not install $1; going on without" >&2
 }
 if ! python3 -c "import torch" 2>/dev/null; then
