@@ -4,6 +4,7 @@
 #   STEP=test  ./test.sh (C++ and GPU tests, the Python suite on the -static-libstdc++ libmok,
 #              the packaging tests: pip install . into a fresh venv, pip wheel . into another,
 #              find_package from an outside project), then the symbol experiment below;
+#   STEP=experiment  the symbol experiment alone (after a build);
 #   STEP=run   ./run.sh (the layer benchmark), extra arguments passed on.
 # The symbol experiment links libmok.so from the same objects without the export map and loads
 # it next to torch: the crash the map prevents (std:: symbols interposed across two libstdc++).
@@ -31,6 +32,8 @@ case "${STEP:-test}" in
     echo "== libmok.so as built here"
     ldd build/lib/libmok.so | awk '{print "  " $1}'
     echo "  non-mok exports: $(nm -D --defined-only build/lib/libmok.so | grep -vc ' mok')"
+    ;;&
+  test|experiment)
     echo "== symbol experiment: the same objects linked without the export map"
     probe='import torch, mok; from mok import functional as F
 ws = F.create_workspace(256, 128, 8, 2, 64, device="cuda"); print("workspace ok:", ws.describe().splitlines()[0])'
@@ -40,10 +43,10 @@ ws = F.create_workspace(256, 128, 8, 2, 64, device="cuda"); print("workspace ok:
       g++ -shared -o "$lib" build/CMakeFiles/mok.dir/src/capi/version.cpp.o -Wl,--whole-archive build/libmok_core.a \
         -Wl,--no-whole-archive $flags -L/usr/local/cuda/lib64 -lcudart_static -lpthread -ldl -lrt || continue
       echo "  flags '${flags}': $(nm -D --defined-only "$lib" | grep -vc ' mok') non-mok exports"
-      MOK_LIBRARY="$lib" timeout 120 python3 -c "$probe" 2>&1 | tail -2 | sed 's/^/    /'; echo "    rc=${PIPESTATUS[0]}"
+      PYTHONPATH=python MOK_LIBRARY="$lib" timeout 120 python3 -c "$probe" 2>&1 | tail -2 | sed 's/^/    /'; echo "    rc=${PIPESTATUS[0]}"
     done
     echo "  with the map (build/lib):"
-    MOK_LIBRARY="$PWD/build/lib/libmok.so" timeout 120 python3 -c "$probe" 2>&1 | tail -2 | sed 's/^/    /'
+    PYTHONPATH=python MOK_LIBRARY="$PWD/build/lib/libmok.so" timeout 120 python3 -c "$probe" 2>&1 | tail -2 | sed 's/^/    /'
     ;;
   run)
     start=$(date +%s)
