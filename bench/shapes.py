@@ -38,6 +38,8 @@ SHAPES: Dict[str, Shape] = {s.name: s for s in (
     Shape("qwen35", 4096, 1024, 10, 16, 4096, models="Qwen3.5-397B-A17B"),
     Shape("glm5", 6144, 2048, 8, 16, 4096, models="GLM-5.x"),
     Shape("dsv4pro", 7168, 3072, 6, 12, 4096, models="DeepSeek-V4-Pro"),
+    Shape("fg30b", 4096, 1024, 4, 64, 32768, models="fine-grained 30B-class MoE, 32k tokens per GPU"),
+    Shape("fg120b", 4096, 2048, 4, 64, 32768, models="fine-grained 120B-class MoE, 32k tokens per GPU"),
 )}
 
 # CPU smoke shape: small, T·k a multiple of 8, more experts than k.

@@ -109,8 +109,8 @@ typedef struct mokConfig_t {
   /* knobs */
   int64_t fwd_num_comm_sms;
   int64_t bwd_num_comm_sms;
-  int64_t minibatch_size;       /* rows; multiple of block_m */
-  int64_t macrobatch_size;      /* rows of the ring buffer; multiple of minibatch_size */
+  int64_t minibatch_size;       /* rows; multiple of block_m; 0 = chosen by mok */
+  int64_t macrobatch_size;      /* rows of the ring buffer; multiple of minibatch_size; 0 = chosen */
   int64_t block_m;              /* GEMM row block the plan pads to (128 on Hopper) */
   int64_t precision;            /* mokPrecision_t */
   double schedule_capacity_multiplier; /* accepted for MoK compatibility; sizes are worst-case */
@@ -127,8 +127,8 @@ typedef struct mokConfig_t {
  * them from here. */
 #define MOK_DEFAULT_FWD_NUM_COMM_SMS 8
 #define MOK_DEFAULT_BWD_NUM_COMM_SMS 8
-#define MOK_DEFAULT_MINIBATCH_SIZE 1024
-#define MOK_DEFAULT_MACROBATCH_SIZE 16384
+#define MOK_DEFAULT_MINIBATCH_SIZE 0   /* 0 = chosen by mok from the shape (docs/design.md) */
+#define MOK_DEFAULT_MACROBATCH_SIZE 0  /* 0 = chosen by mok */
 #define MOK_DEFAULT_BLOCK_M 128
 #define MOK_DEFAULT_TIMEOUT_S 60.0
 

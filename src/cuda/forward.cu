@@ -391,9 +391,9 @@ std::string unsupported_shape(const mokConfig_t& c) {
     why << "block_m = " << c.block_m << " must be " << gemm::TileConfig::kBlockM << " on the CUDA backend";
   else if (c.hidden > 8192)
     why << "hidden = " << c.hidden << " exceeds 8192: the comm blocks stage 12 rows of H bf16 in shared memory";
-  else if (plan::ceil_div(plan::max_rows(plan_dims(c)), c.minibatch_size) > fused::kMaxSegments / 2 - 1)
-    why << "minibatch_size = " << c.minibatch_size << " makes more than " << (fused::kMaxSegments / 2 - 1)
-        << " minibatches for max_tokens = " << c.max_tokens << "; raise minibatch_size";
+  else if (plan::ceil_div(plan::max_rows(plan_dims(c)), c.minibatch_size) > plan::kMaxMinibatches)
+    why << "minibatch_size = " << c.minibatch_size << " makes more than " << plan::kMaxMinibatches
+        << " minibatches for max_tokens = " << c.max_tokens << "; raise minibatch_size (or leave it 0: chosen by mok)";
   return why.str();
 }
 

@@ -23,6 +23,17 @@
 
 namespace mok::plan {
 
+// The fused kernels' task table (shared memory) holds two segments per minibatch plus the
+// shared expert's: at most kMaxMinibatches minibatches per call.
+inline constexpr int64_t kMaxMinibatches = 511;
+// minibatch_size = 0 / macrobatch_size = 0 ("chosen by mok", the defaults): 1024 and 16384
+// rows, the best of the minibatch sweeps on dsv3 and qwen3 (docs/perf.md); the minibatch is
+// raised in steps of 1024 rows when the worst-case plan would make more than kMaxMinibatches
+// (T_max = 32768 with k = 8 and P = 8 gives 2M rows: 4096-row minibatches), and the ring is
+// raised to a multiple of it.
+inline constexpr int64_t kAutoMinibatchRows = 1024;
+inline constexpr int64_t kAutoMacrobatchRows = 16384;
+
 struct PlanDims {
   int32_t num_ranks = 1;      // P
   int32_t rank = 0;           // r, the expert-owning rank this plan is for
@@ -30,8 +41,8 @@ struct PlanDims {
   int32_t topk = 0;           // k
   int32_t block_m = MOK_DEFAULT_BLOCK_M;
   int64_t max_tokens = 0;     // T_max
-  int64_t minibatch_size = MOK_DEFAULT_MINIBATCH_SIZE;
-  int64_t macrobatch_size = MOK_DEFAULT_MACROBATCH_SIZE;
+  int64_t minibatch_size = kAutoMinibatchRows;   // resolved values (never 0 here)
+  int64_t macrobatch_size = kAutoMacrobatchRows;
 
   MOK_HD int64_t local_experts() const { return num_experts / num_ranks; }
   MOK_HD int64_t first_expert() const { return static_cast<int64_t>(rank) * local_experts(); }
@@ -47,6 +58,26 @@ MOK_HD int64_t max_rows(const PlanDims& d) {
                          min64(d.topk, d.local_experts());
   const int64_t bound = routed + d.local_experts() * (d.block_m - 1);
   return (bound / d.block_m) * d.block_m;
+}
+// Fills minibatch_size / macrobatch_size left at 0 ("chosen by mok"); explicit values stay
+// (check_plan_dims reports bad ones).  Needs a valid block_m.
+inline void resolve_batch_sizes(PlanDims& d) {
+  if (d.block_m < 1) return;
+  const int64_t rows = max_rows(d) > d.block_m ? max_rows(d) : d.block_m;
+  if (d.minibatch_size == 0) {
+    int64_t mb = round_up(kAutoMinibatchRows, d.block_m);
+    const int64_t needed = ceil_div(rows, kMaxMinibatches);
+    if (needed > mb) mb = round_up(round_up(needed, kAutoMinibatchRows), d.block_m);
+    if (d.macrobatch_size > 0) {
+      // A given ring: the largest multiple of block_m up to mb that divides it.
+      mb = min64(mb, d.macrobatch_size - d.macrobatch_size % d.block_m);
+      while (mb > d.block_m && d.macrobatch_size % mb != 0) mb -= d.block_m;
+    }
+    d.minibatch_size = mb;
+  }
+  if (d.macrobatch_size == 0 && d.minibatch_size > 0)
+    d.macrobatch_size = round_up(kAutoMacrobatchRows > d.minibatch_size ? kAutoMacrobatchRows : d.minibatch_size,
+                                 d.minibatch_size);
 }
 MOK_HD int64_t max_blocks(const PlanDims& d) { return max_rows(d) / d.block_m; }
 MOK_HD int64_t padded_rows(int64_t count, int32_t block_m) { return round_up(count, block_m); }

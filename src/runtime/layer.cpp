@@ -20,6 +20,12 @@ mokConfig_t normalize_config(const mokConfig_t* config) {
   std::memcpy(&out, config, n);
   out.size = sizeof(mokConfig_t);
   out.version = MOK_CONFIG_VERSION;
+  // minibatch_size / macrobatch_size = 0: chosen from the shape (plan::resolve_batch_sizes);
+  // every entry point sees the resolved values, and mokWorkspaceGetConfig returns them.
+  plan::PlanDims d = plan_dims(out);
+  plan::resolve_batch_sizes(d);
+  out.minibatch_size = d.minibatch_size;
+  out.macrobatch_size = d.macrobatch_size;
   return out;
 }
 
@@ -80,6 +86,8 @@ std::string describe_buffers(const mokConfig_t& c) {
      << El << "*" << (c.block_m - 1) << " -> " << rows << " rows x 4 B = " << rows * 4 << " B\n"
      << "  plan.block_expert  = rows/block_m = " << blocks << " x 4 B = " << blocks * 4 << " B\n"
      << "  plan.expert_count  = E_l = " << El << " x 4 B; expert_offset = E_l+1 x 4 B\n"
+     << "  minibatch_size     = " << c.minibatch_size << " rows, macrobatch_size = " << c.macrobatch_size
+     << " rows (0 in the config: chosen by mok; at most " << plan::kMaxMinibatches << " minibatches per call)\n"
      << "  ring               = macrobatch_size*H*2 B = " << c.macrobatch_size << "*" << c.hidden << "*2 = "
      << c.macrobatch_size * c.hidden * 2 << " B (GPU backend)\n"
      << "  error record       = 4 x 8 B\n";

@@ -235,6 +235,38 @@ TEST(Plan, DimsAreChecked) {
   EXPECT_NE(plan::check_plan_dims(bad).find("topk"), std::string::npos);
 }
 
+// minibatch_size / macrobatch_size = 0: chosen from the shape, within the task table's limit.
+TEST(Plan, BatchSizesChosenForAnyTokenCount) {
+  auto resolved = [](int32_t P, int64_t T, int32_t k, int64_t E, int64_t mini, int64_t macro) {
+    plan::PlanDims d;
+    d.num_ranks = P;
+    d.max_tokens = T;
+    d.topk = k;
+    d.num_experts = E;
+    d.minibatch_size = mini;
+    d.macrobatch_size = macro;
+    plan::resolve_batch_sizes(d);
+    EXPECT_EQ(plan::check_plan_dims(d), "") << "P=" << P << " T=" << T << " k=" << k << " E=" << E;
+    EXPECT_LE(plan::num_minibatches(plan::max_rows(d), d.minibatch_size), plan::kMaxMinibatches);
+    return std::make_pair(d.minibatch_size, d.macrobatch_size);
+  };
+  using P2 = std::pair<int64_t, int64_t>;
+  // dsv3 at EP = 1: the measured defaults
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 0), P2(1024, 16384));
+  // fg30b / fg120b: T = 32768, k = 4, E = 64 -> 139,200 rows, 136 minibatches of 1024
+  EXPECT_EQ(resolved(1, 32768, 4, 64, 0, 0), P2(1024, 16384));
+  // EP = 8, T = 32768, k = 8, E = 256: 2,101,216 rows -> 5120-row minibatches, ring a multiple
+  EXPECT_EQ(resolved(8, 32768, 8, 256, 0, 0), P2(5120, 20480));
+  // A 67M-row plan (P = 64, k = 32) still gets a minibatch count within the table
+  resolved(64, 32768, 32, 2048, 0, 0);
+  // Explicit knobs stay; a given ring gets a minibatch that divides it
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 512, 0), P2(512, 16384));
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 512), P2(512, 512));
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 3 * 128), P2(384, 384));
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 256, 512), P2(256, 512));
+  EXPECT_EQ(resolved(1, 16, 2, 8, 0, 0), P2(1024, 16384));
+}
+
 TEST(Plan, MinibatchGeometry) {
   EXPECT_EQ(plan::num_minibatches(0, 256), 0);
   EXPECT_EQ(plan::num_minibatches(256, 256), 1);

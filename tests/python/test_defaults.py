@@ -25,7 +25,7 @@ def _expected(name):
 def test_config_defaults_cover_every_knob():
     defaults = _lib.config_defaults()
     assert set(KNOBS) <= set(defaults)
-    assert (defaults["fwd_num_comm_sms"], defaults["minibatch_size"], defaults["block_m"]) == (8, 1024, 128)
+    assert (defaults["fwd_num_comm_sms"], defaults["minibatch_size"], defaults["block_m"]) == (8, 0, 128)  # minibatch 0: chosen by mok
 
 
 @pytest.mark.parametrize("name", KNOBS)
@@ -80,3 +80,20 @@ def test_scripts_write_no_literal_knob_default():
     assert scripts
     found = [f for path in scripts for f in _knob_options_with_literal_defaults(path)]
     assert not found, "knob defaults written as literals (read them from mok.MoKConfig()): " + "; ".join(found)
+
+
+def test_batch_sizes_chosen_by_mok_for_any_token_count():
+    # minibatch_size / macrobatch_size = 0 (the defaults): the library chooses them from the
+    # shape; 32k tokens per GPU (fg30b) works with the defaults, explicit knobs stay.
+    assert F.MoKConfig().minibatch_size == 0 and F.MoKConfig().macrobatch_size == 0
+    ws = F.create_workspace(4096, 1024, 64, 4, 32768)
+    c = ws.c_config()
+    assert (c.minibatch_size, c.macrobatch_size) == (1024, 16384)
+    assert "minibatch_size     = 1024 rows" in ws.describe()
+    ws = F.create_workspace(64, 32, 8, 2, 32768, ep_size=8, ep_rank=3)
+    c = ws.c_config()
+    assert c.minibatch_size == 1024 and c.macrobatch_size % c.minibatch_size == 0
+    ws = F.create_workspace(64, 32, 256, 8, 32768, ep_size=8, config=F.MoKConfig(macrobatch_size=0))
+    assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (5120, 20480)
+    ws = F.create_workspace(64, 32, 8, 2, 64, config=F.MoKConfig(minibatch_size=256, macrobatch_size=512))
+    assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (256, 512)

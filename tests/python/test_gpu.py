@@ -147,14 +147,17 @@ def test_cuda_forward_matches_oracle(gen, H, I, E, k, T, I_s, masked):
         assert torch.equal(again, y), "CUDA forward is not bitwise reproducible"
 
 
-@pytest.mark.parametrize("name", ["dsv3", "dsv3-t2k", "qwen3", "qwen35", "glm5", "dsv4pro"])
+@pytest.mark.parametrize("name", ["dsv3", "dsv3-t2k", "qwen3", "qwen35", "glm5", "dsv4pro", "fg30b", "fg120b"])
 def test_cuda_forward_bench_shapes(gen, name):
     # Every shape of bench/shapes.py (docs/benchmarks.md) at full size; a sample of tokens against
     # a float64 oracle on the GPU (a token's output does not depend on the other tokens: batch
     # invariance).
     H, I, k, E, T = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
                      "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
-                     "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096)}[name]
+                     "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096),
+                     "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}[name]
+    # The default config throughout: T = 32768 (fg*) makes 130k rows, which mok's own choice of
+    # minibatch and ring sizes must handle.
     dev = "cuda"
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
     logits = torch.randn(T, E, generator=gen)

@@ -39,7 +39,8 @@ struct Segment {
   int32_t first_task;   // index of the segment's first tile in the task list
 };
 
-inline constexpr int kMaxSegments = 256;
+// Two segments per minibatch (its gate/up and down tiles) plus the shared expert's two.
+inline constexpr int kMaxSegments = 2 * static_cast<int>(plan::kMaxMinibatches) + 2;
 
 // Geometry of the routed rows of this call.
 struct Geometry {
