@@ -1,6 +1,11 @@
 """Standalone grouped-GEMM benchmark: mok's engine vs torch._grouped_mm on the expert shapes
-of docs/benchmarks.md (gate/up: K=H, N=2I with the SwiGLU fused; down: K=I, N=H), same run,
-same inputs, CUDA events, median of repeated runs, outputs checked against torch.
+of docs/benchmarks.md, same run, same inputs, CUDA events, median of repeated runs, outputs
+checked against torch, and each rate as a fraction of the dense bf16 matmul rate measured in
+the same run (8192^3 torch.mm).  Kinds:
+  gate_up        x[M, H] · [W_gate; W_up][e]ᵀ with the SwiGLU fused   (torch: the same product, then SwiGLU not timed)
+  down           a[M, I] · W_down[e]ᵀ
+  dgrad_down     dy[M, H] · W_down[e]  (da; the weights as stored)    (torch: _grouped_mm on the untransposed view)
+  dgrad_gate_up  [dg | du][M, 2I] · [W_gate; W_up][e]  (dx)
 
     python3 bench/bench_gemm.py [--shapes dsv3,qwen3|all] [--reps 20] [--out DIR]
 """
@@ -29,6 +34,14 @@ SHAPES = {
 
 def mok_grouped_gemm(a, b0, b1, block_expert, out, swiglu):
     ops.grouped_mm(a, b0, block_expert, b1 if swiglu else None, out=out)
+
+
+def dense_tflops(reps):
+    """bf16 torch.mm 8192^3 in this run: the ceiling the fractions refer to."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = median_ms(lambda: torch.mm(a, b), reps)
+    return 2 * 8192**3 / t / 1e9
 
 
 def rel_err(got, want):
@@ -63,15 +76,36 @@ def bench_shape(name, reps):
     t_torch_gu = median_ms(lambda: torch._grouped_mm(x, w_gu.transpose(1, 2), offs=offs), reps)
     t_mok_dn = median_ms(lambda: mok_grouped_gemm(act, w_down, None, block_expert, out, False), reps)
     t_torch_dn = median_ms(lambda: torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs), reps)
+
+    # dgrad: the weights as stored (no transposed copy on either side)
+    dy = torch.randn(M, H, device=dev, dtype=torch.bfloat16)
+    dgu = torch.randn(M, 2 * I, device=dev, dtype=torch.bfloat16) / (2 * I) ** 0.5
+    da = torch.empty(M, I, device=dev, dtype=torch.bfloat16)
+    dx = torch.empty(M, H, device=dev, dtype=torch.bfloat16)
+    run_dd = lambda: ops.grouped_mm(dy, w_down, block_expert, out=da, kind="dgrad_down")  # noqa: E731
+    run_dgu = lambda: ops.grouped_mm(dgu, w_gate, block_expert, w_up, out=dx, kind="dgrad_gate_up")  # noqa: E731
+    run_dd()
+    err_dd = rel_err(da, torch._grouped_mm(dy, w_down, offs=offs))
+    run_dgu()
+    err_dgu = rel_err(dx, torch._grouped_mm(dgu, w_gu, offs=offs))
+    t_mok_dd = median_ms(run_dd, reps)
+    t_torch_dd = median_ms(lambda: torch._grouped_mm(dy, w_down, offs=offs), reps)
+    t_mok_dgu = median_ms(run_dgu, reps)
+    t_torch_dgu = median_ms(lambda: torch._grouped_mm(dgu, w_gu, offs=offs), reps)
+
     f_gu, f_dn = 2 * M * H * 2 * I, 2 * M * I * H
-    r = {
+
+    def rec(flops, t_mok, t_torch, err):
+        return {"mok_ms": t_mok, "torch_ms": t_torch, "mok_tflops": flops / t_mok / 1e9,
+                "torch_tflops": flops / t_torch / 1e9, "rel_err": err}
+
+    return {
         "shape": name, "M": M, "H": H, "I": I, "E": E,
-        "gate_up": {"mok_ms": t_mok_gu, "torch_ms": t_torch_gu, "mok_tflops": f_gu / t_mok_gu / 1e9,
-                    "torch_tflops": f_gu / t_torch_gu / 1e9, "rel_err": err_gu},
-        "down": {"mok_ms": t_mok_dn, "torch_ms": t_torch_dn, "mok_tflops": f_dn / t_mok_dn / 1e9,
-                 "torch_tflops": f_dn / t_torch_dn / 1e9, "rel_err": err_dn},
+        "gate_up": rec(f_gu, t_mok_gu, t_torch_gu, err_gu),
+        "down": rec(f_dn, t_mok_dn, t_torch_dn, err_dn),
+        "dgrad_down": rec(f_dn, t_mok_dd, t_torch_dd, err_dd),
+        "dgrad_gate_up": rec(f_gu, t_mok_dgu, t_torch_dgu, err_dgu),
     }
-    return r
 
 
 def main():
@@ -84,16 +118,21 @@ def main():
         print("bench_gemm: no CUDA device; nothing to measure")
         return
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    dense = dense_tflops(args.reps)
+    print(f"dense bf16 mm 8192^3 in this run: {dense:.0f} TFLOP/s")
     results = []
     for n in names:
         results.append(bench_shape(n, args.reps))
         torch.cuda.empty_cache()
-    print(f"{'shape':10} {'GEMM':8} {'mok ms':>8} {'torch ms':>9} {'mok TF/s':>9} {'torch TF/s':>10} {'ratio':>6} {'rel err':>9}")
+    print(f"{'shape':10} {'GEMM':14} {'mok ms':>8} {'torch ms':>9} {'mok TF/s':>9} {'torch TF/s':>10} "
+          f"{'mok/dense':>9} {'torch/mok':>9} {'rel err':>9}")
     for r in results:
-        for g in ("gate_up", "down"):
+        r["dense_tflops"] = dense
+        for g in ("gate_up", "down", "dgrad_down", "dgrad_gate_up"):
             d = r[g]
-            print(f"{r['shape']:10} {g:8} {d['mok_ms']:8.3f} {d['torch_ms']:9.3f} {d['mok_tflops']:9.1f} "
-                  f"{d['torch_tflops']:10.1f} {d['torch_ms'] / d['mok_ms']:6.2f} {d['rel_err']:9.2e}")
+            print(f"{r['shape']:10} {g:14} {d['mok_ms']:8.3f} {d['torch_ms']:9.3f} {d['mok_tflops']:9.1f} "
+                  f"{d['torch_tflops']:10.1f} {d['mok_tflops'] / dense:9.2f} {d['torch_ms'] / d['mok_ms']:9.2f} "
+                  f"{d['rel_err']:9.2e}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:

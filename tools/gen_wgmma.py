@@ -5,21 +5,25 @@ Run: python3 tools/gen_wgmma.py > src/cuda/ptx/wgmma_gen.cuh"""
 
 SHAPES = (64, 128, 256)
 KINDS = (("bf16", "bf16", 16), ("e4m3", "e4m3", 32))
+# bf16 operands may be MN-major (the wgmma transpose bits; fp8 has none): B N-major for the
+# dgrad GEMMs (weights read as stored), A M-major and B N-major for the wgrad GEMMs.
+TRANSPOSED = (("tb", 0, 1, "B N-major"), ("tatb", 1, 1, "A M-major, B N-major"))
 
 
-def wrapper(n, a_type, b_type, k):
+def wrapper(n, a_type, b_type, k, transpose=None):
     regs = n // 2
-    name = f"mma_m64n{n}k{k}_{a_type}"
+    suffix, tnsp_a, tnsp_b, what = transpose if transpose else ("", 0, 0, "both K-major")
+    name = f"mma_m64n{n}k{k}_{a_type}" + (f"_{suffix}" if suffix else "")
     outs = ", ".join(f"%{i}" for i in range(regs))
     lines = [
-        f"// D[64 x {n}] (+)= A[64 x {k}] * B[{n} x {k}]^T, both K-major in shared memory.",
+        f"// D[64 x {n}] (+)= A[64 x {k}] * B[{n} x {k}]^T, {what} in shared memory.",
         f"__device__ __forceinline__ void {name}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b, int accumulate) {{",
         "  asm volatile(",
         '      "{\\n.reg .pred p;\\n"',
         f'      "setp.ne.b32 p, %{regs + 2}, 0;\\n"',
         f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{a_type}.{b_type} "',
         f'      "{{{outs}}}, "',
-        f'      "%{regs}, %{regs + 1}, p, 1, 1' + (', 0, 0;\\n}\\n"' if a_type == "bf16" else ';\\n}\\n"'),
+        f'      "%{regs}, %{regs + 1}, p, 1, 1' + (f', {tnsp_a}, {tnsp_b};\\n}}\\n"' if a_type == "bf16" else ';\\n}\\n"'),
         "      : " + ", ".join(f'"+f"(d[{i}])' for i in range(regs)),
         '      : "l"(desc_a), "l"(desc_b), "r"(accumulate));',
         "}",
@@ -34,6 +38,8 @@ def main():
     for a_type, b_type, k in KINDS:
         for n in SHAPES:
             print(wrapper(n, a_type, b_type, k))
+    for transpose in TRANSPOSED:
+        print(wrapper(256, "bf16", "bf16", 16, transpose))
     print("}  // namespace mok::ptx")
 
 

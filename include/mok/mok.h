@@ -217,14 +217,25 @@ typedef struct mokPlanArgs_t {
 } mokPlanArgs_t;
 
 /* Grouped GEMM over 128-row blocks (the engine of the CUDA layer, exposed for tests and
- * benchmarks).  a [M, K] bf16; b0, b1 [E, N, K] bf16; block_expert [ceil(M/128)] int32, the
- * expert of each 128-row block of a, -1 for blocks past the end.
- *   swiglu == 0: out [M, N] = a · b0[e]ᵀ            (N a multiple of 256; b1 ignored)
- *   swiglu == 1: out [M, N] = silu(a · b0[e]ᵀ) ⊙ (a · b1[e]ᵀ)   (N a multiple of 128)
- * num_blocks: grid size, 0 = one block per SM.  CUDA tensors only. */
+ * benchmarks).  a [M, K] bf16; block_expert [ceil(M/128)] int32, the expert of each 128-row
+ * block of a, -1 for blocks past the end (their rows are left unwritten).  By kind:
+ *   mokGemmDown:        out [M, N] = a · b0[e]ᵀ, b0 [E, N, K]              (N % 256 == 0)
+ *   mokGemmGateUp:      out [M, N] = silu(a · b0[e]ᵀ) ⊙ (a · b1[e]ᵀ), b0, b1 [E, N, K]  (N % 128 == 0)
+ *   mokGemmDgradDown:   out [M, N] = a · b0[e], b0 = w_down [E, K, N] as stored: da = dy · W_down
+ *                       (K = H, N = I; N % 256 == 0)
+ *   mokGemmDgradGateUp: out [M, N] = a · [b0[e]; b1[e]], b0 = w_gate, b1 = w_up [E, K/2, N] as
+ *                       stored: dx = [dg | du] · [W_gate; W_up] (K = 2I, N = H; N % 256, K/2 % 64)
+ * K % 64 == 0 for every kind.  num_blocks: grid size, 0 = one block per SM.  CUDA tensors only.
+ * (kind replaced the former swiglu flag with the same values for its two kinds.) */
+typedef enum mokGemmKind_t {
+  mokGemmDown = 0,
+  mokGemmGateUp = 1,
+  mokGemmDgradDown = 2,
+  mokGemmDgradGateUp = 3
+} mokGemmKind_t;
 typedef struct mokGroupedGemmArgs_t {
   mokTensor_t a, b0, b1, block_expert, out;
-  int64_t swiglu;
+  int64_t kind;  /* mokGemmKind_t */
   int64_t num_blocks;
 } mokGroupedGemmArgs_t;
 

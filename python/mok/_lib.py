@@ -135,7 +135,11 @@ class mokPlanArgs(ctypes.Structure):
 
 class mokGroupedGemmArgs(ctypes.Structure):
     _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor), ("block_expert", mokTensor),
-                ("out", mokTensor), ("swiglu", c_int64), ("num_blocks", c_int64)]
+                ("out", mokTensor), ("kind", c_int64), ("num_blocks", c_int64)]
+
+
+# mokGemmKind_t
+GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3}
 
 
 class mokTraceEvent(ctypes.Structure):

@@ -144,28 +144,40 @@ def _(topk_ids, num_experts, ep_rank=0, max_tokens=0, block_m=_D["block_m"], min
 
 
 def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor] = None,
-               out: Optional[Tensor] = None) -> Tensor:
+               out: Optional[Tensor] = None, kind: Optional[str] = None) -> Tensor:
     """mok's grouped-GEMM engine on CUDA tensors (tests and benchmarks).
 
     a [M, K] bf16, rows grouped in 128-row blocks; block_expert [ceil(M/128)] int32 gives each
-    block's expert (-1: past the end, left unwritten); b0, b1 [E, N, K] bf16.
-    Without b1: out = a @ b0[e].T (N a multiple of 256).  With b1: out = silu(a @ b0[e].T) *
-    (a @ b1[e].T), the SwiGLU gate/up (N a multiple of 128)."""
+    block's expert (-1: past the end, left unwritten).  kind (default: "gate_up" with b1,
+    "down" without):
+      "down":          out = a @ b0[e].T, b0 [E, N, K] (N a multiple of 256);
+      "gate_up":       out = silu(a @ b0[e].T) * (a @ b1[e].T), b0, b1 [E, N, K] (N % 128 == 0);
+      "dgrad_down":    out = a @ b0[e], b0 = w_down [E, K, N] as stored (da = dy @ W_down);
+      "dgrad_gate_up": out = a @ cat(b0[e], b1[e]), b0 = w_gate, b1 = w_up [E, K/2, N] as
+                       stored (dx = [dg | du] @ [W_gate; W_up])."""
+    if kind is None:
+        kind = "gate_up" if b1 is not None else "down"
+    if kind not in _lib.GEMM_KINDS:
+        raise ValueError(f"kind must be one of {sorted(_lib.GEMM_KINDS)}, got {kind!r}")
     _lib.expect_tensor(a, "a", _lib.BF16, ndim=2)
     _lib.expect_tensor(b0, "b0", _lib.BF16, ndim=3)
     _lib.expect_tensor(block_expert, "block_expert", _lib.INT32, ndim=1)
+    two_b = kind in ("gate_up", "dgrad_gate_up")
+    if two_b and b1 is None:
+        raise ValueError(f"kind {kind!r} needs b1")
     if b1 is not None:
         _lib.expect_tensor(b1, "b1", _lib.BF16, ndim=3)
     if out is not None:
         _lib.expect_tensor(out, "out", _lib.BF16, ndim=2)
     _lib.device_index(a.device, "a")
+    n = b0.shape[2] if kind.startswith("dgrad") else b0.shape[1]
     if out is None:
-        out = torch.empty(a.shape[0], b0.shape[1], dtype=torch.bfloat16, device=a.device)
+        out = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
     views = _lib.Views()
     args = _lib.mokGroupedGemmArgs(views(a, "a", _lib.BF16), views(b0, "b0", _lib.BF16),
                                    views(b1 if b1 is not None else b0, "b1", _lib.BF16),
                                    views(block_expert, "block_expert", _lib.INT32), views(out, "out", _lib.BF16),
-                                   1 if b1 is not None else 0, 0)
+                                   _lib.GEMM_KINDS[kind], 0)
     _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
     return out
 

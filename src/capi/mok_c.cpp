@@ -265,24 +265,34 @@ mokResult_t mokWorkspaceReadTrace(mokWorkspace_t workspace, void* buffer, size_t
 mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   return guarded("mokGroupedGemm", [&] {
     MOK_CHECK_ARG(args != nullptr, "args is NULL");
+    const int64_t kind = args->kind;
+    MOK_CHECK_ARG(kind >= mokGemmDown && kind <= mokGemmDgradGateUp,
+                  "kind = " << kind << " is not a mokGemmKind_t (0 down, 1 gate/up, 2 dgrad down, 3 dgrad gate/up)");
     const int32_t dev = args->a.device;
     MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemm runs on CUDA tensors");
-    MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, N, K]");
-    const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0], N = args->b0.shape[1];
+    MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, *, *]");
+    const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0];
+    const bool dgrad = kind == mokGemmDgradDown || kind == mokGemmDgradGateUp;
+    // Forward kinds: b [E, N, K]; dgrad kinds: b as stored, [E, K, N] (gate/up: [E, K/2, N] each)
+    const int64_t N = dgrad ? args->b0.shape[2] : args->b0.shape[1];
+    const int64_t b_k = kind == mokGemmDgradGateUp ? K / 2 : K;
     const int64_t blocks = (M + 127) / 128;
     mok::check_tensor(args->a, "a", {mokBFloat16}, {M, K}, dev);
-    mok::check_tensor(args->b0, "b0", {mokBFloat16}, {E, N, K}, dev);
-    if (args->swiglu) mok::check_tensor(args->b1, "b1", {mokBFloat16}, {E, N, K}, dev);
+    const std::vector<int64_t> b_shape = dgrad ? std::vector<int64_t>{E, b_k, N} : std::vector<int64_t>{E, N, K};
+    mok::check_tensor(args->b0, "b0", {mokBFloat16}, b_shape, dev);
+    const bool two_b = kind == mokGemmGateUp || kind == mokGemmDgradGateUp;
+    if (two_b) mok::check_tensor(args->b1, "b1", {mokBFloat16}, b_shape, dev);
     mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
     mok::check_tensor(args->out, "out", {mokBFloat16}, {M, N}, dev);
-    MOK_CHECK_ARG(args->swiglu ? N % 128 == 0 : N % 256 == 0,
-                  "N = " << N << " must be a multiple of " << (args->swiglu ? 128 : 256));
-    MOK_CHECK_ARG(K % 64 == 0, "K = " << K << " must be a multiple of 64");
+    const int64_t n_multiple = kind == mokGemmGateUp ? 128 : 256;
+    MOK_CHECK_ARG(N % n_multiple == 0, "N = " << N << " must be a multiple of " << n_multiple);
+    MOK_CHECK_ARG(K % 64 == 0 && (kind != mokGemmDgradGateUp || K % 128 == 0),
+                  "K = " << K << " must be a multiple of " << (kind == mokGemmDgradGateUp ? 128 : 64));
     mok::cuda::grouped_gemm(mok::cuda::GroupedGemmCall{args->a.data, M, K, args->b0.data,
-                                                       args->swiglu ? args->b1.data : args->b0.data, E, N,
+                                                       two_b ? args->b1.data : args->b0.data, E, N,
                                                        static_cast<const int32_t*>(args->block_expert.data),
                                                        static_cast<int32_t>(blocks), args->out.data,
-                                                       args->swiglu != 0, static_cast<int32_t>(args->num_blocks)},
+                                                       static_cast<int32_t>(kind), static_cast<int32_t>(args->num_blocks)},
                             stream);
   });
 }

@@ -398,11 +398,27 @@ std::string unsupported_shape(const mokConfig_t& c) {
 }
 
 void grouped_gemm(const GroupedGemmCall& call, void* stream) {
-  gemm::GroupedGemmArgs g =
-      call.swiglu ? gemm::gate_up_args(call.a, call.a_rows, call.k, call.b0, call.b1, call.num_experts, call.n,
-                                       call.block_expert, call.num_m_blocks, call.out)
-                  : gemm::down_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n, call.block_expert,
-                                    call.num_m_blocks, call.out);
+  gemm::GroupedGemmArgs g;
+  switch (call.kind) {
+    case mokGemmGateUp:
+      g = gemm::gate_up_args(call.a, call.a_rows, call.k, call.b0, call.b1, call.num_experts, call.n,
+                             call.block_expert, call.num_m_blocks, call.out);
+      break;
+    case mokGemmDown:
+      g = gemm::down_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n, call.block_expert,
+                          call.num_m_blocks, call.out);
+      break;
+    case mokGemmDgradDown:
+      g = gemm::dgrad_down_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n, call.block_expert,
+                                call.num_m_blocks, call.out);
+      break;
+    case mokGemmDgradGateUp:
+      g = gemm::dgrad_gate_up_args(call.a, call.a_rows, call.k / 2, call.b0, call.b1, call.num_experts, call.n,
+                                   call.block_expert, call.num_m_blocks, call.out);
+      break;
+    default:
+      MOK_FAIL(mokInvalidArgument, "grouped GEMM kind = " << call.kind << " is not a mokGemmKind_t");
+  }
   g.num_blocks = call.num_blocks;
   gemm::launch_grouped_gemm(g, static_cast<cudaStream_t>(stream));
 }

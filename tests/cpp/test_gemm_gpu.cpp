@@ -46,28 +46,53 @@ ErrStats compare_rows(const std::vector<bf16_t>& got, const std::vector<double>&
   return s;
 }
 
-// One grouped GEMM through the C ABI vs a double reference.
-void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vector<int32_t> block_expert, bool swiglu,
+const char* kind_name(int kind) {
+  switch (kind) {
+    case mokGemmDown: return "store";
+    case mokGemmGateUp: return "swiglu";
+    case mokGemmDgradDown: return "dgrad-down";
+    default: return "dgrad-gate/up";
+  }
+}
+
+// One grouped GEMM through the C ABI vs a double reference.  Forward kinds: b0, b1 [E, N, K];
+// dgrad kinds: the weights as stored, b0 [E, K, N] (down) or b0, b1 [E, K/2, N] (gate/up).
+void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vector<int32_t> block_expert, int kind,
                         int64_t num_blocks) {
   SCOPED_TRACE("seed=" + std::to_string(seed) + " E=" + std::to_string(E) + " K=" + std::to_string(K) +
-               " N=" + std::to_string(N) + (swiglu ? " swiglu" : " store") + " grid=" + std::to_string(num_blocks));
+               " N=" + std::to_string(N) + " " + kind_name(kind) + " grid=" + std::to_string(num_blocks));
+  const bool swiglu = kind == mokGemmGateUp;
+  const bool dgrad = kind == mokGemmDgradDown || kind == mokGemmDgradGateUp;
+  const int64_t b_k = kind == mokGemmDgradGateUp ? K / 2 : K;  // K rows of one b tensor
   std::mt19937_64 rng(seed);
   const int64_t M = static_cast<int64_t>(block_expert.size()) * 128;
   const auto a = random_bf16(rng, static_cast<size_t>(M * K), 1.0f);
-  const auto b0 = random_bf16(rng, static_cast<size_t>(E * N * K), 1.0f / std::sqrt(static_cast<float>(K)));
-  const auto b1 = random_bf16(rng, static_cast<size_t>(E * N * K), 1.0f / std::sqrt(static_cast<float>(K)));
+  const auto b0 = random_bf16(rng, static_cast<size_t>(E * N * b_k), 1.0f / std::sqrt(static_cast<float>(K)));
+  const auto b1 = random_bf16(rng, static_cast<size_t>(E * N * b_k), 1.0f / std::sqrt(static_cast<float>(K)));
   DeviceBuffer da(a), db0(b0), db1(b1), dblk(block_expert), dout(static_cast<size_t>(M * N) * 2);
   mokGroupedGemmArgs_t args{};
+  const std::vector<int64_t> b_shape = dgrad ? std::vector<int64_t>{E, b_k, N} : std::vector<int64_t>{E, N, K};
   args.a = tensor_view(da.ptr, mokBFloat16, {M, K}, 0);
-  args.b0 = tensor_view(db0.ptr, mokBFloat16, {E, N, K}, 0);
-  args.b1 = tensor_view(db1.ptr, mokBFloat16, {E, N, K}, 0);
+  args.b0 = tensor_view(db0.ptr, mokBFloat16, b_shape, 0);
+  args.b1 = tensor_view(db1.ptr, mokBFloat16, b_shape, 0);
   args.block_expert = tensor_view(dblk.ptr, mokInt32, {M / 128}, 0);
   args.out = tensor_view(dout.ptr, mokBFloat16, {M, N}, 0);
-  args.swiglu = swiglu;
+  args.kind = kind;
   args.num_blocks = num_blocks;
   ASSERT_EQ(mokGroupedGemm(&args, nullptr), mokSuccess) << mokGetLastError();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = dout.get<bf16_t>();
+  // B(e, k, n) of the kind, as the reference reads it
+  auto b_at = [&](int64_t e, int64_t kk, int64_t n, bool second) -> double {
+    const auto& b = second ? b1 : b0;
+    if (kind == mokGemmDgradDown) return bf16_to_float(b0[static_cast<size_t>((e * K + kk) * N + n)]);
+    if (kind == mokGemmDgradGateUp) {
+      const bool up = kk >= b_k;
+      const auto& w = up ? b1 : b0;
+      return bf16_to_float(w[static_cast<size_t>((e * b_k + (up ? kk - b_k : kk)) * N + n)]);
+    }
+    return bf16_to_float(b[static_cast<size_t>((e * N + n) * K + kk)]);
+  };
   // Reference in double; rows of blocks at or past the first -1 are never written.
   int64_t live_blocks = 0;
   while (live_blocks < static_cast<int64_t>(block_expert.size()) && block_expert[static_cast<size_t>(live_blocks)] >= 0)
@@ -79,8 +104,8 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
       double g = 0, u = 0;
       for (int64_t kk = 0; kk < K; ++kk) {
         const double x = bf16_to_float(a[static_cast<size_t>(r * K + kk)]);
-        g += x * bf16_to_float(b0[static_cast<size_t>((e * N + n) * K + kk)]);
-        if (swiglu) u += x * bf16_to_float(b1[static_cast<size_t>((e * N + n) * K + kk)]);
+        g += x * b_at(e, kk, n, false);
+        if (swiglu) u += x * b_at(e, kk, n, true);
       }
       want[static_cast<size_t>(r * N + n)] = swiglu ? silu(g) * u : g;
     }
@@ -91,21 +116,46 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
   for (int64_t r = live_blocks * 128; r < M; ++r)
     for (int64_t n = 0; n < N; ++n)
       ASSERT_TRUE(std::isnan(bf16_to_float(out[static_cast<size_t>(r * N + n)]))) << "row " << r << " past the end was written";
-  std::printf("grouped GEMM %s E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", swiglu ? "swiglu" : "store",
+  // The same call again: bitwise the same output
+  DeviceBuffer dout2(static_cast<size_t>(M * N) * 2);
+  args.out = tensor_view(dout2.ptr, mokBFloat16, {M, N}, 0);
+  ASSERT_EQ(mokGroupedGemm(&args, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto again = dout2.get<bf16_t>();
+  for (int64_t i = 0; i < live_blocks * 128 * N; ++i)
+    ASSERT_EQ(again[static_cast<size_t>(i)], out[static_cast<size_t>(i)]) << "run twice: element " << i << " differs";
+  std::printf("grouped GEMM %s E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", kind_name(kind),
               static_cast<long>(E), static_cast<long>(K), static_cast<long>(N), block_expert.size(), s.rel, s.max_abs);
 }
 
 TEST(GemmGpu, StoreTiles) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, false, 0);
-  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, false, 0);
-  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, false, 0);
+  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, mokGemmDown, 0);
+  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, mokGemmDown, 0);
 }
 
 TEST(GemmGpu, SwiGLUTiles) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  check_grouped_gemm(fresh_seed(), 2, 256, 128, {0, 1}, true, 0);
-  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, true, 0);
+  check_grouped_gemm(fresh_seed(), 2, 256, 128, {0, 1}, mokGemmGateUp, 0);
+  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0);
+}
+
+// The dgrad kinds: the weights read as stored (N-major B through the wgmma transpose bit).
+// Experts without blocks (expert 1 of 3 below), a lone block, K split across w_gate / w_up,
+// grids smaller than the tile count.
+TEST(GemmGpu, DgradDownTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, mokGemmDgradDown, 0);
+  check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, mokGemmDgradDown, 3);
+}
+
+TEST(GemmGpu, DgradGateUpTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 1, 128, 256, {0}, mokGemmDgradGateUp, 0);
+  check_grouped_gemm(fresh_seed(), 3, 768, 512, {2, 0, 0, 2, -1}, mokGemmDgradGateUp, 0);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 1024, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 2);
 }
 
 // MOK_GEMM_CLUSTER=2: 2-CTA clusters, B multicast within a pair of row blocks of one expert;
@@ -113,12 +163,12 @@ TEST(GemmGpu, SwiGLUTiles) {
 TEST(GemmGpu, PairClustersShareB) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   setenv("MOK_GEMM_CLUSTER", "2", 1);
-  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, false, 0);
-  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, false, 0);
-  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, false, 0);
-  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, true, 0);
-  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, false, 3);
-  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 0, 1, 1, 1, 1, 0, 0, 1}, true, 1);
+  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, mokGemmDown, 0);
+  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, mokGemmDown, 0);
+  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0);
+  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmDown, 3);
+  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 0, 1, 1, 1, 1, 0, 0, 1}, mokGemmGateUp, 1);
   unsetenv("MOK_GEMM_CLUSTER");
 }
 
@@ -126,8 +176,8 @@ TEST(GemmGpu, PairClustersShareB) {
 // many times (phases flip hundreds of times per block).
 TEST(GemmGpu, PipelineFinishesWithFewBlocks) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, false, 3);
-  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 1, 1, 0, 1, 0, 0, 1}, true, 1);
+  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmDown, 3);
+  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmGateUp, 1);
 }
 
 // ---- the EP=1 forward through the C ABI vs the CPU reference --------------------------------

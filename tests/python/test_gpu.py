@@ -260,6 +260,28 @@ def test_grouped_mm_matches_torch(gen, swiglu):
         assert_close(f"grouped_mm block {i}", out[rows].cpu(), want.cpu())
 
 
+@pytest.mark.parametrize("kind", ["dgrad_down", "dgrad_gate_up"])
+def test_grouped_mm_dgrad_kinds_read_the_weights_as_stored(gen, kind):
+    # da = dy · W_down[e] (W_down [E, H, I]); dx = [dg | du] · [W_gate; W_up][e] ([E, I, H] each)
+    E, K, N = 3, 768, 512
+    blocks = torch.tensor([2, 0, 0, 2, -1], dtype=torch.int32)  # expert 1 has no rows
+    a = torch.randn(len(blocks) * 128, K, generator=gen).bfloat16().cuda()
+    bk = K // 2 if kind == "dgrad_gate_up" else K
+    b0 = (torch.randn(E, bk, N, generator=gen) / K ** 0.5).bfloat16().cuda()
+    b1 = (torch.randn(E, bk, N, generator=gen) / K ** 0.5).bfloat16().cuda() if kind == "dgrad_gate_up" else None
+    out = torch.full((a.shape[0], N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mok.ops.grouped_mm(a, b0, blocks.cuda(), b1, out=out, kind=kind)
+    again = mok.ops.grouped_mm(a, b0, blocks.cuda(), b1, kind=kind)
+    for i, e in enumerate(blocks.tolist()):
+        rows = slice(i * 128, (i + 1) * 128)
+        if e < 0:
+            assert torch.isnan(out[rows]).all(), "blocks past the end must stay unwritten"
+            continue
+        b = b0[e] if b1 is None else torch.cat([b0[e], b1[e]], dim=0)
+        assert_close(f"{kind} block {i}", out[rows].cpu(), (a[rows].double() @ b.double()).cpu())
+        assert torch.equal(again[rows], out[rows]), "not bitwise reproducible"
+
+
 def test_trace_records_every_role(gen, monkeypatch):
     monkeypatch.setenv("MOK_TRACE", "1")
     x, ids, tw, w = _layer(gen, 512, 256, 16, 4, 700, 256, masked=0.0)

@@ -1,6 +1,8 @@
 // The grouped-GEMM engine: persistent, warp-specialised, TMA + wgmma (sm_90a).
 //
 //   C[rows of expert e, N] = A[rows, K] · B_e[N, K]ᵀ      (both operands K-major)
+//   kBNMajor: C[rows of e, N] = A[rows, K] · B_e[K, N]     (B as stored: the dgrad GEMMs,
+//             da = dy · W_down[e] and dx = [dg | du] · [W_gate; W_up][e]; see TileLoadNMajor)
 //
 // Roles (one warpgroup each, 384 threads):
 //   kProducer   one elected thread issues TMA loads into a kStages-deep ring of stages
@@ -37,6 +39,7 @@ struct GroupedGemmParams {
   int32_t b_rows_per_expert; // rows of one expert in the B maps
   int32_t b_n_step;          // B rows per n_block (128 gate/up, 256 down)
   int32_t b_half_offset;     // row offset of the second half in its map (0 gate/up, 128 down)
+  int32_t k_split_blocks;    // kBNMajor: k-blocks read from map_b0 before map_b1
   const int32_t* block_expert;
   Epilogue epilogue;
   __nv_bfloat16* out;
@@ -49,6 +52,7 @@ struct GroupedGemmParams {
   int64_t* timeout_record;   // device [5], see WaitContext
 };
 
+template <bool kBNMajor>
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParams p) {
@@ -78,9 +82,15 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       const int m_block = tc.m, n_block = tc.n;
       const int expert = p.block_expert[m_block];
       if (expert < 0) continue;
-      const TileLoad load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM,
-                          expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks};
-      if (!produce_tile(s, stage, load, wait)) return;
+      if constexpr (kBNMajor) {
+        const TileLoadNMajor load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM, expert * p.b_rows_per_expert,
+                                  n_block * C::kBlockN, p.k_split_blocks, p.num_k_blocks};
+        if (!produce_tile_nmajor(s, stage, load, wait)) return;
+      } else {
+        const TileLoad load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM,
+                            expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks};
+        if (!produce_tile(s, stage, load, wait)) return;
+      }
     }
     return;
   }
@@ -94,7 +104,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
     const int m_block = tc.m, n_block = tc.n;
     if (p.block_expert[m_block] < 0) continue;
-    if (!consume_tile(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
+    if (!consume_tile<false, kBNMajor>(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
     // Epilogue straight from registers
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     switch (p.epilogue) {

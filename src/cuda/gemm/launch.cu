@@ -58,12 +58,103 @@ GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const vo
   return g;
 }
 
+GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_down,
+                                int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
+                                void* out) {
+  GroupedGemmArgs g;
+  g.a = a;
+  g.a_rows = a_rows;
+  g.k = hidden;
+  g.b0 = w_down;
+  g.b1 = w_down;
+  g.num_experts = num_experts;
+  g.b_rows_per_expert = hidden;  // K rows of one expert
+  g.b_n_major = true;
+  g.b_k_split = hidden;
+  g.num_n_blocks = static_cast<int32_t>(inter / TileConfig::kBlockN);
+  g.block_expert = block_expert;
+  g.max_m_blocks = max_m_blocks;
+  g.epilogue = static_cast<int32_t>(Epilogue::kStore);
+  g.out = out;
+  g.out_ld = inter;
+  g.out_rows = a_rows;
+  return g;
+}
+
+GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter, const void* w_gate,
+                                   const void* w_up, int64_t num_experts, int64_t hidden,
+                                   const int32_t* block_expert, int32_t max_m_blocks, void* out) {
+  GroupedGemmArgs g;
+  g.a = a;
+  g.a_rows = a_rows;
+  g.k = 2 * inter;
+  g.b0 = w_gate;
+  g.b1 = w_up;
+  g.num_experts = num_experts;
+  g.b_rows_per_expert = inter;  // K rows of one expert in each of the two maps
+  g.b_n_major = true;
+  g.b_k_split = inter;
+  g.num_n_blocks = static_cast<int32_t>(hidden / TileConfig::kBlockN);
+  g.block_expert = block_expert;
+  g.max_m_blocks = max_m_blocks;
+  g.epilogue = static_cast<int32_t>(Epilogue::kStore);
+  g.out = out;
+  g.out_ld = hidden;
+  g.out_rows = a_rows;
+  return g;
+}
+
+namespace {
+
+// N-major B (dgrad): the weights read as stored, one 64 x 64 box per TMA load.
+void launch_n_major(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
+  using C = TileConfig;
+  MOK_CHECK_ARG(g.b_k_split > 0 && g.b_k_split % C::kBlockK == 0 && g.b_k_split <= g.k &&
+                    (g.b_k_split == g.k || g.k - g.b_k_split <= g.b_rows_per_expert),
+                "grouped GEMM (dgrad): K split = " << g.b_k_split << " must be a multiple of " << C::kBlockK
+                                                   << " within K = " << g.k);
+  MOK_CHECK_ARG(g.b_k_split <= g.b_rows_per_expert, "grouped GEMM (dgrad): K split exceeds the rows per expert");
+  const int64_t n = int64_t{g.num_n_blocks} * C::kBlockN;
+  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
+  const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, n, C::kBlockK);
+  const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, n, C::kBlockK);
+  GroupedGemmParams p{};
+  p.num_n_blocks = g.num_n_blocks;
+  p.num_k_blocks = static_cast<int32_t>(g.k / C::kBlockK);
+  p.max_m_blocks = g.max_m_blocks;
+  p.b_rows_per_expert = static_cast<int32_t>(g.b_rows_per_expert);
+  p.k_split_blocks = static_cast<int32_t>(g.b_k_split / C::kBlockK);
+  p.block_expert = g.block_expert;
+  p.epilogue = static_cast<Epilogue>(g.epilogue);
+  p.out = static_cast<__nv_bfloat16*>(g.out);
+  p.out_ld = g.out_ld;
+  p.out_rows = g.out_rows;
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
+  p.timeout_record = g.timeout_record;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kGemmSmemBytes)));
+  const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, g.max_m_blocks * g.num_n_blocks);
+  grouped_gemm_kernel<true><<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
 void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   using C = TileConfig;
   MOK_CHECK_ARG(g.k > 0 && g.k % C::kBlockK == 0, "grouped GEMM: K = " << g.k << " must be a multiple of " << C::kBlockK);
   // NOTES: A may have fewer rows than max_m_blocks*BLOCK_M: TMA fills rows past the end
   // with zeros (and still counts their bytes), and the epilogue skips rows >= out_rows.
   MOK_CHECK_ARG(g.a_rows > 0, "grouped GEMM: A has no rows");
+  if (g.b_n_major) {
+    if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
+    int device = 0, sms = 0;
+    MOK_CUDA_CHECK(cudaGetDevice(&device));
+    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    launch_n_major(g, sms, stream);
+    return;
+  }
   MOK_CHECK_ARG(g.b_rows_per_expert % 128 == 0, "grouped GEMM: N per expert = " << g.b_rows_per_expert
                                                                                << " must be a multiple of 128");
   MOK_CHECK_ARG(int64_t{g.num_n_blocks} * g.b_n_step == g.b_rows_per_expert,
@@ -111,10 +202,10 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     MOK_CUDA_CHECK(cudaGetLastError());
     return;
   }
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kGemmSmemBytes)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, total_tiles);
-  grouped_gemm_kernel<<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+  grouped_gemm_kernel<false><<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

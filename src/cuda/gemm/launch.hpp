@@ -31,6 +31,10 @@ struct GroupedGemmArgs {
   double timeout_s = 60.0;
   int64_t* timeout_record = nullptr;  // device [5], zeroed by the caller
   int32_t num_blocks = 0;        // grid; 0 = SM count
+  // B N-major (the dgrad GEMMs): b0/b1 are [num_experts * b_rows_per_expert (K rows), N] as
+  // stored; K rows [0, b_k_split) of an expert come from b0, the rest from b1 (rows from 0).
+  bool b_n_major = false;
+  int64_t b_k_split = 0;
 };
 
 // Gate/up with the SwiGLU epilogue: out[rows, I] from w_gate/w_up [E, I, H].
@@ -40,6 +44,15 @@ GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, cons
 // Down: out rows [*, H] from w_down [E, H, I]; epilogue kStore or kScatter.
 GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
                           int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out);
+
+// dgrad of down: out[rows, I] = a[rows, H] · w_down[e] ([H, I] as stored).
+GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_down,
+                                int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
+                                void* out);
+// dgrad of gate/up: out[rows, H] = a[rows, 2I] · [w_gate; w_up][e] ([I, H] each, as stored).
+GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter, const void* w_gate,
+                                   const void* w_up, int64_t num_experts, int64_t hidden,
+                                   const int32_t* block_expert, int32_t max_m_blocks, void* out);
 
 // Throws mok::Error on a CUDA failure or an unsupported shape.
 void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);

@@ -75,10 +75,51 @@ __device__ __forceinline__ bool produce_tile(StageStorage& s, PipelineState<Tile
   return true;
 }
 
+// Where one tile's operands come from when B is N-major (the dgrad GEMMs: weights read as
+// they are stored, [K rows, N contiguous]).  A stage holds A (128 x 64, K-major) and B as
+// four boxes of 64 N x 64 K (N-major), box c at b + c * kNChunkElems.  The K loop reads
+// b0 for k-blocks [0, k_split_blocks) and b1 after (dgrad gate/up: w_gate then w_up rows).
+struct TileLoadNMajor {
+  const CUtensorMap* a;   // rows a_row .. a_row+127, all K
+  const CUtensorMap* b0;  // [K rows of every expert, N]
+  const CUtensorMap* b1;
+  int32_t a_row;
+  int32_t b_row;          // first K row of the expert in b0 / b1
+  int32_t n0;             // first output column of the tile
+  int32_t k_split_blocks;
+  int32_t num_k_blocks;
+};
+inline constexpr int kNChunkElems = 64 * TileConfig::kBlockK;  // one 64 N x 64 K box: 8 KB
+static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes,
+              "an N-major B stage is kBlockN/64 boxes of 64 x 64 and as large as the K-major one");
+
+__device__ __forceinline__ bool produce_tile_nmajor(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                                    const TileLoadNMajor& t, const WaitContext& wait) {
+  using C = TileConfig;
+  for (int kb = 0; kb < t.num_k_blocks; ++kb) {
+    // Wait for empty slot
+    if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
+      return false;
+    // Issue TMA for the A tile and the four N boxes of B at this k-block's K rows
+    uint64_t* full = &s.tile_full[stage.index];
+    ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
+    ptx::tma_load_2d(s.a[stage.index], t.a, full, kb * C::kBlockK, t.a_row);
+    const bool second = kb >= t.k_split_blocks;
+    const CUtensorMap* map = second ? t.b1 : t.b0;
+    const int32_t k_row = t.b_row + (second ? kb - t.k_split_blocks : kb) * C::kBlockK;
+#pragma unroll
+    for (int c = 0; c < C::kBlockN / 64; ++c)
+      ptx::tma_load_2d(s.b[stage.index] + c * kNChunkElems, map, full, t.n0 + c * 64, k_row);
+    stage.advance();
+  }
+  return true;
+}
+
 // Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · Bᵀ over all k-blocks.
+// kBNMajor: B is N-major in the stage (produce_tile_nmajor), read through the transpose bit.
 // kPair (2-CTA clusters): each freed stage is also reported to the peer CTA's pair_empty,
 // whose producer multicasts into this CTA's stages.
-template <bool kPair = false>
+template <bool kPair = false, bool kBNMajor = false>
 __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[TileConfig::kAccRegs],
                                              const WaitContext& wait, uint64_t* pair_empty = nullptr,
@@ -91,11 +132,19 @@ __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<Tile
     if (!wait_barrier_warp(&s.tile_full[stage.index], stage.phase, wait, WaitSite::kConsumerFull, stage.index))
       return false;
     const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
-    const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
-    ptx::wgmma_fence();
+    if constexpr (kBNMajor) {
+      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < C::kBlockK / 16; ++k)
-      ptx::mma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+      for (int k = 0; k < C::kBlockK / 16; ++k)
+        ptx::mma_m64n256k16_bf16_tb(acc, desc_a + 2 * k, desc_b + 128 * k, (kb | k) != 0);
+    } else {
+      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::kBlockK / 16; ++k)
+        ptx::mma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+    }
     ptx::wgmma_commit();
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
     // inject a wait (C7517) and serialise the MMAs.

@@ -20,4 +20,19 @@ __device__ __forceinline__ uint64_t desc_kmajor_sw128(const void* smem) {
   return desc;
 }
 
+// Descriptor of an MN-major tile (the operand's M or N dimension contiguous) written by TMA
+// with 128-byte swizzle in boxes of 64 MN elements x 64 K rows: each K row is one 128-byte
+// line of 64 bf16, 8 K rows make a 1024-byte swizzle atom.  Strides of the canonical layout:
+//   SBO = 1024 B  from one 8-row K group to the next (inside a box);
+//   LBO = mn_chunk_bytes  from one 64-element MN chunk (box) to the next.
+// Advancing along K by 16 rows adds 16 * 128 B = 2048 B (128 in descriptor units).
+__device__ __forceinline__ uint64_t desc_mnmajor_sw128(const void* smem, uint32_t mn_chunk_bytes) {
+  const uint64_t addr = smem_u32(smem);
+  uint64_t desc = (addr & 0x3FFFFull) >> 4;                // [0, 14): start address >> 4
+  desc |= uint64_t{(mn_chunk_bytes >> 4) & 0x3FFFu} << 16;  // [16, 30): leading byte offset
+  desc |= uint64_t{1024 >> 4} << 32;                       // [32, 46): stride byte offset
+  desc |= uint64_t{1} << 62;                               // [62, 64): 128-byte swizzle
+  return desc;
+}
+
 }  // namespace mok::ptx
