@@ -87,8 +87,9 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
   const int64_t El = plan_dims(c).local_experts();
   size_t unused = 0;
   if (ws.unfused_ring == nullptr) {
-    ws.unfused_ring = device_alloc<uint16_t>(static_cast<size_t>(ws.max_rows * H), &unused);
-    ws.unfused_act = device_alloc<uint16_t>(static_cast<size_t>(ws.max_rows * I), &unused);
+    // Separate entries of the layout: max_rows x H and max_rows x I bf16
+    ws.unfused_ring = device_alloc<uint16_t>(static_cast<size_t>(ws.layout[WsBuffer::kUnfusedRing].count), &unused);
+    ws.unfused_act = device_alloc<uint16_t>(static_cast<size_t>(ws.layout[WsBuffer::kUnfusedAct].count), &unused);
   }
   // Gather routed rows into the ring
   const int64_t row_vecs = H * 2 / 16;
@@ -220,6 +221,13 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
 }
 }  // namespace
 
+// The layout's constants restate the kernels' (common/workspace_layout.hpp is host code too).
+static_assert(kWsErrorWords == kAllErrorWords, "error words of the layout differ from the kernels'");
+static_assert(kWsDgradTileN == gemm::TileConfig::kBlockN, "dgrad-down N tile differs from the tile engine's");
+static_assert(kWsCounterHeader == static_cast<int>(fused::Counter::kHeader) &&
+                  kWsCounterArrays == static_cast<int>(fused::CounterArray::kPushDone) + 1,
+              "counters of the layout differ from the fused kernel's");
+
 DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
   auto* ws = new DeviceWorkspace();
   try {
@@ -227,61 +235,74 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
     const DeviceGuard guard(ws->device);
     ws->ep_size = static_cast<int32_t>(c.ep_size);
     ws->ep_rank = static_cast<int32_t>(c.ep_rank);
-    const plan::PlanDims d = plan_dims(c);
-    const int64_t El = d.local_experts(), H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
-    ws->max_rows = plan::max_rows(d);
-    ws->max_blocks = plan::max_blocks(d);
-    ws->shared_blocks = plan::ceil_div(c.max_tokens, gemm::TileConfig::kBlockM);
-    size_t& b = ws->bytes;
-    ws->rows = device_alloc<uint32_t>(static_cast<size_t>(ws->max_rows), &b);
-    ws->expert_count = device_alloc<int32_t>(static_cast<size_t>(El), &b);
-    ws->expert_offset = device_alloc<int32_t>(static_cast<size_t>(El + 1), &b);
-    ws->block_expert = device_alloc<int32_t>(static_cast<size_t>(ws->max_blocks), &b);
     MOK_CUDA_CHECK(cudaDeviceGetAttribute(&ws->num_sms, cudaDevAttrMultiProcessorCount, ws->device));
     ws->grid = c.num_blocks > 0 ? static_cast<int32_t>(std::min<int64_t>(c.num_blocks, ws->num_sms)) : ws->num_sms;
-    ws->ring_rows = std::min<int64_t>(c.macrobatch_size, ws->max_rows);
-    ws->ring = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * H), &b);
-    ws->act = device_alloc<uint16_t>(static_cast<size_t>(ws->ring_rows * I), &b);
-    ws->num_counters = 2 + 5 * ws->max_blocks;  // 5 arrays (fused/forward_kernel.cuh); max_blocks >= shared_blocks
-    ws->counters = device_alloc<int32_t>(static_cast<size_t>(ws->num_counters), &b);
+    WorkspaceOptions options;
+    options.num_sms = ws->num_sms;
+    options.trace_cap = env::get_int(env::kTrace) != 0 ? kWsTraceCap : 0;
+    ws->layout = workspace_layout(c, options);
+    const WorkspaceLayout& L = ws->layout;
+    ws->max_rows = L.max_rows;
+    ws->max_blocks = L.max_blocks;
+    ws->shared_blocks = L.shared_blocks;
+    ws->ring_rows = L.ring_rows;
+    ws->num_counters = L[WsBuffer::kCounters].count;  // 5 arrays (fused/forward_kernel.cuh); max_blocks >= shared_blocks
+    size_t& b = ws->bytes;
+
+    // One allocation for every block entry; cudaMalloc aligns to 256 B, the layout's offsets
+    // count from a 1 KB aligned base.
+    ws->block = device_alloc<uint8_t>(static_cast<size_t>(L.total_bytes() + kWsTmaAlign - kWsAlign), &b);
+    ws->base = reinterpret_cast<uint8_t*>(
+        static_cast<uintptr_t>(ws_align_up(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ws->block)), kWsTmaAlign)));
+    uint8_t* base = ws->base;
+    uint8_t* own_region = nullptr;
     if (ws->ep_size > 1) {
       // The group's regions: slots live in this rank's own; the table goes to the device.
       MOK_CHECK_ARG(regions != nullptr, "ep_size = " << c.ep_size << " needs the group's symmetric regions "
                                                      "(mokWorkspaceCreateSymmetric)");
-      ws->sym = sym_layout(c.ep_size, c.max_tokens, c.topk, H);
+      ws->sym = L.sym;
       for (int s = 0; s < ws->ep_size; ++s) {
         MOK_CHECK_ARG(regions[s] != nullptr, "symmetric region of rank " << s << " is null");
         MOK_CHECK_ARG(reinterpret_cast<uintptr_t>(regions[s]) % 1024 == 0,
                       "symmetric region of rank " << s << " at " << regions[s] << " is not 1 KB aligned");
         ws->regions.push_back(static_cast<uint8_t*>(regions[s]));
       }
-      ws->regions_dev = device_alloc<uint8_t*>(static_cast<size_t>(ws->ep_size), &b);
+      own_region = ws->regions[ws->ep_rank];
+    }
+    ws->rows = L.get<WsBuffer::kRows>(base);
+    ws->expert_count = L.get<WsBuffer::kExpertCount>(base);
+    ws->expert_offset = L.get<WsBuffer::kExpertOffset>(base);
+    ws->block_expert = L.get<WsBuffer::kBlockExpert>(base);
+    ws->ring = L.get<WsBuffer::kRing>(base);
+    ws->act = L.get<WsBuffer::kAct>(base);
+    ws->counters = L.get<WsBuffer::kCounters>(base);
+    ws->regions_dev = L.get<WsBuffer::kRegionsDev>(base);  // EP >= 2, else nullptr
+    ws->ep_seq = L.get<WsBuffer::kEpSeq>(base);
+    ws->slots = L.get<WsBuffer::kSlots>(base, own_region);  // EP >= 2: in the own region
+    ws->shared_block = L.get<WsBuffer::kSharedBlock>(base);  // I_s > 0, else nullptr
+    ws->shared_act = L.get<WsBuffer::kSharedAct>(base);
+    ws->shared_out = L.get<WsBuffer::kSharedOut>(base);
+    ws->errors = L.get<WsBuffer::kErrors>(base);
+    // What was zeroed at creation before the layout, and only that: errors, ep_seq, shared_block
+    for (int i = 0; i < kNumWsBuffers; ++i) {
+      const WsBuffer id = static_cast<WsBuffer>(i);
+      if (L[id].place == WsPlace::kBlock && L[id].zero_at_creation)
+        MOK_CUDA_CHECK(cudaMemset(L.address(id, base), 0, static_cast<size_t>(L[id].bytes)));
+    }
+    if (ws->ep_size > 1) {
       MOK_CUDA_CHECK(cudaMemcpy(ws->regions_dev, ws->regions.data(), ws->regions.size() * sizeof(uint8_t*),
                                 cudaMemcpyHostToDevice));
-      ws->ep_seq = device_alloc<int64_t>(1, &b);
-      MOK_CUDA_CHECK(cudaMemset(ws->ep_seq, 0, sizeof(int64_t)));
-      ws->slots = ws->regions[ws->ep_rank] + ws->sym.slots;
       // The configuration's fingerprint in the own header: peers compare it before writing here
       ws->fingerprint = ep_fingerprint(c);
-      MOK_CUDA_CHECK(cudaMemcpy(ws->regions[ws->ep_rank] + ws->sym.header, &ws->fingerprint, sizeof(uint64_t),
+      MOK_CUDA_CHECK(cudaMemcpy(own_region + ws->sym.header, &ws->fingerprint, sizeof(uint64_t),
                                 cudaMemcpyHostToDevice));
-    } else {
-      ws->slots = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * c.topk * H), &b);
     }
-    if (Is > 0) {
-      ws->shared_block = device_alloc<int32_t>(static_cast<size_t>(ws->shared_blocks), &b);
-      MOK_CUDA_CHECK(cudaMemset(ws->shared_block, 0, static_cast<size_t>(std::max<int64_t>(ws->shared_blocks, 1)) * 4));
-      ws->shared_act = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * Is), &b);
-      ws->shared_out = device_alloc<uint16_t>(static_cast<size_t>(c.max_tokens * H), &b);
+    if (L.present(WsBuffer::kTrace)) {  // separate: sized by the SM count, optional
+      ws->trace_cap = options.trace_cap;
+      ws->trace = device_alloc<mokTraceEvent_t>(static_cast<size_t>(L[WsBuffer::kTrace].count), &b);
     }
-    if (env::get_int(env::kTrace) != 0) {
-      ws->trace_cap = 4096;
-      ws->trace = device_alloc<mokTraceEvent_t>(
-          static_cast<size_t>(ws->num_sms) * MOK_TRACE_RECORDERS * ws->trace_cap, &b);
-    }
-    ws->errors = device_alloc<int64_t>(kAllErrorWords, &b);
-    MOK_CUDA_CHECK(cudaMemset(ws->errors, 0, kAllErrorWords * sizeof(int64_t)));
-    MOK_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ws->host_errors), kAllErrorWords * sizeof(int64_t)));
+    MOK_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&ws->host_errors),
+                                  static_cast<size_t>(L[WsBuffer::kHostErrors].bytes)));
     MOK_CUDA_CHECK(cudaEventCreateWithFlags(&ws->errors_ready, cudaEventDisableTiming));
   } catch (...) {
     destroy_workspace(ws);
@@ -295,12 +316,8 @@ void destroy_workspace(DeviceWorkspace* ws) {
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(ws->device);
-  for (void* p : {static_cast<void*>(ws->rows), static_cast<void*>(ws->expert_count),
-                  static_cast<void*>(ws->expert_offset), static_cast<void*>(ws->block_expert),
-                  static_cast<void*>(ws->shared_block), ws->ring, ws->act, ws->ep_size > 1 ? nullptr : ws->slots,
-                  ws->shared_act, ws->shared_out, static_cast<void*>(ws->errors), static_cast<void*>(ws->counters),
-                  ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->trace),
-                  static_cast<void*>(ws->regions_dev), static_cast<void*>(ws->ep_seq)})
+  // The block holds every layout pointer (slots at EP >= 2 are in the caller's region).
+  for (void* p : {static_cast<void*>(ws->block), ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->trace)})
     if (p) cudaFree(p);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
   if (ws->errors_ready) cudaEventDestroy(ws->errors_ready);

@@ -9,29 +9,25 @@
 #include <vector>
 
 #include "common/symmetric.hpp"
+#include "common/workspace_layout.hpp"
 #include "mok/mok.h"
 #include "cuda/cuda_api.hpp"
 #include "ref/reference.hpp"
 
 namespace mok::cuda {
 
-// Device buffers of one workspace.  Byte map (docs/design.md, "Workspace"):
-//   plan.rows          max_rows x 4        plan.block_expert  max_blocks x 4
-//   plan.expert_count  E_l x 4             plan.expert_offset (E_l+1) x 4
-//   plan.scratch       chunks*E_l x 4      (chunk bases of the device plan build)
-//   ring               ring_rows x H x 2   routed rows gathered from x (ring_rows = min(macrobatch, max_rows))
-//   act                ring_rows x I x 2   SwiGLU output of gate/up, the down GEMM's A
-//   counters           (2 + 5*max_blocks) x 4   dependency counters of the fused kernel
-//   slots              T_max*k x H x 2     one output row per route, slot token*k + j
-//   shared_block       ceil(T_max/128) x 4 (zeros: every block of the shared expert is expert 0)
-//   shared_act         T_max x I_s x 2     shared_out  T_max x H x 2
-//   errors             11 x 8              route error [4] + timeout record [7]
-// EP >= 2: slots live in this rank's symmetric region (common/symmetric.hpp has its map);
-//   regions_dev        P x 8               the group's region pointers, as this process sees them
-//   ep_seq             8                   sequence number of the last call
+// Device buffers of one workspace.  The byte map is code: common/workspace_layout.hpp
+// (WorkspaceLayout: every buffer with its formula, offset and bytes; docs/design.md,
+// "Workspace byte map (CUDA)").  create_workspace makes ONE allocation of
+// layout.total_bytes() and sets the pointers below from layout.get<...>(base); EP >= 2:
+// slots come from this rank's symmetric region (common/symmetric.hpp).  Kept separate:
+// host_errors (pinned host), unfused_ring/act (first unfused call), trace (MOK_TRACE=1).
 struct DeviceWorkspace {
   int device = 0;
   int32_t ep_size = 1, ep_rank = 0;
+  WorkspaceLayout layout;          // of this workspace's config (with_backward = false)
+  uint8_t* block = nullptr;        // the one cudaMalloc (layout.total_bytes() + alignment slack)
+  uint8_t* base = nullptr;         // block rounded up to 1 KB: the layout's offsets start here
   SymLayout sym;
   std::vector<uint8_t*> regions;   // host copy of regions_dev (EP >= 2)
   uint8_t** regions_dev = nullptr;
@@ -54,7 +50,7 @@ struct DeviceWorkspace {
   void* slots = nullptr;
   void* shared_act = nullptr;
   void* shared_out = nullptr;
-  int64_t* errors = nullptr;       // device: [0,4) route error, [4,9) timeout record
+  int64_t* errors = nullptr;       // device: [0,4) route error, [4,11) timeout record
   mokTraceEvent_t* trace = nullptr;  // timing ring (MOK_TRACE=1 at creation)
   int32_t trace_cap = 0;           // events per recorder
   int64_t* host_errors = nullptr;  // pinned copy of `errors` from the last call

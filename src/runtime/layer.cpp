@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iomanip>
 #include <sstream>
 
 #include "common/symmetric.hpp"
+#include "common/workspace_layout.hpp"
+#include "runtime/env.hpp"
 #include "runtime/errors.hpp"
 #include "runtime/tensor.hpp"
 
@@ -73,6 +76,47 @@ void check_config(const mokConfig_t& c) {
                                        << " rows does not fit 32-bit offsets; lower max_tokens");
 }
 
+namespace {
+
+// "formula = the numbers = count x element bytes = bytes B" of one layout entry.
+std::string describe_entry(const WorkspaceLayout& L, WsBuffer id) {
+  const WsEntry& e = L[id];
+  std::ostringstream os, numbers;
+  for (int i = 0; i < e.nf; ++i) numbers << (i ? "*" : "") << e.f[i];
+  if (e.nf == 0) numbers << e.add;
+  else if (e.add != 0) numbers << " + " << e.add;
+  os << std::left << std::setw(18) << ws_name(id) << " " << std::setw(5) << ws_type_name(id) << " " << e.formula;
+  if (id == WsBuffer::kTrace && L.options.num_sms == 0) {
+    os << " x " << ws_element_bytes(id) << " B (num_sms: at creation)";
+  } else {
+    if (numbers.str() != e.formula) os << " = " << numbers.str();
+    if (numbers.str() != std::to_string(e.count)) os << " = " << e.count;
+    os << " x " << ws_element_bytes(id) << " B = " << e.bytes << " B";
+  }
+  if (e.place == WsPlace::kAlias) os << ", the bytes of " << ws_name(e.alias);
+  if (e.note[0] != '\0') os << "  # " << e.note;
+  return os.str();
+}
+
+// The entries of one place (and direction), one a line; block entries with their offsets.
+void describe_entries(std::ostringstream& os, const WorkspaceLayout& L, bool backward, WsPlace place) {
+  for (int i = 0; i < kNumWsBuffers; ++i) {
+    const WsBuffer id = static_cast<WsBuffer>(i);
+    const WsEntry& e = L[id];
+    if (e.place != place || ws_is_backward(id) != backward) continue;
+    // An alias shows where its target lives
+    const WsPlace where = place == WsPlace::kAlias ? L[e.alias].place : place;
+    os << "    ";
+    if (where == WsPlace::kBlock)
+      os << std::left << std::setw(13) << "@" + std::to_string(e.offset) << " ";
+    else if (where == WsPlace::kSymmetric)
+      os << std::left << std::setw(13) << (e.offset >= 0 ? "sym@" + std::to_string(e.offset) : "sym(planned)") << " ";
+    os << describe_entry(L, id) << "\n";
+  }
+}
+
+}  // namespace
+
 std::string describe_buffers(const mokConfig_t& c) {
   const plan::PlanDims d = plan_dims(c);
   const int64_t El = d.local_experts(), rows = plan::max_rows(d), blocks = plan::max_blocks(d);
@@ -83,23 +127,62 @@ std::string describe_buffers(const mokConfig_t& c) {
      << "\n"
      << "  plan.rows          = P*T_max*min(k,E_l) + E_l*(block_m-1), rounded down to block_m\n"
      << "                     = " << c.ep_size << "*" << c.max_tokens << "*" << std::min<int64_t>(c.topk, El) << " + "
-     << El << "*" << (c.block_m - 1) << " -> " << rows << " rows x 4 B = " << rows * 4 << " B\n"
-     << "  plan.block_expert  = rows/block_m = " << blocks << " x 4 B = " << blocks * 4 << " B\n"
-     << "  plan.expert_count  = E_l = " << El << " x 4 B; expert_offset = E_l+1 x 4 B\n"
-     << "  minibatch_size     = " << c.minibatch_size << " rows, macrobatch_size = " << c.macrobatch_size
-     << " rows (0 in the config: chosen by mok; at most " << plan::kMaxMinibatches << " minibatches per call)\n"
-     << "  ring               = macrobatch_size*H*2 B = " << c.macrobatch_size << "*" << c.hidden << "*2 = "
-     << c.macrobatch_size * c.hidden * 2 << " B (GPU backend)\n"
-     << "  error record       = 4 x 8 B\n";
-  if (c.ep_size > 1) {
+     << El << "*" << (c.block_m - 1) << " -> " << rows << " rows x 4 B = " << rows * 4 << " B\n";
+  const std::string batches = [&] {
+    std::ostringstream b;
+    b << "  minibatch_size     = " << c.minibatch_size << " rows, macrobatch_size = " << c.macrobatch_size
+      << " rows (0 in the config: chosen by mok; at most " << plan::kMaxMinibatches << " minibatches per call)\n";
+    return b.str();
+  }();
+  const auto describe_symmetric = [&] {
+    if (c.ep_size <= 1) return;
     const SymLayout l = sym_layout(c.ep_size, c.max_tokens, c.topk, c.hidden);
     os << "  symmetric region (per rank, same map on every rank; mokSymmetricBytes) = " << l.bytes << " B:\n"
        << "    flags_start, flags_end, tokens = 3 x 64 x 8 B (1 KB aligned each)\n"
        << "    routing = P*align1K(T_max*k*8) = " << c.ep_size << "*" << l.routing_rank_stride << " B\n"
        << "    x       = T_max*H*2 = " << c.max_tokens * c.hidden * 2 << " B\n"
        << "    slots   = T_max*k*H*2 = " << c.max_tokens * c.topk * c.hidden * 2 << " B\n";
+  };
+  if (c.device < 0) {
+    // The CPU reference allocates per call; the GPU's ring is shown for comparison.
+    os << "  plan.block_expert  = rows/block_m = " << blocks << " x 4 B = " << blocks * 4 << " B\n"
+       << "  plan.expert_count  = E_l = " << El << " x 4 B; expert_offset = E_l+1 x 4 B\n"
+       << batches << "  ring               = macrobatch_size*H*2 B = " << c.macrobatch_size << "*" << c.hidden
+       << "*2 = " << c.macrobatch_size * c.hidden * 2 << " B (GPU backend)\n"
+       << "  error record       = 4 x 8 B\n";
+    describe_symmetric();
+    os << "  backend: CPU reference (buffers are allocated per call)\n";
+    return os.str();
   }
-  if (c.device < 0) os << "  backend: CPU reference (buffers are allocated per call)\n";
+
+  // CUDA: the workspace's layout (common/workspace_layout.hpp), the one create_workspace
+  // allocates; the backward's entries from the layout with_backward.
+  WorkspaceOptions options;
+  options.trace_cap = env::get_int(env::kTrace) != 0 ? kWsTraceCap : 0;
+  const WorkspaceLayout L = workspace_layout(c, options);
+  options.with_backward = true;
+  const WorkspaceLayout B = workspace_layout(c, options);
+  os << batches << "  sizes: max_rows = " << L.max_rows << ", max_blocks = max_rows/block_m = " << L.max_blocks
+     << ", ring_rows = min(macrobatch_size, max_rows) = " << L.ring_rows << ",\n"
+     << "         shared_blocks = ceil(T_max/block_m) = " << L.shared_blocks
+     << ", n_macro = ceil(max_rows/macrobatch_size) = " << L.n_macro << ", n_acc = min(E_l, n_macro-1) = " << L.n_acc
+     << ", i_tiles = ceil(I/256) = " << L.i_tiles << "\n"
+     << "  device block: one allocation; offsets from a 1 KB aligned base, " << kWsAlign << " B aligned, "
+     << kWsTmaAlign << " B for TMA operands and bulk-copy targets:\n";
+  describe_entries(os, L, false, WsPlace::kBlock);
+  os << "  forward total      = " << L.total_bytes() << " B\n";
+  os << "  separate allocations:\n";
+  describe_entries(os, L, false, WsPlace::kSeparate);
+  if (c.ep_size > 1) {
+    os << "  in this rank's symmetric region:\n";
+    describe_entries(os, L, false, WsPlace::kSymmetric);
+  }
+  os << "  backward (laid out with_backward; not allocated: the CUDA backward is planned, docs/design.md):\n";
+  describe_entries(os, B, true, WsPlace::kBlock);
+  describe_entries(os, B, true, WsPlace::kAlias);
+  describe_entries(os, B, true, WsPlace::kSymmetric);
+  os << "  total with backward = " << B.total_bytes() << " B (+" << B.total_bytes() - L.total_bytes() << " B)\n";
+  describe_symmetric();
   return os.str();
 }
 
