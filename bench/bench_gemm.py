@@ -6,6 +6,8 @@ the same run (8192^3 torch.mm).  Kinds:
   down           a[M, I] · W_down[e]ᵀ
   dgrad_down     dy[M, H] · W_down[e]  (da; the weights as stored)    (torch: _grouped_mm on the untransposed view)
   dgrad_gate_up  [dg | du][M, 2I] · [W_gate; W_up][e]  (dx)
+  wgrad_down     dy_rowsᵀ · a_rows per expert (K = its rows)   (torch: 2-D x 2-D _grouped_mm with offsets)
+  wgrad_gate_up  [dg | du]_rowsᵀ · x_rows per expert
 
     python3 bench/bench_gemm.py [--shapes dsv3,qwen3|all] [--reps 20] [--out DIR]
 """
@@ -93,6 +95,23 @@ def bench_shape(name, reps):
     t_mok_dgu = median_ms(run_dgu, reps)
     t_torch_dgu = median_ms(lambda: torch._grouped_mm(dgu, w_gu, offs=offs), reps)
 
+    # wgrad (K-grouped, K = each expert's rows): dW_down[e] = dy_rowsᵀ · a_rows [H, I],
+    # [dW_gate; dW_up][e] = [dg|du]_rowsᵀ · x_rows [2I, H]; torch: 2-D x 2-D _grouped_mm with offsets
+    ex_off = torch.arange(E + 1, device=dev, dtype=torch.int32) * rows
+    ex_cnt = torch.full((E,), rows, device=dev, dtype=torch.int32)
+    wd = torch.empty(E, H, I, device=dev, dtype=torch.bfloat16)
+    wgu = torch.empty(E, 2 * I, H, device=dev, dtype=torch.bfloat16)
+    run_wd = lambda: ops.grouped_wgrad(dy, act, ex_off, ex_cnt, out=wd)  # noqa: E731
+    run_wgu = lambda: ops.grouped_wgrad(dgu, x, ex_off, ex_cnt, out=wgu)  # noqa: E731
+    torch_wd = lambda: torch._grouped_mm(dy.t(), act, offs=offs)  # noqa: E731
+    torch_wgu = lambda: torch._grouped_mm(dgu.t(), x, offs=offs)  # noqa: E731
+    run_wd()
+    err_wd = rel_err(wd, torch_wd())
+    run_wgu()
+    err_wgu = rel_err(wgu, torch_wgu())
+    t_mok_wd, t_torch_wd = median_ms(run_wd, reps), median_ms(torch_wd, reps)
+    t_mok_wgu, t_torch_wgu = median_ms(run_wgu, reps), median_ms(torch_wgu, reps)
+
     f_gu, f_dn = 2 * M * H * 2 * I, 2 * M * I * H
 
     def rec(flops, t_mok, t_torch, err):
@@ -105,6 +124,8 @@ def bench_shape(name, reps):
         "down": rec(f_dn, t_mok_dn, t_torch_dn, err_dn),
         "dgrad_down": rec(f_dn, t_mok_dd, t_torch_dd, err_dd),
         "dgrad_gate_up": rec(f_gu, t_mok_dgu, t_torch_dgu, err_dgu),
+        "wgrad_down": rec(f_dn, t_mok_wd, t_torch_wd, err_wd),
+        "wgrad_gate_up": rec(f_gu, t_mok_wgu, t_torch_wgu, err_wgu),
     }
 
 
@@ -128,7 +149,7 @@ def main():
           f"{'mok/dense':>9} {'torch/mok':>9} {'rel err':>9}")
     for r in results:
         r["dense_tflops"] = dense
-        for g in ("gate_up", "down", "dgrad_down", "dgrad_gate_up"):
+        for g in ("gate_up", "down", "dgrad_down", "dgrad_gate_up", "wgrad_down", "wgrad_gate_up"):
             d = r[g]
             print(f"{r['shape']:10} {g:14} {d['mok_ms']:8.3f} {d['torch_ms']:9.3f} {d['mok_tflops']:9.1f} "
                   f"{d['torch_tflops']:10.1f} {d['mok_tflops'] / dense:9.2f} {d['torch_ms'] / d['mok_ms']:9.2f} "

@@ -239,6 +239,27 @@ typedef struct mokGroupedGemmArgs_t {
   int64_t num_blocks;
 } mokGroupedGemmArgs_t;
 
+/* The weight-gradient GEMM, K-grouped (the wgrad kind of the engine):
+ *   out[e] [Mo, No] = Σ over rows r of expert e of a[r, :]ᵀ ⊗ b[r, :]
+ *     dW_down[e]          = (w·dy)_rowsᵀ · act_rows   (a [R, H], b [R, I])
+ *     [dW_gate; dW_up][e] = [dg | du]_rowsᵀ · x_rows   (a [R, 2I], b [R, H])
+ * a [R, Mo], b [R, No] bf16 (Mo % 128 == 0, No % 256 == 0); expert_offset [E+1] int32, the
+ * first row of each expert, a multiple of 64 (the plan's padded offsets are); expert_count [E]
+ * int32, its rows, and the rows [count, round_up(count, 64)) of a and b must be zero (the
+ * plan's padding rows, kept zero by the caller).  An expert with no rows gets zeros.
+ * Per element, in fp32: total = (accumulate ? acc : 0) + this call's sum; then acc = total
+ * (store_acc), out = bf16(total) and main_grad += total, each where the tensor is present
+ * (acc, main_grad [E, Mo, No] fp32; out [E, Mo, No] bf16).  A macrobatch loop calls it once
+ * per macrobatch in a fixed order (accumulate from the second call, out and main_grad on the
+ * last): deterministic, no atomics.  CUDA tensors only. */
+typedef struct mokGroupedWgradArgs_t {
+  mokTensor_t a, b, expert_offset, expert_count;
+  mokTensor_t out, acc, main_grad;
+  int64_t accumulate;
+  int64_t store_acc;
+  int64_t num_blocks;
+} mokGroupedWgradArgs_t;
+
 MOK_API const char* mokGetErrorString(mokResult_t result);
 /* Detail of the last failing call on this thread (empty when none). */
 MOK_API const char* mokGetLastError(void);
@@ -284,6 +305,7 @@ MOK_API mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacit
 MOK_API mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, void* stream);
 
 MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream);
+MOK_API mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream);
 
 /* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)
  * gets its size in bytes, 0 when the workspace records none (MOK_TRACE unset at creation);

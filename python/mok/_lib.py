@@ -138,6 +138,12 @@ class mokGroupedGemmArgs(ctypes.Structure):
                 ("out", mokTensor), ("kind", c_int64), ("num_blocks", c_int64)]
 
 
+class mokGroupedWgradArgs(ctypes.Structure):
+    _fields_ = [("a", mokTensor), ("b", mokTensor), ("expert_offset", mokTensor), ("expert_count", mokTensor),
+                ("out", mokTensor), ("acc", mokTensor), ("main_grad", mokTensor),
+                ("accumulate", c_int64), ("store_acc", c_int64), ("num_blocks", c_int64)]
+
+
 # mokGemmKind_t
 GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3}
 
@@ -203,6 +209,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mokBackwardEmulated": (c_int, [POINTER(mokConfig), POINTER(mokBackwardArgs), c_int64]),
         "mokWorkspaceCheckErrors": (c_int, [c_void_p, c_int]),
         "mokGroupedGemm": (c_int, [POINTER(mokGroupedGemmArgs), c_void_p]),
+        "mokGroupedWgrad": (c_int, [POINTER(mokGroupedWgradArgs), c_void_p]),
         "mokWorkspaceReadTrace": (c_int, [c_void_p, c_void_p, c_size_t, POINTER(c_size_t), POINTER(c_int64)]),
     }
     for name, (restype, argtypes) in signatures.items():

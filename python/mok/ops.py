@@ -181,3 +181,32 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
     _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
     return out
 
+
+def grouped_wgrad(a: Tensor, b: Tensor, expert_offset: Tensor, expert_count: Tensor,
+                  out: Optional[Tensor] = None, acc: Optional[Tensor] = None, main_grad: Optional[Tensor] = None,
+                  accumulate: bool = False, store_acc: bool = False) -> Optional[Tensor]:
+    """mok's K-grouped weight-gradient GEMM on CUDA tensors (tests, benchmarks, the backward).
+
+    out[e] = a[rows of e].T @ b[rows of e], a [R, Mo] and b [R, No] bf16; expert_offset [E+1]
+    int32 (first row of each expert, a multiple of 64), expert_count [E] int32; rows past an
+    expert's count up to the next multiple of 64 must be zero (the plan's padding rows).  In
+    fp32: total = (acc if accumulate else 0) + the sum; acc = total (store_acc), out =
+    bf16(total), main_grad += total, each where given.  Without out, acc and main_grad, a bf16
+    out [E, Mo, No] is allocated and returned."""
+    _lib.expect_tensor(a, "a", _lib.BF16, ndim=2)
+    _lib.expect_tensor(b, "b", _lib.BF16, ndim=2)
+    _lib.expect_tensor(expert_offset, "expert_offset", _lib.INT32, ndim=1)
+    _lib.expect_tensor(expert_count, "expert_count", _lib.INT32, ndim=1)
+    for t, name, dtype in ((out, "out", _lib.BF16), (acc, "acc", _lib.FP32), (main_grad, "main_grad", _lib.FP32)):
+        if t is not None:
+            _lib.expect_tensor(t, name, dtype, ndim=3)
+    _lib.device_index(a.device, "a")
+    if out is None and main_grad is None and not store_acc:
+        out = torch.empty(expert_count.shape[0], a.shape[1], b.shape[1], dtype=torch.bfloat16, device=a.device)
+    views = _lib.Views()
+    args = _lib.mokGroupedWgradArgs(
+        views(a, "a", _lib.BF16), views(b, "b", _lib.BF16), views(expert_offset, "expert_offset", _lib.INT32),
+        views(expert_count, "expert_count", _lib.INT32), views(out, "out", _lib.BF16), views(acc, "acc", _lib.FP32),
+        views(main_grad, "main_grad", _lib.FP32), int(accumulate), int(store_acc), 0)
+    _lib.check(_lib.lib.mokGroupedWgrad(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
+    return out

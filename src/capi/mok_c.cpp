@@ -297,6 +297,38 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   });
 }
 
+mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream) {
+  return guarded("mokGroupedWgrad", [&] {
+    MOK_CHECK_ARG(args != nullptr, "args is NULL");
+    const int32_t dev = args->a.device;
+    MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedWgrad runs on CUDA tensors");
+    MOK_CHECK_ARG(args->a.ndim == 2 && args->b.ndim == 2, "a must be [R, Mo] and b [R, No]");
+    MOK_CHECK_ARG(args->expert_count.ndim == 1, "expert_count must be [E]");
+    const int64_t R = args->a.shape[0], Mo = args->a.shape[1], No = args->b.shape[1], E = args->expert_count.shape[0];
+    mok::check_tensor(args->a, "a", {mokBFloat16}, {R, Mo}, dev);
+    mok::check_tensor(args->b, "b", {mokBFloat16}, {R, No}, dev);
+    mok::check_tensor(args->expert_offset, "expert_offset", {mokInt32}, {E + 1}, dev);
+    mok::check_tensor(args->expert_count, "expert_count", {mokInt32}, {E}, dev);
+    const bool has_out = args->out.data != nullptr, has_acc = args->acc.data != nullptr,
+               has_mg = args->main_grad.data != nullptr;
+    if (has_out) mok::check_tensor(args->out, "out", {mokBFloat16}, {E, Mo, No}, dev);
+    if (has_acc) mok::check_tensor(args->acc, "acc", {mokFloat32}, {E, Mo, No}, dev);
+    if (has_mg) mok::check_tensor(args->main_grad, "main_grad", {mokFloat32}, {E, Mo, No}, dev);
+    MOK_CHECK_ARG(!(args->accumulate || args->store_acc) || has_acc, "accumulate / store_acc need acc");
+    MOK_CHECK_ARG(has_out || has_mg || args->store_acc, "nothing to write: give out, main_grad or store_acc with acc");
+    MOK_CHECK_ARG(Mo % 128 == 0, "Mo = a.shape[1] = " << Mo << " must be a multiple of 128");
+    MOK_CHECK_ARG(No % 256 == 0, "No = b.shape[1] = " << No << " must be a multiple of 256");
+    mok::cuda::grouped_wgrad(
+        mok::cuda::GroupedWgradCall{args->a.data, args->b.data, R, Mo, No, E,
+                                    static_cast<const int32_t*>(args->expert_offset.data),
+                                    static_cast<const int32_t*>(args->expert_count.data), args->out.data,
+                                    static_cast<float*>(args->acc.data), static_cast<float*>(args->main_grad.data),
+                                    args->accumulate != 0, args->store_acc != 0,
+                                    static_cast<int32_t>(args->num_blocks)},
+        stream);
+  });
+}
+
 mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacity_t* capacity) {
   return guarded("mokPlanGetCapacity", [&] {
     MOK_CHECK_ARG(capacity != nullptr, "capacity out-pointer is NULL");

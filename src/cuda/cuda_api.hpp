@@ -44,6 +44,14 @@ struct GroupedGemmCall {
 };
 void grouped_gemm(const GroupedGemmCall& call, void* stream);
 
+// K-grouped weight-gradient GEMM (mokGroupedWgrad): out[e] = a[rows of e]ᵀ · b[rows of e].
+struct GroupedWgradCall {
+  const void* a; const void* b; int64_t rows; int64_t mo; int64_t no; int64_t num_experts;
+  const int32_t* expert_offset; const int32_t* expert_count;
+  void* out; float* acc; float* main_grad; bool accumulate; bool store_acc; int32_t num_blocks;
+};
+void grouped_wgrad(const GroupedWgradCall& call, void* stream);
+
 // Builds `out` on `device` from device-resident ids on `stream`, with no host
 // synchronisation.  Invalid routes are masked and the first one (lowest key) is written to
 // error_record[0..3] (layout in common/defs.hpp).  Throws mok::Error on a CUDA failure.

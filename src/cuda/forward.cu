@@ -440,6 +440,25 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   gemm::launch_grouped_gemm(g, static_cast<cudaStream_t>(stream));
 }
 
+void grouped_wgrad(const GroupedWgradCall& call, void* stream) {
+  gemm::GroupedWgradArgs g;
+  g.a = call.a;
+  g.b = call.b;
+  g.rows = call.rows;
+  g.mo = call.mo;
+  g.no = call.no;
+  g.num_experts = call.num_experts;
+  g.expert_offset = call.expert_offset;
+  g.expert_count = call.expert_count;
+  g.out = call.out;
+  g.acc = call.acc;
+  g.main_grad = call.main_grad;
+  g.accumulate = call.accumulate;
+  g.store_acc = call.store_acc;
+  g.num_blocks = call.num_blocks;
+  gemm::launch_grouped_wgrad(g, static_cast<cudaStream_t>(stream));
+}
+
 namespace {
 // The routing the plan build and the combine read: this call's ids at EP = 1; at EP >= 2 the
 // whole group's, as exchanged into the own region.

@@ -29,5 +29,6 @@ void forward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&,
 }
 std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
+void grouped_wgrad(const GroupedWgradCall&, void*) { no_cuda(); }
 
 }  // namespace mok::cuda

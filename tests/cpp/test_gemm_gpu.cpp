@@ -158,6 +158,103 @@ TEST(GemmGpu, DgradGateUpTiles) {
   check_grouped_gemm(fresh_seed(), 2, 1024, 1024, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 2);
 }
 
+// The wgrad kind: out[e] = A[rows of e]ᵀ · B[rows of e], K = the expert's row count.  Experts
+// with 0, 1, 130 and 256 rows at the plan's 128-padded offsets (padding rows zero); one call
+// against float64 (bf16 out, fp32 main_grad += on a non-zero start), run twice bitwise, and
+// the same rows split over two calls through the fp32 accumulator.
+TEST(GemmGpu, WgradTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t Mo = 256, No = 512;
+  const std::vector<int32_t> count = {0, 1, 130, 256};
+  const int64_t E = static_cast<int64_t>(count.size());
+  std::vector<int32_t> offset(static_cast<size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e)
+    offset[static_cast<size_t>(e + 1)] = offset[static_cast<size_t>(e)] + (count[static_cast<size_t>(e)] + 127) / 128 * 128;
+  const int64_t R = offset.back();
+  auto a = random_bf16(rng, static_cast<size_t>(R * Mo), 1.0f);
+  auto b = random_bf16(rng, static_cast<size_t>(R * No), 1.0f);
+  // Zero the padding rows: [offset + count, next offset)
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offset[static_cast<size_t>(e)] + count[static_cast<size_t>(e)]; r < offset[static_cast<size_t>(e + 1)]; ++r) {
+      std::fill(a.begin() + r * Mo, a.begin() + (r + 1) * Mo, bf16_t{0});
+      std::fill(b.begin() + r * No, b.begin() + (r + 1) * No, bf16_t{0});
+    }
+  std::vector<double> want(static_cast<size_t>(E * Mo * No), 0.0);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offset[static_cast<size_t>(e)]; r < offset[static_cast<size_t>(e)] + count[static_cast<size_t>(e)]; ++r)
+      for (int64_t m = 0; m < Mo; ++m) {
+        const double x = bf16_to_float(a[static_cast<size_t>(r * Mo + m)]);
+        for (int64_t n = 0; n < No; ++n)
+          want[static_cast<size_t>((e * Mo + m) * No + n)] += x * bf16_to_float(b[static_cast<size_t>(r * No + n)]);
+      }
+  const size_t numel = static_cast<size_t>(E * Mo * No);
+  std::vector<float> ones(numel, 1.0f);
+  DeviceBuffer da(a), db(b), doff(offset), dcnt(count), dout(numel * 2), dmg(ones), dacc(numel * 4);
+  auto args_for = [&](DeviceBuffer& cnt, void* out, void* acc, void* mg, int accumulate, int store) {
+    mokGroupedWgradArgs_t w{};
+    w.a = tensor_view(da.ptr, mokBFloat16, {R, Mo}, 0);
+    w.b = tensor_view(db.ptr, mokBFloat16, {R, No}, 0);
+    w.expert_offset = tensor_view(doff.ptr, mokInt32, {E + 1}, 0);
+    w.expert_count = tensor_view(cnt.ptr, mokInt32, {E}, 0);
+    if (out) w.out = tensor_view(out, mokBFloat16, {E, Mo, No}, 0);
+    if (acc) w.acc = tensor_view(acc, mokFloat32, {E, Mo, No}, 0);
+    if (mg) w.main_grad = tensor_view(mg, mokFloat32, {E, Mo, No}, 0);
+    w.accumulate = accumulate;
+    w.store_acc = store;
+    return w;
+  };
+  // One call: bf16 out and main_grad += (main_grad starts at 1)
+  mokGroupedWgradArgs_t w = args_for(dcnt, dout.ptr, nullptr, dmg.ptr, 0, 0);
+  ASSERT_EQ(mokGroupedWgrad(&w, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto out = dout.get<bf16_t>();
+  const auto mg = dmg.get<float>();
+  double num = 0, den = 0, mg_err = 0;
+  for (size_t i = 0; i < numel; ++i) {
+    const double g = bf16_to_float(out[i]);
+    ASSERT_FALSE(std::isnan(g)) << "element " << i << " unwritten";
+    num += (g - want[i]) * (g - want[i]);
+    den += want[i] * want[i];
+    mg_err = std::max(mg_err, std::fabs(static_cast<double>(mg[i]) - 1.0 - want[i]) / (1.0 + std::fabs(want[i])));
+  }
+  EXPECT_LT(std::sqrt(num / den), 1e-2) << "bf16 out vs float64";
+  EXPECT_LT(mg_err, 1e-4) << "fp32 main_grad += vs float64";
+  for (int64_t i = 0; i < Mo * No; ++i) ASSERT_EQ(bf16_to_float(out[static_cast<size_t>(i)]), 0.0f) << "expert 0 has no rows";
+  // Run twice: the same bits
+  DeviceBuffer dout2(numel * 2);
+  w = args_for(dcnt, dout2.ptr, nullptr, nullptr, 0, 0);
+  ASSERT_EQ(mokGroupedWgrad(&w, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dout2.get<bf16_t>(), out) << "not bitwise reproducible";
+  // Two calls through the fp32 accumulator: the first 64 rows of each expert, then all rows
+  // minus those (rows are selected by count and a zeroed copy), total against float64.
+  std::vector<int32_t> first(count.size());
+  for (size_t e = 0; e < count.size(); ++e) first[e] = std::min<int32_t>(count[e], 64);
+  DeviceBuffer dfirst(first), dout3(numel * 2);
+  w = args_for(dfirst, nullptr, dacc.ptr, nullptr, 0, 1);
+  ASSERT_EQ(mokGroupedWgrad(&w, nullptr), mokSuccess) << mokGetLastError();
+  // Second call: B rows of the first part zeroed, so the sum adds only the remaining rows
+  auto b_rest = b;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offset[static_cast<size_t>(e)]; r < offset[static_cast<size_t>(e)] + first[static_cast<size_t>(e)]; ++r)
+      std::fill(b_rest.begin() + r * No, b_rest.begin() + (r + 1) * No, bf16_t{0});
+  DeviceBuffer db_rest(b_rest);
+  w = args_for(dcnt, dout3.ptr, dacc.ptr, nullptr, 1, 1);
+  w.b = tensor_view(db_rest.ptr, mokBFloat16, {R, No}, 0);
+  ASSERT_EQ(mokGroupedWgrad(&w, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto acc = dacc.get<float>();
+  double acc_err = 0;
+  for (size_t i = 0; i < numel; ++i)
+    acc_err = std::max(acc_err, std::fabs(static_cast<double>(acc[i]) - want[i]) / (1.0 + std::fabs(want[i])));
+  EXPECT_LT(acc_err, 1e-4) << "two calls through the fp32 accumulator vs float64";
+  std::printf("grouped wgrad E=%ld Mo=%ld No=%ld counts 0/1/130/256: rel %.3e, main_grad %.3e, two-call acc %.3e\n",
+              static_cast<long>(E), static_cast<long>(Mo), static_cast<long>(No), std::sqrt(num / den), mg_err, acc_err);
+}
+
 // MOK_GEMM_CLUSTER=2: 2-CTA clusters, B multicast within a pair of row blocks of one expert;
 // pairs of two experts, a lone last block (CTA 1 recomputes and stores nothing), tiny grids.
 TEST(GemmGpu, PairClustersShareB) {

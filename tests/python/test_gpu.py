@@ -282,6 +282,36 @@ def test_grouped_mm_dgrad_kinds_read_the_weights_as_stored(gen, kind):
         assert torch.equal(again[rows], out[rows]), "not bitwise reproducible"
 
 
+def test_grouped_wgrad_matches_float64_with_empty_and_one_row_experts(gen):
+    # out[e] = a[rows of e].T @ b[rows of e] at the plan's 128-padded offsets, padding rows zero
+    counts = [3, 0, 1, 200]
+    Mo, No = 256, 256
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + (c + 127) // 128 * 128)
+    R = offsets[-1]
+    a = torch.randn(R, Mo, generator=gen).bfloat16()
+    b = torch.randn(R, No, generator=gen).bfloat16()
+    for e, c in enumerate(counts):
+        a[offsets[e] + c:offsets[e + 1]] = 0
+        b[offsets[e] + c:offsets[e + 1]] = 0
+    off = torch.tensor(offsets, dtype=torch.int32).cuda()
+    cnt = torch.tensor(counts, dtype=torch.int32).cuda()
+    main_grad = torch.full((len(counts), Mo, No), 0.5, device="cuda")
+    out = mok.ops.grouped_wgrad(a.cuda(), b.cuda(), off, cnt)
+    mok.ops.grouped_wgrad(a.cuda(), b.cuda(), off, cnt, main_grad=main_grad)
+    again = mok.ops.grouped_wgrad(a.cuda(), b.cuda(), off, cnt)
+    assert torch.equal(out, again), "not bitwise reproducible"
+    for e, c in enumerate(counts):
+        rows = slice(offsets[e], offsets[e] + c)
+        want = a[rows].double().T @ b[rows].double()
+        if c == 0:
+            assert (out[e] == 0).all(), "an expert with no rows must get zeros"
+            continue
+        assert_close(f"wgrad expert {e} ({c} rows)", out[e].cpu(), want)
+        assert (main_grad[e].double().cpu() - 0.5 - want).abs().max() < 1e-3 * (1 + want.abs().max())
+
+
 def test_trace_records_every_role(gen, monkeypatch):
     monkeypatch.setenv("MOK_TRACE", "1")
     x, ids, tw, w = _layer(gen, 512, 256, 16, 4, 700, 256, masked=0.0)

@@ -8,6 +8,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/gemm/grouped_gemm.cuh"
 #include "cuda/gemm/tensor_map.hpp"
+#include "cuda/gemm/wgrad.cuh"
 #include "runtime/env.hpp"
 #include "runtime/errors.hpp"
 
@@ -206,6 +207,48 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
                                       static_cast<int>(kGemmSmemBytes)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, total_tiles);
   grouped_gemm_kernel<false><<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
+  using C = TileConfig;
+  MOK_CHECK_ARG(g.mo > 0 && g.mo % C::kBlockM == 0, "grouped wgrad: Mo = " << g.mo << " must be a multiple of " << C::kBlockM);
+  MOK_CHECK_ARG(g.no > 0 && g.no % C::kBlockN == 0, "grouped wgrad: No = " << g.no << " must be a multiple of " << C::kBlockN);
+  MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad: accumulate needs acc");
+  MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad: store_acc needs acc");
+  if (g.num_experts == 0) return;
+  int device = 0, sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Both maps: boxes of 64 columns (Mo or No) x 64 rows (K).  No rows at all (every expert
+  // empty, empty tensors): the maps must still encode, over some valid device memory of one
+  // row; the kernel issues no load then (every count is 0; TMA zero-fills outside a map).
+  const void* fallback = g.out ? g.out : g.acc ? static_cast<const void*>(g.acc) : g.main_grad;
+  const bool no_rows = g.rows == 0 || g.a == nullptr || g.b == nullptr;
+  const CUtensorMap map_a = tensor_map_2d(no_rows ? fallback : g.a, no_rows ? 1 : g.rows, g.mo, C::kBlockK);
+  const CUtensorMap map_b = tensor_map_2d(no_rows ? fallback : g.b, no_rows ? 1 : g.rows, g.no, C::kBlockK);
+  WgradParams p{};
+  p.num_experts = static_cast<int32_t>(g.num_experts);
+  p.num_m_blocks = static_cast<int32_t>(g.mo / C::kBlockM);
+  p.num_n_blocks = static_cast<int32_t>(g.no / C::kBlockN);
+  p.expert_offset = g.expert_offset;
+  p.expert_count = g.expert_count;
+  p.out = static_cast<__nv_bfloat16*>(g.out);
+  p.acc = g.acc;
+  p.main_grad = g.main_grad;
+  p.accumulate = g.accumulate ? 1 : 0;
+  p.store_acc = g.store_acc ? 1 : 0;
+  p.mo = g.mo;
+  p.no = g.no;
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
+  p.timeout_record = g.timeout_record;
+  const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
+  MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kWgradSmemBytes)));
+  const int grid = static_cast<int>(std::min<int64_t>(g.num_blocks > 0 ? g.num_blocks : sms, tiles));
+  grouped_wgrad_kernel<<<grid, C::kThreads, kWgradSmemBytes, stream>>>(map_a, map_b, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

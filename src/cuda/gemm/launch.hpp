@@ -57,4 +57,22 @@ GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter,
 // Throws mok::Error on a CUDA failure or an unsupported shape.
 void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
 
+// The wgrad kind (gemm/wgrad.cuh): out[e] = A[rows of e]ᵀ · B[rows of e], K = the expert's rows.
+struct GroupedWgradArgs {
+  const void* a = nullptr;        // [rows, mo] bf16
+  const void* b = nullptr;        // [rows, no] bf16
+  int64_t rows = 0, mo = 0, no = 0;
+  int64_t num_experts = 0;
+  const int32_t* expert_offset = nullptr;  // device [E + 1]
+  const int32_t* expert_count = nullptr;   // device [E]
+  void* out = nullptr;            // [E, mo, no] bf16 or null
+  float* acc = nullptr;           // [E, mo, no] fp32 or null
+  float* main_grad = nullptr;     // [E, mo, no] fp32 or null
+  bool accumulate = false, store_acc = false;
+  double timeout_s = 60.0;
+  int64_t* timeout_record = nullptr;
+  int32_t num_blocks = 0;
+};
+void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
+
 }  // namespace mok::gemm

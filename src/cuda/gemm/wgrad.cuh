@@ -1,0 +1,198 @@
+// The wgrad kind of the grouped-GEMM engine: K-grouped, both operands MN-major.
+//
+//   out[e][Mo, No] = Σ_{rows r of expert e} A[r, 0:Mo]ᵀ ⊗ B[r, 0:No]
+//     dW_down[e]          = (w·dy)_rowsᵀ · a_rows        (A = w·dy rows [R, H], B = act rows [R, I])
+//     [dW_gate; dW_up][e] = [dg | du]_rowsᵀ · x_rows    (A = [dg | du] rows [R, 2I], B = x rows [R, H])
+//
+// K is the expert's row count: rows [expert_offset[e], + expert_count[e]) of A and B, read
+// through the same two tensor maps for every expert at row coordinates (no map per expert,
+// no tensormap.replace racing loads in flight).  The K loop takes ceil(count / 64) k-blocks;
+// the rows of the last k-block past the count are the plan's padding rows, which the caller
+// keeps zero (the contract of mokGroupedWgrad).  An expert with no rows gets zeros.
+//
+// Tile 128 (Mo) x 256 (No), four stages of 48 KB: A as two 64 (Mo) x 64 (K) TMA boxes
+// (consumer warpgroup w reads box w: its 64 rows), B as four 64 (No) x 64 (K) boxes, both
+// read through the wgmma transpose bits (mma_m64n256k16_bf16_tatb).  Tiles (e, m, n) are
+// walked expert-major, each expert's (m, n) grid in the N-grouped raster; every tile is owned
+// by one block, so the fp32 read-add-write of `acc` and `main_grad` needs no atomics and is
+// deterministic.
+#pragma once
+
+#include "cuda/gemm/tile.cuh"
+
+namespace mok::gemm {
+
+struct WgradParams {
+  int32_t num_experts;
+  int32_t num_m_blocks;        // Mo / 128
+  int32_t num_n_blocks;        // No / 256
+  const int32_t* expert_offset;  // [E + 1] first row of each expert (a multiple of 64)
+  const int32_t* expert_count;   // [E] rows of each expert
+  __nv_bfloat16* out;          // [E, Mo, No] or null
+  float* acc;                  // [E, Mo, No] fp32 or null
+  float* main_grad;            // [E, Mo, No] fp32 or null: += the total
+  int32_t accumulate;          // total = acc + this call's sum (acc read)
+  int32_t store_acc;           // acc = total (acc written)
+  int64_t mo, no;              // Mo, No: the output's row length is No
+  int32_t n_group;
+  uint64_t timeout_ns;
+  int64_t* timeout_record;
+};
+
+struct WgradTile {
+  int32_t expert, m_block, n_block, num_k_blocks, row0;
+};
+
+__device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int tile) {
+  const int per_expert = p.num_m_blocks * p.num_n_blocks;
+  const int e = tile / per_expert;
+  const TileCoord tc = raster(tile - e * per_expert, p.num_m_blocks, p.num_n_blocks, p.n_group);
+  const int32_t count = p.expert_count[e];
+  return WgradTile{e, tc.m, tc.n, (count + TileConfig::kBlockK - 1) / TileConfig::kBlockK, p.expert_offset[e]};
+}
+
+// Producer: one stage per k-block, A's two boxes and B's four at the k-block's rows.
+__device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                                   const CUtensorMap* map_a, const CUtensorMap* map_b,
+                                                   const WgradTile& t, const WaitContext& wait) {
+  using C = TileConfig;
+  for (int kb = 0; kb < t.num_k_blocks; ++kb) {
+    // Wait for empty slot
+    if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
+      return false;
+    // Issue TMA: A boxes (64 Mo each), B boxes (64 No each), rows row0 + kb*64 ..
+    uint64_t* full = &s.tile_full[stage.index];
+    ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
+    const int32_t row = t.row0 + kb * C::kBlockK;
+#pragma unroll
+    for (int c = 0; c < C::kBlockM / 64; ++c)
+      ptx::tma_load_2d(s.a[stage.index] + c * kNChunkElems, map_a, full, t.m_block * C::kBlockM + c * 64, row);
+#pragma unroll
+    for (int c = 0; c < C::kBlockN / 64; ++c)
+      ptx::tma_load_2d(s.b[stage.index] + c * kNChunkElems, map_b, full, t.n_block * C::kBlockN + c * 64, row);
+    stage.advance();
+  }
+  return true;
+}
+
+// Consumer warpgroup `consumer` (rows [64*consumer, +64) of the tile): acc = Aᵀ · B over the
+// tile's k-blocks; at least one k-block.
+__device__ __forceinline__ bool consume_tile_wgrad(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                                   int num_k_blocks, int consumer,
+                                                   float (&acc)[TileConfig::kAccRegs], const WaitContext& wait) {
+  using C = TileConfig;
+  const bool leader = threadIdx.x % 128 == 0;
+  int prev_index = 0;
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    // Wait for the stage, then issue four k16 MMAs on it
+    if (!wait_barrier_warp(&s.tile_full[stage.index], stage.phase, wait, WaitSite::kConsumerFull, stage.index))
+      return false;
+    // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row chunks)
+    // is never used; B's boxes are 8 KB apart.
+    const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[stage.index] + consumer * kNChunkElems, kNChunkElems * 2);
+    const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::kBlockK / 16; ++k)
+      ptx::mma_m64n256k16_bf16_tatb(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
+    ptx::wgmma_commit();
+    // Release the previous stage once its MMAs retired (one group stays in flight)
+    if (kb > 0) {
+      ptx::wgmma_wait<1>();
+      if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
+    }
+    prev_index = stage.index;
+    stage.advance();
+  }
+  ptx::wgmma_wait<0>();
+  ptx::fence_regs(acc);
+  if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
+  return true;
+}
+
+// total = acc_in (accumulate) + this tile's sum; written as fp32 (store_acc), bf16 (out) and
+// added into main_grad, each where present.  Fragment layout as in tile.cuh: per n8 block the
+// thread holds columns n8*8 + (lane%4)*2 + {0,1} of two rows.
+// kZero: a tile of an expert with no rows (its sum is zero; acc is not read).
+template <bool kZero>
+__device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                               const WgradParams& p, const WgradTile& t) {
+  using C = TileConfig;
+  const bool accumulate = p.accumulate != 0, store_acc = p.store_acc != 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // This thread's first column of the row; n8 block j adds j*8 (immediate offsets)
+    const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
+    const int64_t off = (int64_t{t.expert} * p.mo + row) * p.no + int64_t{t.n_block} * C::kBlockN + (threadIdx.x % 4) * 2;
+    float* acc_row = p.acc ? p.acc + off : nullptr;
+    float* mg_row = p.main_grad ? p.main_grad + off : nullptr;
+    __nv_bfloat16* out_row = p.out ? p.out + off : nullptr;
+#pragma unroll
+    for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
+      float2 v = kZero ? make_float2(0.0f, 0.0f) : make_float2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+      if (accumulate) {
+        const float2 prior = *reinterpret_cast<const float2*>(acc_row + n8 * 8);
+        v.x = prior.x + v.x;
+        v.y = prior.y + v.y;
+      }
+      if (store_acc) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
+      if (out_row) *reinterpret_cast<uint32_t*>(out_row + n8 * 8) = pack_bf16x2(v.x, v.y);
+      if (mg_row) {
+        float2 m = *reinterpret_cast<const float2*>(mg_row + n8 * 8);
+        m.x += v.x;
+        m.y += v.y;
+        *reinterpret_cast<float2*>(mg_row + n8 * 8) = m;
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(TileConfig::kThreads, 1)
+    grouped_wgrad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                         const WgradParams p) {
+  using C = TileConfig;
+  extern __shared__ uint8_t smem_raw[];
+  auto& s = *reinterpret_cast<StageStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int role = static_cast<int>(threadIdx.x / 128);  // 0 producer, 1 and 2 consumers
+  const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
+  const int num_tiles = p.num_experts * p.num_m_blocks * p.num_n_blocks;
+
+  // Initialise barriers
+  if (threadIdx.x == 0) {
+    s.init_barriers();
+    ptx::fence_mbar_init();
+    ptx::prefetch_tensormap(&map_a);
+    ptx::prefetch_tensormap(&map_b);
+  }
+  __syncthreads();
+
+  if (role == 0) {
+    ptx::setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    PipelineState<C::kStages> stage;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
+      if (!produce_tile_wgrad(s, stage, &map_a, &map_b, wgrad_tile(p, tile), wait)) return;
+    return;
+  }
+
+  // Consumers
+  ptx::setmaxnreg_inc<C::kConsumerRegs>();
+  const int consumer = role - 1;
+  PipelineState<C::kStages> stage;
+  float acc[C::kAccRegs];
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const WgradTile t = wgrad_tile(p, tile);
+    if (t.num_k_blocks == 0) {
+      // An expert with no rows: its gradient is zero (plus what acc already holds)
+      // NOTES: zeroing the accumulator registers here instead makes ptxas spill them.
+      epilogue_wgrad<true>(acc, consumer, p, t);
+      continue;
+    }
+    if (!consume_tile_wgrad(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
+    epilogue_wgrad<false>(acc, consumer, p, t);
+  }
+}
+
+inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 1024;  // + alignment slack
+
+}  // namespace mok::gemm
