@@ -110,10 +110,12 @@ __device__ __forceinline__ bool consume_tile_wgrad(StageStorage& s, PipelineStat
   return true;
 }
 
-// total = acc_in (accumulate) + this tile's sum; written as fp32 (store_acc), bf16 (out) and
-// added into main_grad, each where present.  Fragment layout as in tile.cuh: per n8 block the
-// thread holds columns n8*8 + (lane%4)*2 + {0,1} of two rows.
-// kZero: a tile of an expert with no rows (its sum is zero; acc is not read).
+// total = acc_in (accumulate) + this tile's sum; written as bf16 (out: 16-byte stores through
+// the quad transpose), then as fp32 (store_acc) and added into main_grad, each where present.
+// Every element is read and written by the thread that holds it in the fragment (as in
+// tile.cuh: per n8 block, columns n8*8 + (lane%4)*2 + {0,1} of two rows), so acc is read for
+// the bf16 total before it is overwritten.
+// kZero: a tile of an expert with no rows (its sum is zero; the registers are not read).
 template <bool kZero>
 __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                const WgradParams& p, const WgradTile& t) {
@@ -121,27 +123,39 @@ __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kA
   const bool accumulate = p.accumulate != 0, store_acc = p.store_acc != 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    // This thread's first column of the row; n8 block j adds j*8 (immediate offsets)
     const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
-    const int64_t off = (int64_t{t.expert} * p.mo + row) * p.no + int64_t{t.n_block} * C::kBlockN + (threadIdx.x % 4) * 2;
-    float* acc_row = p.acc ? p.acc + off : nullptr;
-    float* mg_row = p.main_grad ? p.main_grad + off : nullptr;
-    __nv_bfloat16* out_row = p.out ? p.out + off : nullptr;
-#pragma unroll
-    for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
+    const int64_t row_off = (int64_t{t.expert} * p.mo + row) * p.no + int64_t{t.n_block} * C::kBlockN;
+    const int64_t off = row_off + (threadIdx.x % 4) * 2;  // this thread's first column
+    const float* prior_row = accumulate ? p.acc + off : nullptr;
+    auto total = [&](int n8) {
       float2 v = kZero ? make_float2(0.0f, 0.0f) : make_float2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
       if (accumulate) {
-        const float2 prior = *reinterpret_cast<const float2*>(acc_row + n8 * 8);
+        const float2 prior = *reinterpret_cast<const float2*>(prior_row + n8 * 8);
         v.x = prior.x + v.x;
         v.y = prior.y + v.y;
       }
-      if (store_acc) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
-      if (out_row) *reinterpret_cast<uint32_t*>(out_row + n8 * 8) = pack_bf16x2(v.x, v.y);
-      if (mg_row) {
-        float2 m = *reinterpret_cast<const float2*>(mg_row + n8 * 8);
-        m.x += v.x;
-        m.y += v.y;
-        *reinterpret_cast<float2*>(mg_row + n8 * 8) = m;
+      return v;
+    };
+    // bf16 out: every lane takes part in the shuffles
+    if (p.out)
+      store_row_16b<C::kBlockN / 8>(p.out + row_off, true, [&](int n8) {
+        const float2 v = total(n8);
+        return pack_bf16x2(v.x, v.y);
+      });
+    // fp32: the accumulator and main_grad
+    if (store_acc || p.main_grad) {
+      float* acc_row = p.acc ? p.acc + off : nullptr;
+      float* mg_row = p.main_grad ? p.main_grad + off : nullptr;
+#pragma unroll
+      for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
+        const float2 v = total(n8);
+        if (store_acc) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
+        if (mg_row) {
+          float2 m = *reinterpret_cast<const float2*>(mg_row + n8 * 8);
+          m.x += v.x;
+          m.y += v.y;
+          *reinterpret_cast<float2*>(mg_row + n8 * 8) = m;
+        }
       }
     }
   }
