@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
     const int m_block = tc.m, n_block = tc.n;
     if (p.block_expert[m_block] < 0) continue;
-    if (!consume_tile<false, kBNMajor>(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
+    constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
+    if (!consume_tile<false, kOps>(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
     // Epilogue straight from registers
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     switch (p.epilogue) {

@@ -59,53 +59,75 @@ GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const vo
   return g;
 }
 
-GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_down,
-                                int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
-                                void* out) {
+namespace {
+
+// The dgrad kinds: out[rows, n] = a[rows, k] · B_e, B_e the K rows of expert e in b0 (K rows
+// [0, k_split)) and b1 (the rest), N-major as stored.
+GroupedGemmArgs dgrad_args(const void* a, int64_t a_rows, int64_t k, const void* b0, const void* b1,
+                           int64_t num_experts, int64_t b_rows_per_expert, int64_t k_split, int64_t n,
+                           const int32_t* block_expert, int32_t max_m_blocks, void* out) {
   GroupedGemmArgs g;
   g.a = a;
   g.a_rows = a_rows;
-  g.k = hidden;
-  g.b0 = w_down;
-  g.b1 = w_down;
+  g.k = k;
+  g.b0 = b0;
+  g.b1 = b1;
   g.num_experts = num_experts;
-  g.b_rows_per_expert = hidden;  // K rows of one expert
+  g.b_rows_per_expert = b_rows_per_expert;
   g.b_n_major = true;
-  g.b_k_split = hidden;
-  g.num_n_blocks = static_cast<int32_t>(inter / TileConfig::kBlockN);
+  g.b_k_split = k_split;
+  g.num_n_blocks = static_cast<int32_t>(n / TileConfig::kBlockN);
   g.block_expert = block_expert;
   g.max_m_blocks = max_m_blocks;
   g.epilogue = static_cast<int32_t>(Epilogue::kStore);
   g.out = out;
-  g.out_ld = inter;
+  g.out_ld = n;
   g.out_rows = a_rows;
   return g;
+}
+
+}  // namespace
+
+GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_down,
+                                int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
+                                void* out) {
+  // K = H rows of w_down[e] ([H, I]), one map
+  return dgrad_args(a, a_rows, hidden, w_down, w_down, num_experts, hidden, hidden, inter, block_expert, max_m_blocks,
+                    out);
 }
 
 GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter, const void* w_gate,
                                    const void* w_up, int64_t num_experts, int64_t hidden,
                                    const int32_t* block_expert, int32_t max_m_blocks, void* out) {
-  GroupedGemmArgs g;
-  g.a = a;
-  g.a_rows = a_rows;
-  g.k = 2 * inter;
-  g.b0 = w_gate;
-  g.b1 = w_up;
-  g.num_experts = num_experts;
-  g.b_rows_per_expert = inter;  // K rows of one expert in each of the two maps
-  g.b_n_major = true;
-  g.b_k_split = inter;
-  g.num_n_blocks = static_cast<int32_t>(hidden / TileConfig::kBlockN);
-  g.block_expert = block_expert;
-  g.max_m_blocks = max_m_blocks;
-  g.epilogue = static_cast<int32_t>(Epilogue::kStore);
-  g.out = out;
-  g.out_ld = hidden;
-  g.out_rows = a_rows;
-  return g;
+  // K = 2I: the I rows of w_gate[e], then the I rows of w_up[e] ([I, H] each)
+  return dgrad_args(a, a_rows, 2 * inter, w_gate, w_up, num_experts, inter, inter, hidden, block_expert,
+                    max_m_blocks, out);
 }
 
 namespace {
+
+// The kernel parameters every orientation shares.
+GroupedGemmParams common_params(const GroupedGemmArgs& g) {
+  GroupedGemmParams p{};
+  p.num_n_blocks = g.num_n_blocks;
+  p.num_k_blocks = static_cast<int32_t>(g.k / TileConfig::kBlockK);
+  p.max_m_blocks = g.max_m_blocks;
+  p.b_rows_per_expert = static_cast<int32_t>(g.b_rows_per_expert);
+  p.b_n_step = g.b_n_step;
+  p.b_half_offset = g.b_half_offset;
+  p.k_split_blocks = static_cast<int32_t>(g.b_k_split / TileConfig::kBlockK);
+  p.block_expert = g.block_expert;
+  p.epilogue = static_cast<Epilogue>(g.epilogue);
+  p.out = static_cast<__nv_bfloat16*>(g.out);
+  p.out_ld = g.out_ld;
+  p.out_rows = g.out_rows;
+  p.plan_rows = g.plan_rows;
+  p.topk = g.topk;
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
+  p.timeout_record = g.timeout_record;
+  return p;
+}
 
 // N-major B (dgrad): the weights read as stored, one 64 x 64 box per TMA load.
 void launch_n_major(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
@@ -119,20 +141,7 @@ void launch_n_major(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
   const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, n, C::kBlockK);
   const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, n, C::kBlockK);
-  GroupedGemmParams p{};
-  p.num_n_blocks = g.num_n_blocks;
-  p.num_k_blocks = static_cast<int32_t>(g.k / C::kBlockK);
-  p.max_m_blocks = g.max_m_blocks;
-  p.b_rows_per_expert = static_cast<int32_t>(g.b_rows_per_expert);
-  p.k_split_blocks = static_cast<int32_t>(g.b_k_split / C::kBlockK);
-  p.block_expert = g.block_expert;
-  p.epilogue = static_cast<Epilogue>(g.epilogue);
-  p.out = static_cast<__nv_bfloat16*>(g.out);
-  p.out_ld = g.out_ld;
-  p.out_rows = g.out_rows;
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
-  p.timeout_record = g.timeout_record;
+  const GroupedGemmParams p = common_params(g);
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kGemmSmemBytes)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, g.max_m_blocks * g.num_n_blocks);
@@ -167,23 +176,7 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
   const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
   const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
-  GroupedGemmParams p{};
-  p.num_n_blocks = g.num_n_blocks;
-  p.num_k_blocks = static_cast<int32_t>(g.k / C::kBlockK);
-  p.max_m_blocks = g.max_m_blocks;
-  p.b_rows_per_expert = static_cast<int32_t>(g.b_rows_per_expert);
-  p.b_n_step = g.b_n_step;
-  p.b_half_offset = g.b_half_offset;
-  p.block_expert = g.block_expert;
-  p.epilogue = static_cast<Epilogue>(g.epilogue);
-  p.out = static_cast<__nv_bfloat16*>(g.out);
-  p.out_ld = g.out_ld;
-  p.out_rows = g.out_rows;
-  p.plan_rows = g.plan_rows;
-  p.topk = g.topk;
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
-  p.timeout_record = g.timeout_record;
+  const GroupedGemmParams p = common_params(g);
   const int total_tiles = g.max_m_blocks * g.num_n_blocks;
   if (env::get_int(env::kGemmCluster) == 2) {
     // 2-CTA clusters sharing B: as many clusters as fit at once

@@ -55,24 +55,32 @@ struct TileLoad {
   int32_t num_k_blocks;
 };
 
-// Producer: issue the tile's loads, one stage per k-block.  False on a timed-out wait.
-__device__ __forceinline__ bool produce_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
-                                             const TileLoad& t, const WaitContext& wait) {
-  using C = TileConfig;
-  for (int kb = 0; kb < t.num_k_blocks; ++kb) {
+// The producer's loop: for each k-block, wait for an empty stage, arm its full barrier with
+// the stage's bytes and issue `load(kb, stage_index, full)`.  False on a timed-out wait.
+template <typename Load>
+__device__ __forceinline__ bool produce_stages(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                               int num_k_blocks, const WaitContext& wait, Load load) {
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
     // Wait for empty slot
     if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
       return false;
-    // Issue TMA for activations and both weight halves
     uint64_t* full = &s.tile_full[stage.index];
-    ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
-    ptx::tma_load_2d(s.a[stage.index], t.a, full, kb * C::kBlockK, t.a_row);
-    ptx::tma_load_2d(s.b[stage.index], t.b0, full, kb * C::kBlockK, t.b_row);
-    ptx::tma_load_2d(s.b[stage.index] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK,
-                     t.b_row + t.b_half_offset);
+    ptx::mbar_arrive_expect_tx(full, TileConfig::kStageBytes);
+    load(kb, stage.index, full);
     stage.advance();
   }
   return true;
+}
+
+// Producer of a forward tile: activations and both weight halves per stage.
+__device__ __forceinline__ bool produce_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+                                             const TileLoad& t, const WaitContext& wait) {
+  using C = TileConfig;
+  return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+    ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
+    ptx::tma_load_2d(s.b[i], t.b0, full, kb * C::kBlockK, t.b_row);
+    ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
+  });
 }
 
 // Where one tile's operands come from when B is N-major (the dgrad GEMMs: weights read as
@@ -93,33 +101,32 @@ inline constexpr int kNChunkElems = 64 * TileConfig::kBlockK;  // one 64 N x 64 
 static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes,
               "an N-major B stage is kBlockN/64 boxes of 64 x 64 and as large as the K-major one");
 
+// Producer of a dgrad tile: the A tile and the four N boxes of B at the k-block's K rows.
 __device__ __forceinline__ bool produce_tile_nmajor(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
                                                     const TileLoadNMajor& t, const WaitContext& wait) {
   using C = TileConfig;
-  for (int kb = 0; kb < t.num_k_blocks; ++kb) {
-    // Wait for empty slot
-    if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
-      return false;
-    // Issue TMA for the A tile and the four N boxes of B at this k-block's K rows
-    uint64_t* full = &s.tile_full[stage.index];
-    ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
-    ptx::tma_load_2d(s.a[stage.index], t.a, full, kb * C::kBlockK, t.a_row);
+  return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+    ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
     const bool second = kb >= t.k_split_blocks;
     const CUtensorMap* map = second ? t.b1 : t.b0;
     const int32_t k_row = t.b_row + (second ? kb - t.k_split_blocks : kb) * C::kBlockK;
 #pragma unroll
-    for (int c = 0; c < C::kBlockN / 64; ++c)
-      ptx::tma_load_2d(s.b[stage.index] + c * kNChunkElems, map, full, t.n0 + c * 64, k_row);
-    stage.advance();
-  }
-  return true;
+    for (int c = 0; c < C::kBlockN / 64; ++c) ptx::tma_load_2d(s.b[i] + c * kNChunkElems, map, full, t.n0 + c * 64, k_row);
+  });
 }
 
-// Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · Bᵀ over all k-blocks.
-// kBNMajor: B is N-major in the stage (produce_tile_nmajor), read through the transpose bit.
-// kPair (2-CTA clusters): each freed stage is also reported to the peer CTA's pair_empty,
-// whose producer multicasts into this CTA's stages.
-template <bool kPair = false, bool kBNMajor = false>
+// Operand orientations of the engine (docs/design.md, "Operand orientations").
+enum class Operands : int32_t {
+  kKMajor = 0,   // A K-major, B K-major: the forward (weights [N, K])
+  kBNMajor = 1,  // A K-major, B N-major: dgrad (weights as stored, [K, N])
+  kMNMajor = 2,  // A M-major, B N-major: wgrad (both row-major rows, K = rows)
+};
+
+// Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
+// least one), the operands in the stage as `kOps` says.  kPair (2-CTA clusters): each freed
+// stage is also reported to the peer CTA's pair_empty, whose producer multicasts into this
+// CTA's stages.
+template <bool kPair = false, Operands kOps = Operands::kKMajor>
 __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[TileConfig::kAccRegs],
                                              const WaitContext& wait, uint64_t* pair_empty = nullptr,
@@ -131,19 +138,29 @@ __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<Tile
     // Wait for the stage, then issue four k16 MMAs on it
     if (!wait_barrier_warp(&s.tile_full[stage.index], stage.phase, wait, WaitSite::kConsumerFull, stage.index))
       return false;
-    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
-    if constexpr (kBNMajor) {
+    if constexpr (kOps == Operands::kKMajor) {
+      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
+      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::kBlockK / 16; ++k)
+        ptx::mma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+    } else if constexpr (kOps == Operands::kBNMajor) {
+      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
       const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
         ptx::mma_m64n256k16_bf16_tb(acc, desc_a + 2 * k, desc_b + 128 * k, (kb | k) != 0);
     } else {
-      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
+      // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row
+      // chunks) is never used; B's boxes are 8 KB apart.
+      const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[stage.index] + consumer * kNChunkElems, kNChunkElems * 2);
+      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+        ptx::mma_m64n256k16_bf16_tatb(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
     }
     ptx::wgmma_commit();
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas

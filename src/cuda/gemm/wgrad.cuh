@@ -56,58 +56,15 @@ __device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineStat
                                                    const CUtensorMap* map_a, const CUtensorMap* map_b,
                                                    const WgradTile& t, const WaitContext& wait) {
   using C = TileConfig;
-  for (int kb = 0; kb < t.num_k_blocks; ++kb) {
-    // Wait for empty slot
-    if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
-      return false;
-    // Issue TMA: A boxes (64 Mo each), B boxes (64 No each), rows row0 + kb*64 ..
-    uint64_t* full = &s.tile_full[stage.index];
-    ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
+  return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
     const int32_t row = t.row0 + kb * C::kBlockK;
 #pragma unroll
     for (int c = 0; c < C::kBlockM / 64; ++c)
-      ptx::tma_load_2d(s.a[stage.index] + c * kNChunkElems, map_a, full, t.m_block * C::kBlockM + c * 64, row);
+      ptx::tma_load_2d(s.a[i] + c * kNChunkElems, map_a, full, t.m_block * C::kBlockM + c * 64, row);
 #pragma unroll
     for (int c = 0; c < C::kBlockN / 64; ++c)
-      ptx::tma_load_2d(s.b[stage.index] + c * kNChunkElems, map_b, full, t.n_block * C::kBlockN + c * 64, row);
-    stage.advance();
-  }
-  return true;
-}
-
-// Consumer warpgroup `consumer` (rows [64*consumer, +64) of the tile): acc = Aᵀ · B over the
-// tile's k-blocks; at least one k-block.
-__device__ __forceinline__ bool consume_tile_wgrad(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
-                                                   int num_k_blocks, int consumer,
-                                                   float (&acc)[TileConfig::kAccRegs], const WaitContext& wait) {
-  using C = TileConfig;
-  const bool leader = threadIdx.x % 128 == 0;
-  int prev_index = 0;
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    // Wait for the stage, then issue four k16 MMAs on it
-    if (!wait_barrier_warp(&s.tile_full[stage.index], stage.phase, wait, WaitSite::kConsumerFull, stage.index))
-      return false;
-    // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row chunks)
-    // is never used; B's boxes are 8 KB apart.
-    const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[stage.index] + consumer * kNChunkElems, kNChunkElems * 2);
-    const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < C::kBlockK / 16; ++k)
-      ptx::mma_m64n256k16_bf16_tatb(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
-    ptx::wgmma_commit();
-    // Release the previous stage once its MMAs retired (one group stays in flight)
-    if (kb > 0) {
-      ptx::wgmma_wait<1>();
-      if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
-    }
-    prev_index = stage.index;
-    stage.advance();
-  }
-  ptx::wgmma_wait<0>();
-  ptx::fence_regs(acc);
-  if (leader) ptx::mbar_arrive(&s.tile_empty[prev_index]);
-  return true;
+      ptx::tma_load_2d(s.b[i] + c * kNChunkElems, map_b, full, t.n_block * C::kBlockN + c * 64, row);
+  });
 }
 
 // total = acc_in (accumulate) + this tile's sum; written as bf16 (out: 16-byte stores through
@@ -202,7 +159,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       epilogue_wgrad<true>(acc, consumer, p, t);
       continue;
     }
-    if (!consume_tile_wgrad(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
+    if (!consume_tile<false, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
     epilogue_wgrad<false>(acc, consumer, p, t);
   }
 }
