@@ -248,16 +248,7 @@ struct WorkspaceLayout {
 MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o = WorkspaceOptions{}) {
   WorkspaceLayout L;
   L.options = o;
-  // The plan's dimensions, as mok::plan_dims (runtime/layer.cpp, host only) gives them
-  plan::PlanDims d;
-  d.num_ranks = static_cast<int32_t>(c.ep_size);
-  d.rank = static_cast<int32_t>(c.ep_rank);
-  d.num_experts = c.num_experts;
-  d.topk = static_cast<int32_t>(c.topk);
-  d.block_m = static_cast<int32_t>(c.block_m);
-  d.max_tokens = c.max_tokens;
-  d.minibatch_size = c.minibatch_size;
-  d.macrobatch_size = c.macrobatch_size;
+  const plan::PlanDims d = plan::plan_dims_of(c);
   L.H = c.hidden;
   L.I = c.intermediate;
   L.Is = c.shared_intermediate;

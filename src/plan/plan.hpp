@@ -48,6 +48,20 @@ struct PlanDims {
   MOK_HD int64_t first_expert() const { return static_cast<int64_t>(rank) * local_experts(); }
 };
 
+// The plan dimensions of a (resolved) configuration; host and device.
+MOK_HD PlanDims plan_dims_of(const mokConfig_t& c) {
+  PlanDims d;
+  d.num_ranks = static_cast<int32_t>(c.ep_size);
+  d.rank = static_cast<int32_t>(c.ep_rank);
+  d.num_experts = c.num_experts;
+  d.topk = static_cast<int32_t>(c.topk);
+  d.block_m = static_cast<int32_t>(c.block_m);
+  d.max_tokens = c.max_tokens;
+  d.minibatch_size = c.minibatch_size;
+  d.macrobatch_size = c.macrobatch_size;
+  return d;
+}
+
 MOK_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 MOK_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }

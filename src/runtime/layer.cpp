@@ -32,18 +32,7 @@ mokConfig_t normalize_config(const mokConfig_t* config) {
   return out;
 }
 
-plan::PlanDims plan_dims(const mokConfig_t& c) {
-  plan::PlanDims d;
-  d.num_ranks = static_cast<int32_t>(c.ep_size);
-  d.rank = static_cast<int32_t>(c.ep_rank);
-  d.num_experts = c.num_experts;
-  d.topk = static_cast<int32_t>(c.topk);
-  d.block_m = static_cast<int32_t>(c.block_m);
-  d.max_tokens = c.max_tokens;
-  d.minibatch_size = c.minibatch_size;
-  d.macrobatch_size = c.macrobatch_size;
-  return d;
-}
+plan::PlanDims plan_dims(const mokConfig_t& c) { return plan::plan_dims_of(c); }
 
 ref::LayerDims layer_dims(const mokConfig_t& c) {
   ref::LayerDims d;
