@@ -39,7 +39,8 @@ def main():
         for n in SHAPES:
             print(wrapper(n, a_type, b_type, k))
     for transpose in TRANSPOSED:
-        print(wrapper(256, "bf16", "bf16", 16, transpose))
+        for n in (128, 256):
+            print(wrapper(n, "bf16", "bf16", 16, transpose))
     print("}  // namespace mok::ptx")
 
 

@@ -11,6 +11,7 @@
 
 #include "mok/mok.h"
 #include "mok/mok.hpp"
+#include "cuda/gemm/launch.hpp"
 #include "gpu_util.hpp"
 #include "test_util.hpp"
 
@@ -57,10 +58,37 @@ const char* kind_name(int kind) {
 
 // One grouped GEMM through the C ABI vs a double reference.  Forward kinds: b0, b1 [E, N, K];
 // dgrad kinds: the weights as stored, b0 [E, K, N] (down) or b0, b1 [E, K/2, N] (gate/up).
+// The engine's own launch of a kind in tiles of N = tile_n (the C ABI launches 128 x 256).
+mokResult_t launch_engine(const mokGroupedGemmArgs_t& args, int64_t K, int64_t N, int32_t tile_n) {
+  const int64_t M = args.a.shape[0], E = args.b0.shape[0];
+  const auto* blk = static_cast<const int32_t*>(args.block_expert.data);
+  const int32_t blocks = static_cast<int32_t>((M + 127) / 128);
+  gemm::GroupedGemmArgs g;
+  switch (args.kind) {
+    case mokGemmGateUp: g = gemm::gate_up_args(args.a.data, M, K, args.b0.data, args.b1.data, E, N, blk, blocks, args.out.data); break;
+    case mokGemmDown: g = gemm::down_args(args.a.data, M, K, args.b0.data, E, N, blk, blocks, args.out.data); break;
+    case mokGemmDgradDown: g = gemm::dgrad_down_args(args.a.data, M, K, args.b0.data, E, N, blk, blocks, args.out.data); break;
+    default:
+      g = gemm::dgrad_gate_up_args(args.a.data, M, K / 2, args.b0.data, args.b1.data, E, N, blk, blocks, args.out.data);
+  }
+  g.num_blocks = static_cast<int32_t>(args.num_blocks);
+  try {
+    gemm::launch_grouped_gemm(gemm::with_tile_n(g, tile_n), nullptr);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+    return mokInternalError;
+  }
+  return mokSuccess;
+}
+
 void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vector<int32_t> block_expert, int kind,
-                        int64_t num_blocks) {
+                        int64_t num_blocks, int32_t tile_n = 256) {
   SCOPED_TRACE("seed=" + std::to_string(seed) + " E=" + std::to_string(E) + " K=" + std::to_string(K) +
-               " N=" + std::to_string(N) + " " + kind_name(kind) + " grid=" + std::to_string(num_blocks));
+               " N=" + std::to_string(N) + " " + kind_name(kind) + " grid=" + std::to_string(num_blocks) +
+               " tile N=" + std::to_string(tile_n));
+  auto run = [&](const mokGroupedGemmArgs_t& a) {
+    return tile_n == 256 ? mokGroupedGemm(&a, nullptr) : launch_engine(a, K, N, tile_n);
+  };
   const bool swiglu = kind == mokGemmGateUp;
   const bool dgrad = kind == mokGemmDgradDown || kind == mokGemmDgradGateUp;
   const int64_t b_k = kind == mokGemmDgradGateUp ? K / 2 : K;  // K rows of one b tensor
@@ -79,7 +107,7 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
   args.out = tensor_view(dout.ptr, mokBFloat16, {M, N}, 0);
   args.kind = kind;
   args.num_blocks = num_blocks;
-  ASSERT_EQ(mokGroupedGemm(&args, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(run(args), mokSuccess) << mokGetLastError();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = dout.get<bf16_t>();
   // B(e, k, n) of the kind, as the reference reads it
@@ -119,13 +147,14 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
   // The same call again: bitwise the same output
   DeviceBuffer dout2(static_cast<size_t>(M * N) * 2);
   args.out = tensor_view(dout2.ptr, mokBFloat16, {M, N}, 0);
-  ASSERT_EQ(mokGroupedGemm(&args, nullptr), mokSuccess) << mokGetLastError();
+  ASSERT_EQ(run(args), mokSuccess) << mokGetLastError();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto again = dout2.get<bf16_t>();
   for (int64_t i = 0; i < live_blocks * 128 * N; ++i)
     ASSERT_EQ(again[static_cast<size_t>(i)], out[static_cast<size_t>(i)]) << "run twice: element " << i << " differs";
-  std::printf("grouped GEMM %s E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", kind_name(kind),
-              static_cast<long>(E), static_cast<long>(K), static_cast<long>(N), block_expert.size(), s.rel, s.max_abs);
+  std::printf("grouped GEMM %s (tile N %d) E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", kind_name(kind),
+              tile_n, static_cast<long>(E), static_cast<long>(K), static_cast<long>(N), block_expert.size(), s.rel,
+              s.max_abs);
 }
 
 TEST(GemmGpu, StoreTiles) {
@@ -253,6 +282,16 @@ TEST(GemmGpu, WgradTiles) {
   EXPECT_LT(acc_err, 1e-4) << "two calls through the fp32 accumulator vs float64";
   std::printf("grouped wgrad E=%ld Mo=%ld No=%ld counts 0/1/130/256: rel %.3e, main_grad %.3e, two-call acc %.3e\n",
               static_cast<long>(E), static_cast<long>(Mo), static_cast<long>(No), std::sqrt(num / den), mg_err, acc_err);
+}
+
+// The engine at its second tile shape, 128 x 128 (six stages; the dgrad-down epilogue and
+// the fp8 path use it): every kind against float64, run twice bitwise.
+TEST(GemmGpu, TileShape128x128EveryKind) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0, 128);
+  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0, 128);
+  check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0, 128);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3, 128);
 }
 
 // MOK_GEMM_CLUSTER=2: 2-CTA clusters, B multicast within a pair of row blocks of one expert;

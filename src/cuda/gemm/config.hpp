@@ -8,26 +8,37 @@
 
 namespace mok::gemm {
 
-struct TileConfig {
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 64;  // one 128-byte swizzle row of bf16
-  static constexpr int kStages = 4;
+// One tile shape of the engine: BLOCK_M x BLOCK_N outputs, K-steps of 64 (one 128-byte
+// swizzle row of bf16), two consumer warpgroups of 64 rows each.  The stage ring is as deep as
+// ~192 KB of shared memory allows.  The shape is a parameter of every building block in
+// tile.cuh; the kernels name the one they run (TileConfig, 128 x 256, unless a launch asks
+// for another: the dgrad-down epilogue and the fp8 path want 128 x 128).
+template <int kBlockM_, int kBlockN_>
+struct TileShape {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockK = 64;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kATileBytes = kBlockM * kBlockK * 2;         // 16 KB
-  static constexpr int kBHalfBytes = (kBlockN / 2) * kBlockK * 2;   // 16 KB
-  static constexpr int kStageBytes = kATileBytes + 2 * kBHalfBytes; // 48 KB
-  static constexpr int kAccRegs = kBlockN / 2;                      // fp32 per thread (64 x 256 / 128)
+  static constexpr int kBHalfBytes = (kBlockN / 2) * kBlockK * 2;   // 16 KB at N = 256
+  static constexpr int kStageBytes = kATileBytes + 2 * kBHalfBytes; // 48 KB at N = 256
+  static constexpr int kStages = (192 * 1024) / kStageBytes;        // 4 at N = 256, 6 at N = 128
+  static constexpr int kAccRegs = kBlockN / 2;                      // fp32 per thread (64 x N / 128)
+  static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
+  static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the generated wrappers");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
+                "register budgets exceed the register file");
 };
-static_assert(TileConfig::kProducerRegs * 128 + TileConfig::kConsumerRegs * 128 * TileConfig::kConsumers <= 65536,
-              "register budgets exceed the register file");
+using TileConfig = TileShape<128, 256>;
+using TileConfigN128 = TileShape<128, 128>;
+static_assert(TileConfig::kStages == 4, "the forward's measured configuration");
 
 enum class Epilogue : int32_t {
   kStore = 0,    // out[row, col] = bf16(acc)
-  kSwiGLU = 1,   // out[row, ch] = bf16(silu(gate) * up), ch = n_block*128 + col (col < 128)
+  kSwiGLU = 1,   // out[row, ch] = bf16(silu(gate) * up), ch = n_block*BLOCK_N/2 + col (col < BLOCK_N/2)
   kScatter = 2,  // out[token*k + j, col] = bf16(acc) for the plan row's (token, j); padding skipped
 };
 

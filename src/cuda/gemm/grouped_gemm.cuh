@@ -29,8 +29,11 @@ namespace mok::gemm {
 
 enum class Role : int32_t { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
 
-inline constexpr size_t kGemmSmemBytes = kStageStorageBytes + 1024;  // + alignment slack
-static_assert(kGemmSmemBytes <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
+template <class T>
+inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
+inline constexpr size_t kGemmSmemBytes = kGemmSmemBytesT<TileConfig>;
+static_assert(kGemmSmemBytes <= 227 * 1024 && kGemmSmemBytesT<TileConfigN128> <= 227 * 1024,
+              "shared storage exceeds the 227 KB a block can have");
 
 struct GroupedGemmParams {
   int32_t num_n_blocks;      // output tiles along N
@@ -52,13 +55,14 @@ struct GroupedGemmParams {
   int64_t* timeout_record;   // device [5], see WaitContext
 };
 
-template <bool kBNMajor>
-__global__ void __launch_bounds__(TileConfig::kThreads, 1)
+// T: the tile shape (config.hpp), 128 x 256 unless the launch asks for another.
+template <bool kBNMajor, class T = TileConfig>
+__global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParams p) {
-  using C = TileConfig;
+  using C = T;
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<StageStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& s = *reinterpret_cast<StageStorageT<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const Role role = static_cast<Role>(threadIdx.x / 128);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_tiles = p.max_m_blocks * p.num_n_blocks;
@@ -110,7 +114,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     switch (p.epilogue) {
       case Epilogue::kSwiGLU:
-        epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * 128);
+        epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
         break;
       case Epilogue::kStore:
         epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);

@@ -129,57 +129,74 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   return p;
 }
 
-// N-major B (dgrad): the weights read as stored, one 64 x 64 box per TMA load.
-void launch_n_major(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
-  using C = TileConfig;
-  MOK_CHECK_ARG(g.b_k_split > 0 && g.b_k_split % C::kBlockK == 0 && g.b_k_split <= g.k &&
-                    (g.b_k_split == g.k || g.k - g.b_k_split <= g.b_rows_per_expert),
-                "grouped GEMM (dgrad): K split = " << g.b_k_split << " must be a multiple of " << C::kBlockK
-                                                   << " within K = " << g.k);
-  MOK_CHECK_ARG(g.b_k_split <= g.b_rows_per_expert, "grouped GEMM (dgrad): K split exceeds the rows per expert");
-  const int64_t n = int64_t{g.num_n_blocks} * C::kBlockN;
-  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
-  const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, n, C::kBlockK);
-  const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, n, C::kBlockK);
+// One grouped-GEMM launch of tile shape T: N-major B (dgrad) or K-major (forward), one block
+// per SM (or g.num_blocks), each taking tiles blockIdx.x, +gridDim.x, ...
+template <class T, bool kBNMajor>
+void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
+  const int64_t n = int64_t{g.num_n_blocks} * T::kBlockN;
+  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM);
+  // B: N-major as stored, 64 (N) x 64 (K) boxes; or K-major halves of BLOCK_N/2 rows
+  const int64_t b_rows = g.num_experts * g.b_rows_per_expert;
+  const CUtensorMap map_b0 = kBNMajor ? tensor_map_2d(g.b0, b_rows, n, T::kBlockK) : tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2);
+  const CUtensorMap map_b1 = kBNMajor ? tensor_map_2d(g.b1, b_rows, n, T::kBlockK) : tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2);
   const GroupedGemmParams p = common_params(g);
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kGemmSmemBytes)));
+  constexpr size_t smem = kGemmSmemBytesT<T>;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, g.max_m_blocks * g.num_n_blocks);
-  grouped_gemm_kernel<true><<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+  grouped_gemm_kernel<kBNMajor, T><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p);
   MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+template <bool kBNMajor>
+void launch_tile_shape(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
+  if (g.tile_n == 128) launch_tiles<TileConfigN128, kBNMajor>(g, sms, stream);
+  else launch_tiles<TileConfig, kBNMajor>(g, sms, stream);
 }
 
 }  // namespace
 
+GroupedGemmArgs with_tile_n(GroupedGemmArgs g, int32_t tile_n) {
+  MOK_CHECK_ARG(tile_n == 128 || tile_n == 256, "grouped GEMM: tile N = " << tile_n << " must be 128 or 256");
+  const int32_t f = g.tile_n / tile_n;  // the builders lay out for 256
+  if (f == 1) return g;
+  g.b_n_step /= f;
+  g.b_half_offset /= f;
+  g.num_n_blocks *= f;
+  g.tile_n = tile_n;
+  return g;
+}
+
 void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   using C = TileConfig;
   MOK_CHECK_ARG(g.k > 0 && g.k % C::kBlockK == 0, "grouped GEMM: K = " << g.k << " must be a multiple of " << C::kBlockK);
+  MOK_CHECK_ARG(g.tile_n == 128 || g.tile_n == 256, "grouped GEMM: tile N = " << g.tile_n << " must be 128 or 256");
   // NOTES: A may have fewer rows than max_m_blocks*BLOCK_M: TMA fills rows past the end
   // with zeros (and still counts their bytes), and the epilogue skips rows >= out_rows.
   MOK_CHECK_ARG(g.a_rows > 0, "grouped GEMM: A has no rows");
   if (g.b_n_major) {
-    if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
-    int device = 0, sms = 0;
-    MOK_CUDA_CHECK(cudaGetDevice(&device));
-    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    launch_n_major(g, sms, stream);
-    return;
+    MOK_CHECK_ARG(g.b_k_split > 0 && g.b_k_split % C::kBlockK == 0 && g.b_k_split <= g.k &&
+                      (g.b_k_split == g.k || g.k - g.b_k_split <= g.b_rows_per_expert),
+                  "grouped GEMM (dgrad): K split = " << g.b_k_split << " must be a multiple of " << C::kBlockK
+                                                     << " within K = " << g.k);
+    MOK_CHECK_ARG(g.b_k_split <= g.b_rows_per_expert, "grouped GEMM (dgrad): K split exceeds the rows per expert");
+  } else {
+    MOK_CHECK_ARG(g.b_rows_per_expert % 128 == 0, "grouped GEMM: N per expert = " << g.b_rows_per_expert
+                                                                                 << " must be a multiple of 128");
+    MOK_CHECK_ARG(int64_t{g.num_n_blocks} * g.b_n_step == g.b_rows_per_expert,
+                  "grouped GEMM: N per expert = " << g.b_rows_per_expert << " is not a multiple of " << g.b_n_step);
   }
-  MOK_CHECK_ARG(g.b_rows_per_expert % 128 == 0, "grouped GEMM: N per expert = " << g.b_rows_per_expert
-                                                                               << " must be a multiple of 128");
-  MOK_CHECK_ARG(int64_t{g.num_n_blocks} * g.b_n_step == g.b_rows_per_expert,
-                "grouped GEMM: N per expert = " << g.b_rows_per_expert << " is not a multiple of " << g.b_n_step);
   if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
-  const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
-  const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
-  const GroupedGemmParams p = common_params(g);
-  const int total_tiles = g.max_m_blocks * g.num_n_blocks;
-  if (env::get_int(env::kGemmCluster) == 2) {
+  if (g.b_n_major) return launch_tile_shape<true>(g, sms, stream);
+  if (env::get_int(env::kGemmCluster) == 2 && g.tile_n == C::kBlockN) {
     // 2-CTA clusters sharing B: as many clusters as fit at once
+    const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
+    const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
+    const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
+    const GroupedGemmParams p = common_params(g);
     MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kPairSmemBytes)));
     cudaLaunchConfig_t cfg{};
@@ -196,11 +213,7 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     MOK_CUDA_CHECK(cudaGetLastError());
     return;
   }
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kGemmSmemBytes)));
-  const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, total_tiles);
-  grouped_gemm_kernel<false><<<grid, C::kThreads, kGemmSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
-  MOK_CUDA_CHECK(cudaGetLastError());
+  launch_tile_shape<false>(g, sms, stream);
 }
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {

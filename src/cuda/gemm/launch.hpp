@@ -35,6 +35,8 @@ struct GroupedGemmArgs {
   // stored; K rows [0, b_k_split) of an expert come from b0, the rest from b1 (rows from 0).
   bool b_n_major = false;
   int64_t b_k_split = 0;
+  // Tile N of the launch (config.hpp): 256, or 128 (TileConfigN128) through with_tile_n.
+  int32_t tile_n = 256;
 };
 
 // Gate/up with the SwiGLU epilogue: out[rows, I] from w_gate/w_up [E, I, H].
@@ -53,6 +55,9 @@ GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, c
 GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter, const void* w_gate,
                                    const void* w_up, int64_t num_experts, int64_t hidden,
                                    const int32_t* block_expert, int32_t max_m_blocks, void* out);
+
+// The same GEMM in tiles of N = tile_n (128 or 256): the builders above lay out for 256.
+GroupedGemmArgs with_tile_n(GroupedGemmArgs args, int32_t tile_n);
 
 // Throws mok::Error on a CUDA failure or an unsupported shape.
 void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);

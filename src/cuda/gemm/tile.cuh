@@ -29,26 +29,32 @@
 
 namespace mok::gemm {
 
-struct StageStorage {
-  alignas(1024) __nv_bfloat16 a[TileConfig::kStages][TileConfig::kBlockM * TileConfig::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
-  alignas(1024) __nv_bfloat16 b[TileConfig::kStages][TileConfig::kBlockN * TileConfig::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
-  uint64_t tile_full[TileConfig::kStages];
-  uint64_t tile_empty[TileConfig::kStages];
+// The stage ring of one tile shape T (config.hpp).
+template <class T>
+struct StageStorageT {
+  using Tile = T;
+  alignas(1024) __nv_bfloat16 a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
+  alignas(1024) __nv_bfloat16 b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
+  uint64_t tile_full[T::kStages];
+  uint64_t tile_empty[T::kStages];
 
   __device__ void init_barriers() {
-    for (int i = 0; i < TileConfig::kStages; ++i) {
+    for (int i = 0; i < T::kStages; ++i) {
       ptx::mbar_init(&tile_full[i], 1);
-      ptx::mbar_init(&tile_empty[i], TileConfig::kConsumers);
+      ptx::mbar_init(&tile_empty[i], T::kConsumers);
     }
   }
 };
-inline constexpr size_t kStageStorageBytes = sizeof(StageStorage);
+using StageStorage = StageStorageT<TileConfig>;
+template <class T>
+inline constexpr size_t kStageStorageBytesT = sizeof(StageStorageT<T>);
+inline constexpr size_t kStageStorageBytes = kStageStorageBytesT<TileConfig>;
 
 // Where one tile's operands come from.
 struct TileLoad {
-  const CUtensorMap* a;   // rows a_row .. a_row+127, all K
-  const CUtensorMap* b0;  // rows b_row .. b_row+127
-  const CUtensorMap* b1;  // rows b_row + b_half_offset .. +127
+  const CUtensorMap* a;   // rows a_row .. a_row+BLOCK_M-1, all K
+  const CUtensorMap* b0;  // rows b_row .. b_row+BLOCK_N/2-1
+  const CUtensorMap* b1;  // rows b_row + b_half_offset .. +BLOCK_N/2-1
   int32_t a_row;
   int32_t b_row;
   int32_t b_half_offset;
@@ -57,15 +63,15 @@ struct TileLoad {
 
 // The producer's loop: for each k-block, wait for an empty stage, arm its full barrier with
 // the stage's bytes and issue `load(kb, stage_index, full)`.  False on a timed-out wait.
-template <typename Load>
-__device__ __forceinline__ bool produce_stages(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+template <class T, typename Load>
+__device__ __forceinline__ bool produce_stages(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                                int num_k_blocks, const WaitContext& wait, Load load) {
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     // Wait for empty slot
     if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
       return false;
     uint64_t* full = &s.tile_full[stage.index];
-    ptx::mbar_arrive_expect_tx(full, TileConfig::kStageBytes);
+    ptx::mbar_arrive_expect_tx(full, T::kStageBytes);
     load(kb, stage.index, full);
     stage.advance();
   }
@@ -73,9 +79,10 @@ __device__ __forceinline__ bool produce_stages(StageStorage& s, PipelineState<Ti
 }
 
 // Producer of a forward tile: activations and both weight halves per stage.
-__device__ __forceinline__ bool produce_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+template <class T>
+__device__ __forceinline__ bool produce_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                              const TileLoad& t, const WaitContext& wait) {
-  using C = TileConfig;
+  using C = T;
   return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
     ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
     ptx::tma_load_2d(s.b[i], t.b0, full, kb * C::kBlockK, t.b_row);
@@ -98,13 +105,15 @@ struct TileLoadNMajor {
   int32_t num_k_blocks;
 };
 inline constexpr int kNChunkElems = 64 * TileConfig::kBlockK;  // one 64 N x 64 K box: 8 KB
-static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes,
+static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes &&
+                  (TileConfigN128::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfigN128::kBHalfBytes,
               "an N-major B stage is kBlockN/64 boxes of 64 x 64 and as large as the K-major one");
 
 // Producer of a dgrad tile: the A tile and the four N boxes of B at the k-block's K rows.
-__device__ __forceinline__ bool produce_tile_nmajor(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+template <class T>
+__device__ __forceinline__ bool produce_tile_nmajor(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                                     const TileLoadNMajor& t, const WaitContext& wait) {
-  using C = TileConfig;
+  using C = T;
   return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
     ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
     const bool second = kb >= t.k_split_blocks;
@@ -126,12 +135,12 @@ enum class Operands : int32_t {
 // least one), the operands in the stage as `kOps` says.  kPair (2-CTA clusters): each freed
 // stage is also reported to the peer CTA's pair_empty, whose producer multicasts into this
 // CTA's stages.
-template <bool kPair = false, Operands kOps = Operands::kKMajor>
-__device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
-                                             int num_k_blocks, int consumer, float (&acc)[TileConfig::kAccRegs],
+template <bool kPair = false, Operands kOps = Operands::kKMajor, class T>
+__device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+                                             int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
                                              const WaitContext& wait, uint64_t* pair_empty = nullptr,
                                              uint32_t peer = 0) {
-  using C = TileConfig;
+  using C = T;
   const bool leader = threadIdx.x % 128 == 0;
   int prev_index = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb) {
@@ -144,14 +153,14 @@ __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<Tile
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_m64n256k16_bf16(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+        ptx::mma_bf16<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
     } else if constexpr (kOps == Operands::kBNMajor) {
       const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
       const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_m64n256k16_bf16_tb(acc, desc_a + 2 * k, desc_b + 128 * k, (kb | k) != 0);
+        ptx::mma_bf16_tb<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 128 * k, (kb | k) != 0);
     } else {
       // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row
       // chunks) is never used; B's boxes are 8 KB apart.
@@ -160,7 +169,7 @@ __device__ __forceinline__ bool consume_tile(StageStorage& s, PipelineState<Tile
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_m64n256k16_bf16_tatb(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
+        ptx::mma_bf16_tatb<C::kBlockN>(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
     }
     ptx::wgmma_commit();
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
@@ -233,37 +242,43 @@ __device__ __forceinline__ void store_row_16b(__nv_bfloat16* dst, bool write, Pa
   }
 }
 
-// out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < 128.
-__device__ __forceinline__ void epilogue_swiglu(const float (&acc)[TileConfig::kAccRegs], int consumer,
+// Epilogues take the accumulator of any tile shape: kRegs = BLOCK_N / 2 registers, the tile's
+// BLOCK_N / 8 n8 blocks.
+// out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < BLOCK_N / 2
+// (gate in the accumulator's first half of columns, up in the second).
+template <int kRegs>
+__device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int consumer,
                                                 __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
                                                 int64_t ch0) {
+  constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row_16b<16>(out + row * ld + ch0, row < rows_limit, [&](int n8) {
+    store_row_16b<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, [&](int n8) {
       const float g0 = acc[n8 * 4 + half * 2], g1 = acc[n8 * 4 + half * 2 + 1];
-      const float u0 = acc[(n8 + 16) * 4 + half * 2], u1 = acc[(n8 + 16) * 4 + half * 2 + 1];
+      const float u0 = acc[(n8 + kHalfBlocks) * 4 + half * 2], u1 = acc[(n8 + kHalfBlocks) * 4 + half * 2 + 1];
       return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
     });
   }
 }
 
-// out[row0 + r, col0 + c] = bf16(acc) for r < rows_limit - row0, c < 256.
-__device__ __forceinline__ void epilogue_store(const float (&acc)[TileConfig::kAccRegs], int consumer,
+// out[row0 + r, col0 + c] = bf16(acc) for r < rows_limit - row0, c < BLOCK_N.
+template <int kRegs>
+__device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int consumer,
                                                __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
                                                int64_t col0) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row_16b<32>(out + row * ld + col0, row < rows_limit,
+    store_row_16b<kRegs / 4>(out + row * ld + col0, row < rows_limit,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
 
 // Each tile row r goes to slots(rec)[token*k + j] of its plan row record (slots(rec): the
 // slot array of the record's home rank; EP >= 2 pushes to a peer); padding rows are skipped.
-template <typename Slots>
-__device__ __forceinline__ void epilogue_scatter(const float (&acc)[TileConfig::kAccRegs], int consumer, Slots slots,
+template <int kRegs, typename Slots>
+__device__ __forceinline__ void epilogue_scatter(const float (&acc)[kRegs], int consumer, Slots slots,
                                                  int64_t ld, const uint32_t* tile_rows, int topk, int64_t col0) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -271,7 +286,7 @@ __device__ __forceinline__ void epilogue_scatter(const float (&acc)[TileConfig::
     const bool pad = row_is_pad(rec);
     const int64_t row = pad ? 0 : row_token(rec) * topk + row_slot(rec);
     __nv_bfloat16* out = slots(pad ? kPadRow : rec);
-    store_row_16b<32>(out + row * ld + col0, !pad,
+    store_row_16b<kRegs / 4>(out + row * ld + col0, !pad,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
