@@ -2,6 +2,7 @@
 under load for a while, so all of them see the same (power-capped) clock.
 
     python3 tools/sustained.py [shape] [--heat-s 3] [--rounds 20]
+    python3 tools/sustained.py [shape] --gemm     # the backward's GEMM kinds, mok vs torch._grouped_mm
 
 Variants (EP=1, one GPU, no shared expert, uniform routing): dense bf16 mm 8192^3, the
 torch EP=1 pipeline (bench/baselines.torch_ep1_forward), the experts-only grouped GEMMs, and
@@ -21,8 +22,86 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, ROOT)
 from bench import baselines as bl  # noqa: E402
 from mok import functional as F  # noqa: E402
+from mok import ops  # noqa: E402
 
 SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096), "glm5": (6144, 2048, 8, 16, 4096)}
+
+
+def interleaved(variants, heat_s, rounds):
+    """Median ms of each variant: heat_s seconds of back-to-back calls of all of them, then
+    `rounds` rounds each timing one call of every variant (CUDA events)."""
+    with torch.no_grad():
+        for fn in variants.values():
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < heat_s:
+            for fn in variants.values():
+                fn()
+            torch.cuda.synchronize()
+        events = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                events[name].append((s, e))
+        torch.cuda.synchronize()
+    return {name: sorted(s.elapsed_time(e) for s, e in ev)[len(ev) // 2] for name, ev in events.items()}
+
+
+def gemm_kinds(args, H, I, k, E, T):
+    """The backward's GEMM kinds at the sustained clock, mok and torch._grouped_mm interleaved:
+    dgrad down (dy · W_down[e]), dgrad gate/up ([dg|du] · [W_gate; W_up][e]), wgrad down and
+    wgrad gate/up (K-grouped over each expert's rows), uniform routing (T·k/E rows each)."""
+    dev = torch.device("cuda")
+    rows = T * k // E // 128 * 128
+    M = rows * E
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(M, H, device=dev, generator=g).bfloat16()
+    dgu = (torch.randn(M, 2 * I, device=dev, generator=g) / (2 * I) ** 0.5).bfloat16()
+    x = torch.randn(M, H, device=dev, generator=g).bfloat16()
+    act = torch.randn(M, I, device=dev, generator=g).bfloat16()
+    wg = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
+    wu = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
+    wd = (torch.randn(E, H, I, device=dev, generator=g) / I ** 0.5).bfloat16()
+    wgu = torch.cat([wg, wu], dim=1).contiguous()
+    block_expert = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(rows // 128)
+    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
+    ex_off = torch.arange(E + 1, device=dev, dtype=torch.int32) * rows
+    ex_cnt = torch.full((E,), rows, device=dev, dtype=torch.int32)
+    da, dx = torch.empty(M, I, **bf), torch.empty(M, H, **bf)
+    gwd, gwgu = torch.empty(E, H, I, **bf), torch.empty(E, 2 * I, H, **bf)
+    mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    kinds = {
+        "dgrad down": (2 * M * H * I,
+                       lambda: ops.grouped_mm(dy, wd, block_expert, out=da, kind="dgrad_down"),
+                       lambda: torch._grouped_mm(dy, wd, offs=offs)),
+        "dgrad gate/up": (4 * M * H * I,
+                          lambda: ops.grouped_mm(dgu, wg, block_expert, wu, out=dx, kind="dgrad_gate_up"),
+                          lambda: torch._grouped_mm(dgu, wgu, offs=offs)),
+        "wgrad down": (2 * M * H * I,
+                       lambda: ops.grouped_wgrad(dy, act, ex_off, ex_cnt, out=gwd),
+                       lambda: torch._grouped_mm(dy.t(), act, offs=offs)),
+        "wgrad gate/up": (4 * M * H * I,
+                          lambda: ops.grouped_wgrad(dgu, x, ex_off, ex_cnt, out=gwgu),
+                          lambda: torch._grouped_mm(dgu.t(), x, offs=offs)),
+    }
+    variants = {"dense mm 8192^3": lambda: torch.mm(mm_a, mm_b)}
+    for name, (_, mok_fn, torch_fn) in kinds.items():
+        variants["mok " + name] = mok_fn
+        variants["torch " + name] = torch_fn
+    ms = interleaved(variants, args.heat_s, args.rounds)
+    dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
+    print(f"{args.shape} GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved rounds); "
+          f"dense mm {dense:.0f} TFLOP/s; {E} experts x {rows} rows")
+    for name, (flops, _, _) in kinds.items():
+        m, t = ms["mok " + name], ms["torch " + name]
+        print(f"  {name:14} mok {m:.3f} ms ({flops / m / 1e9:.0f} TFLOP/s, {flops / m / 1e9 / dense:.2f} of dense)  "
+              f"torch {t:.3f} ms  torch/mok {t / m:.3f}")
 
 
 def main():
@@ -30,8 +109,11 @@ def main():
     ap.add_argument("shape", nargs="?", default="dsv3")
     ap.add_argument("--heat-s", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
+    if args.gemm:
+        return gemm_kinds(args, H, I, k, E, T)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g).bfloat16()
@@ -53,25 +135,7 @@ def main():
         "experts only": lambda: bl.experts_only(a_rows, offs, wgu, wd, h_rows),
         "mok fused fwd": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0],
     }
-    with torch.no_grad():
-        for fn in variants.values():
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < args.heat_s:
-            for fn in variants.values():
-                fn()
-            torch.cuda.synchronize()
-        events = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                events[name].append((s, e))
-        torch.cuda.synchronize()
-    ms = {name: sorted(s.elapsed_time(e) for s, e in ev)[len(ev) // 2] for name, ev in events.items()}
+    ms = interleaved(variants, args.heat_s, args.rounds)
     mm_tflops = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 6 * T * k * H * I
     floor = flops / (mm_tflops * 1e9)
