@@ -9,8 +9,8 @@
 //   kConsumer0  rows [0, 64) of the tile: wgmma m64n256k16, fp32 accumulators in registers
 //   kConsumer1  rows [64, 128)
 // Barriers (mbarrier, one pair per stage):
-//   tile_full[s]   producer -> consumers: stage s holds A and B (TMA transaction bytes)
-//   tile_empty[s]  consumers -> producer: both warpgroups finished reading stage s
+//   pipe.full[s]   producer -> consumers: stage s holds A and B (TMA transaction bytes)
+//   pipe.empty[s]  consumers -> producer: both warpgroups finished reading stage s
 //
 // B arrives as two 128-row halves per stage, each from its own tensor map.  For gate/up the
 // halves are w_gate and w_up rows of the same 128 intermediate channels, so one 256-wide
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 // own A), so every weight byte leaves L2 once per pair instead of twice; otherwise each CTA
 // loads its whole stage.  Where row block 2·mp + 1 does not exist (past the last routed block),
 // CTA 1 computes CTA 0's tile again and stores nothing: the two CTAs always use their stages
-// in lockstep, and every stage use is freed on both sides (tile_empty here, pair_empty in the
+// in lockstep, and every stage use is freed on both sides (pipe.empty here, pair_empty in the
 // peer) before either producer refills it — what makes a multicast into the peer safe.  All
 // threads meet at a cluster barrier before exit.
 struct PairShared {
@@ -195,11 +195,11 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads
         const int32_t b_row = t.expert * p.b_rows_per_expert + t.n_block * p.b_n_step;
         for (int kb = 0; ok && kb < p.num_k_blocks; ++kb) {
           // Both CTAs' consumers freed this stage (the peer multicasts into it)
-          ok = wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index) &&
+          ok = s.pipe.producer_acquire(stage, wait) &&
                wait_barrier(&sh.pair_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty,
                             100 + stage.index);
           if (!ok) break;
-          uint64_t* full = &s.tile_full[stage.index];
+          uint64_t* full = s.pipe.full_barrier(stage);
           {
             ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
             ptx::tma_load_2d(s.a[stage.index], &map_a, full, kb * C::kBlockK, t.m_block * C::kBlockM);

@@ -1,4 +1,5 @@
-// The one pipeline-state type of mok's kernels, and deadline-bounded barrier waits.
+// The one pipeline-state type of mok's kernels, the ring of mbarrier-guarded slots that uses
+// it (Pipeline), and deadline-bounded barrier waits.
 #pragma once
 
 #include <cstdint>
@@ -84,5 +85,39 @@ __device__ __forceinline__ bool wait_barrier_warp(uint64_t* bar, uint32_t phase,
     if (__any_sync(0xffffffffu, expired)) return false;
   }
 }
+
+// A ring of kStages slots, each guarded by a pair of mbarriers:
+//   full[s]   producer -> consumers: slot s holds its data (TMA transaction bytes, or arrivals)
+//   empty[s]  consumers -> producer: every consumer released slot s
+// The state (index, phase) walks the ring; nobody flips a phase by hand.  A producer acquires
+// the slot at its state (waits for the previous use to be released), fills it and arms or
+// arrives on full_barrier(); a consumer waits for the slot at its state, reads it and
+// releases it.  Tested alone by tests/cpp/test_pipeline_gpu.cu.
+template <int kStages>
+struct Pipeline {
+  using State = PipelineState<kStages>;
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+
+  // full_arrivals: arrivals that complete a fill (1: the producer's, with TMA bytes on top);
+  // empty_arrivals: releases that free a slot (one per consumer).
+  __device__ __forceinline__ void init(uint32_t full_arrivals, uint32_t empty_arrivals) {
+    for (int i = 0; i < kStages; ++i) {
+      ptx::mbar_init(&full[i], full_arrivals);
+      ptx::mbar_init(&empty[i], empty_arrivals);
+    }
+  }
+  // Producer: the slot at `st` is free (its previous use released); false past the deadline.
+  __device__ __forceinline__ bool producer_acquire(const State& st, const WaitContext& wait) {
+    return wait_barrier(&empty[st.index], st.phase ^ 1u, wait, WaitSite::kProducerEmpty, st.index);
+  }
+  __device__ __forceinline__ uint64_t* full_barrier(const State& st) { return &full[st.index]; }
+  // Consumer (a whole warp, converged after): the slot at `st` is full; false past the deadline.
+  __device__ __forceinline__ bool consumer_wait(const State& st, const WaitContext& wait) {
+    return wait_barrier_warp(&full[st.index], st.phase, wait, WaitSite::kConsumerFull, st.index);
+  }
+  // Consumer: release slot `index` (one arrival of this consumer).
+  __device__ __forceinline__ void consumer_release(int index) { ptx::mbar_arrive(&empty[index]); }
+};
 
 }  // namespace mok::gemm

@@ -7,8 +7,8 @@
 //   consumer0  rows [0, 64) of the tile: wgmma m64n256k16, fp32 accumulators in registers
 //   consumer1  rows [64, 128)
 // Barriers (mbarrier, one pair per stage):
-//   tile_full[s]   producer -> consumers: stage s holds A and B (TMA transaction bytes)
-//   tile_empty[s]  consumers -> producer: both warpgroups finished reading stage s
+//   pipe.full[s]   producer -> consumers: stage s holds A and B (TMA transaction bytes)
+//   pipe.empty[s]  consumers -> producer: both warpgroups finished reading stage s
 //
 // B arrives as two 128-row halves per stage, each from its own tensor map.  For gate/up the
 // halves are w_gate and w_up rows of the same 128 intermediate channels, so one 256-wide
@@ -35,15 +35,9 @@ struct StageStorageT {
   using Tile = T;
   alignas(1024) __nv_bfloat16 a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
   alignas(1024) __nv_bfloat16 b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
-  uint64_t tile_full[T::kStages];
-  uint64_t tile_empty[T::kStages];
+  Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
 
-  __device__ void init_barriers() {
-    for (int i = 0; i < T::kStages; ++i) {
-      ptx::mbar_init(&tile_full[i], 1);
-      ptx::mbar_init(&tile_empty[i], T::kConsumers);
-    }
-  }
+  __device__ void init_barriers() { pipe.init(1, T::kConsumers); }
 };
 using StageStorage = StageStorageT<TileConfig>;
 template <class T>
@@ -68,9 +62,8 @@ __device__ __forceinline__ bool produce_stages(StageStorageT<T>& s, PipelineStat
                                                int num_k_blocks, const WaitContext& wait, Load load) {
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     // Wait for empty slot
-    if (!wait_barrier(&s.tile_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty, stage.index))
-      return false;
-    uint64_t* full = &s.tile_full[stage.index];
+    if (!s.pipe.producer_acquire(stage, wait)) return false;
+    uint64_t* full = s.pipe.full_barrier(stage);
     ptx::mbar_arrive_expect_tx(full, T::kStageBytes);
     load(kb, stage.index, full);
     stage.advance();
@@ -145,8 +138,7 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
   int prev_index = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     // Wait for the stage, then issue four k16 MMAs on it
-    if (!wait_barrier_warp(&s.tile_full[stage.index], stage.phase, wait, WaitSite::kConsumerFull, stage.index))
-      return false;
+    if (!s.pipe.consumer_wait(stage, wait)) return false;
     if constexpr (kOps == Operands::kKMajor) {
       const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
       const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
@@ -178,7 +170,7 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
     if (kb > 0) {
       ptx::wgmma_wait<1>();
       if (leader) {
-        ptx::mbar_arrive(&s.tile_empty[prev_index]);
+        s.pipe.consumer_release(prev_index);
         if constexpr (kPair) ptx::mbar_arrive_cluster(&pair_empty[prev_index], peer);
       }
     }
@@ -188,7 +180,7 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
   ptx::wgmma_wait<0>();
   ptx::fence_regs(acc);
   if (leader) {
-    ptx::mbar_arrive(&s.tile_empty[prev_index]);
+    s.pipe.consumer_release(prev_index);
     if constexpr (kPair) ptx::mbar_arrive_cluster(&pair_empty[prev_index], peer);
   }
   return true;
