@@ -16,7 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/cuda_check.hpp"
-#include "cuda/ep.cuh"
+#include "cuda/comm/ep.cuh"
 #include "cuda/ep.hpp"
 #include "cuda/forward.hpp"
 #include "runtime/errors.hpp"

@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/ep.cuh"
+#include "cuda/comm/ep.cuh"
 #include "mok/mok.h"
 #include "plan/plan.hpp"
 #include "ref/reference.hpp"

@@ -14,7 +14,7 @@
 #include <string>
 
 #include "cuda/cuda_api.hpp"
-#include "cuda/combine.cuh"
+#include "cuda/comm/combine.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/ep.hpp"
 #include "cuda/fused/forward_kernel.cuh"

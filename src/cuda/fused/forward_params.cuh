@@ -1,0 +1,144 @@
+// The fused forward's parameters, shared storage, global dependency counters and timing ring:
+// what its roles (fused/forward_kernel.cuh, comm/) share.
+#pragma once
+
+#include "cuda/comm/ep.cuh"
+#include "cuda/fused/schedule.cuh"
+#include "cuda/gemm/tile.cuh"
+
+namespace mok::cuda::fused {
+
+using gemm::TileConfig;
+
+enum class NamedBarrier : uint32_t {
+  kBlock = 0,      // __syncthreads
+  kConsumers = 1,  // both consumer warpgroups (256 threads): a tile's stores are all issued
+};
+
+enum class Counter : int32_t { kTaskNext = 0, kBlocksDone = 1, kHeader = 2 };
+
+struct TaskInfo {
+  int32_t kind;     // TaskKind
+  int32_t block;    // row block (routed: global plan block; shared: token block)
+  int32_t n_block;
+  int32_t unused;
+};
+
+struct ForwardParams {
+  // Dimensions
+  int32_t hidden, inter, shared_inter, topk;
+  int64_t num_tokens;
+  int32_t ring_blocks, minibatch_blocks, num_comm;
+  int32_t max_blocks, shared_blocks;
+  int32_t n_group;            // raster: N-blocks per group within a segment
+  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline
+  int32_t push_mode;          // 0: the down epilogue stores rows to their slots; 1: it stores them
+                              // into the ring and the comm blocks push them home (MOK_PUSH=comm)
+  // Plan
+  const uint32_t* rows;
+  const int32_t* expert_offset;
+  const int32_t* block_expert;
+  int32_t num_local;
+  // Data
+  const __nv_bfloat16* x;
+  const float* topk_weights;
+  plan::RoutingView routing;
+  __nv_bfloat16* ring;        // [macrobatch_size, H]
+  __nv_bfloat16* act;         // [macrobatch_size, I]
+  __nv_bfloat16* slots;       // [T*k, H]
+  __nv_bfloat16* shared_act;  // [T_max, I_s]
+  __nv_bfloat16* shared_out;  // [T_max, H]
+  __nv_bfloat16* y;           // [T, H]
+  // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
+  ep::Group group;
+  // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block
+  mokTraceEvent_t* trace;
+  int32_t trace_cap;
+  // Synchronisation
+  int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done, sgu_done, push_done [max_blocks]
+  uint64_t timeout_ns;
+  int64_t* timeout_record;
+};
+
+struct Maps {
+  CUtensorMap ring, w_gate, w_up, act, w_down, x, ws_gate, ws_up, shared_act, ws_down;
+};
+
+struct alignas(1024) FusedShared {
+  gemm::StageStorage stages;                // also the comm blocks' row staging
+  Segment segments[kMaxSegments];
+  TaskInfo tasks[2];                        // producer -> consumers + signaler task handoff
+  uint64_t task_full[2];                    // producer -> (consumers, signaler)
+  uint64_t task_empty[2];                   // (2 consumer leaders + signaler) -> producer
+  uint64_t done_full[2];                    // consumer leaders -> signaler: the tile's stores are issued
+  uint64_t done_empty[2];                   // signaler -> consumer leaders
+  uint64_t gather_bar[16];                  // comm: one per staging row (warps: per warp)
+  int32_t num_segments;
+  int32_t num_tasks;
+  int32_t n_group;
+};
+inline constexpr size_t kFusedSmemBytes = sizeof(FusedShared) + 1024;
+static_assert(kFusedSmemBytes <= 227 * 1024, "fused shared storage exceeds 227 KB");
+
+// ---- global counters ------------------------------------------------------------------------
+__device__ __forceinline__ bool wait_counter(const int32_t* counter, int32_t expected, const gemm::WaitContext& wait,
+                                             int64_t which) {
+  if (ptx::ld_acquire_gpu(counter) >= expected) return true;
+  for (uint32_t spin = 1;; ++spin) {
+    // NOTES: a spinning thread costs power the tensor cores need under the power cap
+    // (sustained runs clock down ~18 %); back off after the first polls.
+    if (spin > 16) __nanosleep(spin > 256 ? 256 : 64);
+    if (ptx::ld_acquire_gpu(counter) >= expected) return true;
+    if ((spin & 63u) != 0) continue;
+    if (wait.timeout_record && *reinterpret_cast<volatile int64_t*>(wait.timeout_record) != 0) return false;
+    if (ptx::globaltimer_ns() > wait.deadline_ns) {
+      gemm::report_timeout(wait, gemm::WaitSite::kCounter, which, expected);
+      return false;
+    }
+  }
+}
+
+__device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
+  ptx::fence_proxy_async_global();
+  ptx::red_release_gpu_add(counter, add);
+}
+
+// Counter arrays after the header: gather_ready, gu_done, dn_done, sgu_done, push_done, each
+// [max_blocks] (max_blocks >= ceil(T_max / 128), the shared blocks).
+__device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
+  return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
+}
+
+__device__ __forceinline__ bool wait_all(const ForwardParams& p, const Wait* waits, int n,
+                                         const gemm::WaitContext& wait) {
+  for (int i = 0; i < n; ++i)
+    if (!wait_counter(counter_of(p, waits[i]), waits[i].expected, wait,
+                      static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
+      return false;
+  return true;
+}
+
+// ---- timing ring ------------------------------------------------------------------------------
+// One writer per (block, recorder): 0 producer, 1 signaler, 2 combine thread, 3 comm.
+struct TraceWriter {
+  mokTraceEvent_t* base = nullptr;
+  int32_t cap = 0, count = 0;
+  __device__ TraceWriter(const ForwardParams& p, int recorder) {
+    if (p.trace) {
+      base = p.trace + (static_cast<int64_t>(blockIdx.x) * MOK_TRACE_RECORDERS + recorder) * p.trace_cap;
+      cap = p.trace_cap;
+    }
+  }
+  __device__ void add(mokTraceRole_t role, uint64_t begin, uint64_t end, int32_t kind, int32_t block, int32_t detail) {
+    if (base == nullptr || count >= cap) return;
+    base[count++] = mokTraceEvent_t{begin, end, static_cast<uint32_t>(role), static_cast<uint32_t>(kind), block, detail};
+  }
+};
+
+// ---- task decode ------------------------------------------------------------------------------
+__device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t task) {
+  const TaskTile t = fused::decode_task(sh.segments, sh.num_segments, sh.n_group, task);
+  return TaskInfo{t.kind, t.block, t.n_block, 0};
+}
+
+}  // namespace mok::cuda::fused
