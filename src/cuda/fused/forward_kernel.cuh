@@ -26,202 +26,24 @@
 // after the acquire.
 #pragma once
 
-#include "cuda/comm/combine_token.cuh"
 #include "cuda/comm/gather.cuh"
 #include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/roles/consumers.cuh"
+#include "cuda/fused/roles/finish.cuh"
+#include "cuda/fused/roles/producer.cuh"
+#include "cuda/fused/roles/signaler.cuh"
 
 namespace mok::cuda::fused {
 
-// ---- producer: claim tasks, wait for their inputs, issue their loads ---------------------------
-__device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardParams& p, const Geometry& g,
-                              const TaskCounts& counts, const gemm::WaitContext& wait) {
-  using C = TileConfig;
-  gemm::PipelineState<C::kStages> stage;
-  gemm::PipelineState<2> handoff;
-  TraceWriter trace(p, 0);
-  for (;;) {
-    // Claim the next task and hand it to the consumers
-    const uint64_t t_claim = ptx::globaltimer_ns();
-    const int32_t task = atomicAdd(&p.counters[static_cast<int>(Counter::kTaskNext)], 1);
-    TaskInfo info = task < sh.num_tasks ? decode_task(sh, task) : TaskInfo{static_cast<int32_t>(TaskKind::kDone), 0, 0, 0};
-    if (!gemm::wait_barrier(&sh.task_empty[handoff.index], handoff.phase ^ 1u, wait, gemm::WaitSite::kProducerEmpty, -1))
-      break;
-    sh.tasks[handoff.index] = info;
-    ptx::mbar_arrive(&sh.task_full[handoff.index]);
-    handoff.advance();
-    if (info.kind == static_cast<int32_t>(TaskKind::kDone)) break;
-    // Wait for the task's inputs, then load its tiles
-    const int32_t b = info.block;
-    Wait waits[kMaxWaits];
-    const bool ok = wait_all(p, waits, task_waits(static_cast<TaskKind>(info.kind), b, g, counts, waits), wait);
-    gemm::TileLoad load{};
-    switch (static_cast<TaskKind>(info.kind)) {
-      case TaskKind::kSharedGateUp:
-        load = gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, b * 128, info.n_block * 128, 0, p.hidden / 64};
-        break;
-      case TaskKind::kSharedDown:
-        load = gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, b * 128, info.n_block * 256, 128,
-                              p.shared_inter / 64};
-        break;
-      case TaskKind::kGateUp:
-        load = gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(b),
-                              p.block_expert[b] * p.inter + info.n_block * 128, 0, p.hidden / 64};
-        break;
-      case TaskKind::kDown:
-        load = gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(b),
-                              p.block_expert[b] * p.hidden + info.n_block * 256, 128, p.inter / 64};
-        break;
-      default:
-        break;
-    }
-    if (!ok) break;
-    ptx::fence_proxy_async_global();
-    const uint64_t t_ready = ptx::globaltimer_ns();
-    if (!gemm::produce_tile(sh.stages, stage, load, wait)) break;
-    trace.add(mokTraceProducerWait, t_claim, t_ready, info.kind, b, info.n_block);
-    trace.add(mokTraceProducerLoad, t_ready, ptx::globaltimer_ns(), info.kind, b, info.n_block);
-  }
-}
-
-// ---- consumers: MMAs and epilogues of the producer's tasks -------------------------------------
-__device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
-                              int consumer, const gemm::WaitContext& wait) {
-  using C = TileConfig;
-  const bool leader = threadIdx.x % 128 == 0;
-  gemm::PipelineState<C::kStages> stage;
-  gemm::PipelineState<2> handoff, done_state;
-  const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
-  float acc[C::kAccRegs];
-  for (;;) {
-    // Take the next task from the producer
-    if (!gemm::wait_barrier_warp(&sh.task_full[handoff.index], handoff.phase, wait, gemm::WaitSite::kConsumerFull,
-                                 -1))
-      break;
-    // NOTES: task fields through shuffles, so every branch on them is warp-uniform for ptxas.
-    TaskInfo info = sh.tasks[handoff.index];
-    info.kind = __shfl_sync(0xffffffffu, info.kind, 0);
-    info.block = __shfl_sync(0xffffffffu, info.block, 0);
-    info.n_block = __shfl_sync(0xffffffffu, info.n_block, 0);
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-    if (leader) ptx::mbar_arrive(&sh.task_empty[handoff.index]);
-    handoff.advance();
-    const TaskKind kind = static_cast<TaskKind>(info.kind);
-    if (kind == TaskKind::kDone) break;
-    const int32_t b = info.block;
-    const int32_t k_blocks = kind == TaskKind::kSharedDown ? p.shared_inter / 64
-                             : kind == TaskKind::kDown     ? p.inter / 64
-                                                           : p.hidden / 64;
-    if (!gemm::consume_tile(sh.stages, stage, k_blocks, consumer, acc, wait)) break;
-    // Epilogue, then publish the tile
-    switch (kind) {
-      case TaskKind::kSharedGateUp:
-        gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{b} * 128, p.num_tokens,
-                              int64_t{info.n_block} * 128);
-        break;
-      case TaskKind::kSharedDown:
-        gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{b} * 128, p.num_tokens,
-                             int64_t{info.n_block} * 256);
-        break;
-      case TaskKind::kGateUp:
-        gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(b), int64_t{p.ring_blocks} * 128,
-                              int64_t{info.n_block} * 128);
-        break;
-      case TaskKind::kDown:
-        if (p.push_mode) {
-          // MOK_PUSH=comm: into the block's ring rows (its x rows are dead: every gate/up tile
-          // of the block is done); the comm blocks push them home
-          gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(b), int64_t{p.ring_blocks} * 128,
-                               int64_t{info.n_block} * 256);
-        } else {
-          gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                                 p.rows + int64_t{b} * 128, p.topk, int64_t{info.n_block} * 256);
-        }
-        break;
-      default:
-        break;
-    }
-    // Hand the finished tile to the signaler (its stores ordered before the arrive)
-    ptx::fence_proxy_async_global();
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-    if (warp_in_group == 0) {
-      if (!gemm::wait_barrier_warp(&sh.done_empty[done_state.index], done_state.phase ^ 1u, wait,
-                                   gemm::WaitSite::kProducerEmpty, -2))
-        break;
-      if (leader) ptx::mbar_arrive(&sh.done_full[done_state.index]);
-    }
-    done_state.advance();
-  }
-}
-
-// ---- signaler: publish each finished tile to the global counters --------------------------------
-// NOTES: kept out of the consumer warps: a single-thread branch there makes ptxas serialise
-// every wgmma (C7518).  Chain: consumer stores -> named barrier -> done_full arrive
-// (release.cta) -> wait here (acquire.cta) -> fence + red.release.gpu (cumulative).
-__device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
-  int32_t* gu_done = p.counters + static_cast<int>(Counter::kHeader) + p.max_blocks;
-  int32_t* dn_done = gu_done + p.max_blocks;
-  int32_t* sgu_done = dn_done + p.max_blocks;
-  gemm::PipelineState<2> handoff, done_state;
-  TraceWriter trace(p, 1);
-  for (;;) {
-    if (!gemm::wait_barrier(&sh.task_full[handoff.index], handoff.phase, wait, gemm::WaitSite::kConsumerFull, -3)) return;
-    // NOTES: the tile starts when the consumers are free and the task is posted: both are
-    // true here (the signaler trails the consumers by at most the tile in flight).
-    const uint64_t t_start = ptx::globaltimer_ns();
-    const TaskInfo info = sh.tasks[handoff.index];
-    ptx::mbar_arrive(&sh.task_empty[handoff.index]);
-    handoff.advance();
-    const TaskKind kind = static_cast<TaskKind>(info.kind);
-    if (kind == TaskKind::kDone) return;
-    if (!gemm::wait_barrier(&sh.done_full[done_state.index], done_state.phase, wait, gemm::WaitSite::kConsumerFull, -4))
-      return;
-    ptx::mbar_arrive(&sh.done_empty[done_state.index]);
-    done_state.advance();
-    trace.add(mokTraceTile, t_start, ptx::globaltimer_ns(), info.kind, info.block, info.n_block);
-    int32_t* counter = kind == TaskKind::kSharedGateUp ? &sgu_done[info.block]
-                       : kind == TaskKind::kGateUp     ? &gu_done[info.block]
-                       : kind == TaskKind::kDown       ? &dn_done[info.block]
-                                                       : nullptr;
-    if (counter) {
-      __threadfence();
-      signal_counter(counter, 1);
-    }
-  }
-}
-
-// ---- end: grid barrier, then the fixed-order combine by each block's last 256 threads ---------
-// Thread 128 arrives at (and waits on) the grid barrier; the named barrier then holds the
-// other 255 combine threads until it has seen every block arrive.  Callers have ordered the
-// block's own writes before thread 128 (a block or consumer barrier).
-__device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
-  int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
-  TraceWriter trace(p, 2);
-  const uint64_t t_arrive = ptx::globaltimer_ns();
-  if (threadIdx.x == 128) {
-    __threadfence();
-    ptx::red_release_gpu_add(blocks_done, 1);
-    if (wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9999) && p.group.size > 1) {
-      // EP end barrier: every block's pushes were fenced at system scope before it arrived;
-      // block 0 tells every rank that this rank's pushes landed, then each block waits for
-      // every rank's word before combining its share of this rank's tokens.
-      const int64_t seq = *p.group.seq;
-      if (blockIdx.x == 0) ep::publish<true>(p.group, seq);
-      ep::wait_group<true>(p.group, seq, wait);
-    }
-  }
-  if (threadIdx.x < 128) return;
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-  const uint64_t t_combine = ptx::globaltimer_ns();
-  // Warp w of block b takes tokens b·8 + w, then every 8·gridDim-th.
-  const int warp = __shfl_sync(0xffffffffu, (threadIdx.x - 128) / 32, 0);
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * 8)
-    combine_token(p, t);
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-  if (threadIdx.x == 128) {
-    trace.add(mokTraceGridBarrier, t_arrive, t_combine, 255, -1, -1);
-    trace.add(mokTraceCombine, t_combine, ptx::globaltimer_ns(), 255, -1, -1);
-  }
-}
+// The role table: which threads of which block run which role (the roles' code is in
+// roles/ and ../comm/).
+//   comm blocks   blockIdx.x < p.num_comm   every thread: the comm role, then the compute roles
+//   kProducerThread                          thread 0 of warpgroup 0: claims tasks, issues loads
+//   kSignalerThread                          thread 32 of warpgroup 0: publishes finished tiles
+//   warpgroups 1, 2                          the consumers (rows [0, 64) and [64, 128) of a tile)
+inline constexpr int kProducerWarpgroup = 0;
+inline constexpr uint32_t kProducerThread = 0, kSignalerThread = 32;
+inline constexpr int kFirstConsumerWarpgroup = 1;
 
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     fused_forward_kernel(const __grid_constant__ Maps maps, const ForwardParams p) {
@@ -287,14 +109,14 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     }
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-  if (warpgroup == 0) {
+  if (warpgroup == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) produce_tasks(sh, maps, p, g, counts, wait);
-    if (threadIdx.x == 32) signal_tasks(sh, p, wait);
+    if (threadIdx.x == kProducerThread) produce_tasks(sh, maps, p, g, counts, wait);
+    if (threadIdx.x == kSignalerThread) signal_tasks(sh, p, wait);
     return;
   }
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
-  consume_tasks(sh, p, g, counts, warpgroup - 1, wait);
+  consume_tasks(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   finish_and_combine(sh, p, wait);
