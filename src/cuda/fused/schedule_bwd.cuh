@@ -1,0 +1,232 @@
+// The task list of the fused backward (plan of record: docs/design.md, "The fused backward"):
+// data computed from the plan's row count and expert ranges, identical on every block and on
+// the host, where tests/cpp/test_schedule_bwd.cpp checks it and runs a model of its protocol.
+// The kernel that executes it is the next step; nothing here runs on a GPU yet.
+//
+// Processing order: macrobatches ascending (macrobatch 0 is in the ring from the forward),
+// row blocks ascending, so position q is block q.  Block b lives in ring slot b % ring_blocks;
+// its previous occupant is b - ring_blocks.
+//
+// Task list (claimed in increasing order; a task waits only on lower-numbered tasks or on the
+// comm blocks, whose waits are on lower-numbered tasks than any task that waits on them):
+//   per minibatch p (its macrobatch M):
+//     [replay(p) when M >= 1]  [dgrad down(p)]  [dgrad gate/up(p-1)]  [wgrad of the experts
+//     whose last block in M is in minibatch p-1]
+//   and at the end of each macrobatch everything lagged is flushed, so that the readers of a
+//   ring slot's previous occupant come before the tasks of the block that overwrites it.
+// Experts without rows get their zero wgrad tiles first (no waits).
+#pragma once
+
+#include <cstdint>
+
+#include "plan/plan.hpp"
+
+namespace mok::cuda::fused::bwd {
+
+enum class TaskKind : int32_t {
+  kReplay = 0,       // h = x · [W_gate; W_up]ᵀ of a block (macrobatches >= 1)
+  kDgradDown = 1,    // da = dy · W_down[e]; epilogue: dg | du, w·a, ⟨da, a⟩ partials
+  kDgradGateUp = 2,  // dx = [dg | du] · [W_gate; W_up][e], pushed home
+  kWgradDown = 3,    // dW_down[e] += dyᵀ · (w·a) over e's rows in a macrobatch (block = expert)
+  kWgradGateUp = 4,  // [dW_gate; dW_up][e] += [dg | du]ᵀ · x                 (block = expert)
+  kDone = 5,
+};
+
+// Tiles per unit of work (from the shape and the tile engine).
+struct TaskCounts {
+  int32_t n_replay;          // 2I / BLOCK_N tiles per block
+  int32_t n_dgrad_down;      // I / BLOCK_N tiles per block
+  int32_t n_dgrad_gate_up;   // H / BLOCK_N tiles per block
+  int32_t n_wgrad_down;      // (H / 128) * (I / BLOCK_N) tiles per expert and macrobatch
+  int32_t n_wgrad_gate_up;   // (2I / 128) * (H / BLOCK_N) tiles per expert and macrobatch
+  int32_t replay_all = 0;    // recompute_forward_context: replay macrobatch 0 too
+};
+
+// Rows of the call: routed row blocks, the ring, minibatches, and each local expert's blocks
+// [expert_begin[e], expert_end[e]) (from the plan's expert_offset / 128).
+struct Geometry {
+  int32_t num_blocks, ring_blocks, minibatch_blocks, num_experts;
+  const int32_t* expert_begin;
+  const int32_t* expert_end;
+  int32_t num_macro, num_mini;
+
+  MOK_HD static Geometry make(int32_t blocks, int32_t ring, int32_t mini, int32_t experts, const int32_t* begin,
+                              const int32_t* end) {
+    Geometry g{blocks, ring, mini, experts, begin, end, 0, 0};
+    g.num_macro = static_cast<int32_t>(plan::ceil_div(blocks, ring));
+    g.num_mini = static_cast<int32_t>(plan::ceil_div(blocks, mini));
+    return g;
+  }
+  MOK_HD int32_t macro_of(int32_t b) const { return b / ring_blocks; }
+  MOK_HD int32_t previous_occupant(int32_t b) const { return b >= ring_blocks ? b - ring_blocks : -1; }
+  MOK_HD int32_t expert_of(int32_t b) const {
+    int32_t lo = 0, hi = num_experts - 1;  // the expert whose [begin, end) holds b
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) / 2;
+      if (expert_begin[mid] <= b) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+  // Blocks of expert e in macrobatch m: [lo, hi) (empty when lo >= hi).
+  MOK_HD int32_t expert_lo(int32_t e, int32_t m) const {
+    const int32_t a = expert_begin[e], b = m * ring_blocks;
+    return a > b ? a : b;
+  }
+  MOK_HD int32_t expert_hi(int32_t e, int32_t m) const {
+    const int32_t a = expert_end[e], b = (m + 1) * ring_blocks;
+    return a < b ? a : b;
+  }
+  MOK_HD bool expert_in(int32_t e, int32_t m) const { return expert_lo(e, m) < expert_hi(e, m); }
+};
+
+// Counter arrays (global memory, zeroed before the launch), each wait "counter >= expected".
+enum class CounterArray : int32_t {
+  kDyReady = 0,        // [block] dy rows gathered (expected 128)
+  kXReady = 1,         // [block] x rows gathered again (macrobatches >= 1; expected 128)
+  kReplayDone = 2,     // [block] replay tiles finished
+  kDgradDownDone = 3,  // [block] dgrad-down tiles finished
+  kDgradGateUpDone = 4,  // [block] dgrad gate/up tiles finished
+  kExpertDgradDone = 5,  // [expert * num_macro + macro] dgrad-down tiles of the expert's blocks in it
+  kWgradDone = 6,        // [expert * num_macro + macro] wgrad tiles (both kinds) finished
+  kNumArrays = 7,
+};
+struct Wait {
+  CounterArray array;
+  int32_t index;
+  int32_t expected;
+};
+inline constexpr int kMaxWaits = 3;
+
+MOK_HD bool replays(const Geometry& g, const TaskCounts& c, int32_t b) { return c.replay_all || g.macro_of(b) >= 1; }
+MOK_HD int32_t wgrad_tiles(const TaskCounts& c) { return c.n_wgrad_down + c.n_wgrad_gate_up; }
+
+// What a task waits on.  `unit` is the row block, or the expert for the wgrad kinds (with
+// `macro` its macrobatch, -1 for an expert without rows: zero tiles, no waits).
+MOK_HD int task_waits(TaskKind kind, int32_t unit, int32_t macro, const Geometry& g, const TaskCounts& c, Wait* out) {
+  switch (kind) {
+    case TaskKind::kReplay:
+      out[0] = Wait{CounterArray::kXReady, unit, 128};
+      return 1;
+    case TaskKind::kDgradDown: {
+      out[0] = Wait{CounterArray::kDyReady, unit, 128};
+      if (!replays(g, c, unit)) return 1;
+      out[1] = Wait{CounterArray::kReplayDone, unit, c.n_replay};
+      return 2;
+    }
+    case TaskKind::kDgradGateUp:
+      out[0] = Wait{CounterArray::kDgradDownDone, unit, c.n_dgrad_down};
+      return 1;
+    case TaskKind::kWgradDown:
+    case TaskKind::kWgradGateUp: {
+      if (macro < 0) return 0;
+      const int32_t blocks = g.expert_hi(unit, macro) - g.expert_lo(unit, macro);
+      out[0] = Wait{CounterArray::kExpertDgradDone, unit * g.num_macro + macro, blocks * c.n_dgrad_down};
+      // The fp32 accumulator: the expert's previous macrobatch (its rows are contiguous, so
+      // that is macro - 1 when it has rows there) finished all its wgrad tiles
+      if (macro == 0 || !g.expert_in(unit, macro - 1)) return 1;
+      out[1] = Wait{CounterArray::kWgradDone, unit * g.num_macro + macro - 1, wgrad_tiles(c)};
+      return 2;
+    }
+    default:
+      return 0;
+  }
+}
+
+// The comm blocks' wait before gathering block b (dy rows, and x rows when it replays): every
+// reader of its ring slot's previous occupant finished (dgrad down reads dy and h, dgrad
+// gate/up reads dg | du, the wgrad tiles read dy, w·a, dg | du and x).
+MOK_HD int gather_waits(int32_t b, const Geometry& g, const TaskCounts& c, Wait* out) {
+  const int32_t prev = g.previous_occupant(b);
+  if (prev < 0) return 0;
+  const int32_t e = g.expert_of(prev);
+  out[0] = Wait{CounterArray::kDgradDownDone, prev, c.n_dgrad_down};
+  out[1] = Wait{CounterArray::kDgradGateUpDone, prev, c.n_dgrad_gate_up};
+  out[2] = Wait{CounterArray::kWgradDone, e * g.num_macro + g.macro_of(prev), wgrad_tiles(c)};
+  return 3;
+}
+
+// Segment = tiles of one kind over a range of row blocks (or one expert in one macrobatch).
+struct Segment {
+  int32_t kind;        // TaskKind
+  int32_t first;       // first row block, or the expert
+  int32_t count;       // row blocks (1 for an expert)
+  int32_t num_n;       // tiles per row block (per expert for wgrad)
+  int32_t macro;       // wgrad: the macrobatch, -1 for an expert without rows
+  int32_t first_task;
+};
+
+// Most segments a call can need: per minibatch three block segments, per (expert, macrobatch)
+// pair two wgrad segments (an expert spans at most num_macro of them, and the pairs number at
+// most E + num_macro - 1), plus the zero tiles of empty experts.
+MOK_HD int32_t max_segments(const Geometry& g) { return 3 * g.num_mini + 2 * (2 * g.num_experts + g.num_macro); }
+
+// Writes the segment table; returns the number of segments (*num_tasks gets the task count).
+MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
+  int n = 0;
+  int32_t task = 0;
+  auto push = [&](TaskKind kind, int32_t first, int32_t count, int32_t num_n, int32_t macro) {
+    if (count <= 0 || num_n <= 0) return;
+    seg[n++] = Segment{static_cast<int32_t>(kind), first, count, num_n, macro, task};
+    task += count * num_n;
+  };
+  auto mini_range = [&](int32_t p, int32_t* lo, int32_t* hi) {
+    *lo = p * g.minibatch_blocks;
+    *hi = *lo + g.minibatch_blocks < g.num_blocks ? *lo + g.minibatch_blocks : g.num_blocks;
+  };
+  // Experts without rows: zero tiles, first
+  for (int32_t e = 0; e < g.num_experts; ++e)
+    if (g.expert_begin[e] >= g.expert_end[e]) {
+      push(TaskKind::kWgradDown, e, 1, c.n_wgrad_down, -1);
+      push(TaskKind::kWgradGateUp, e, 1, c.n_wgrad_gate_up, -1);
+    }
+  // The wgrad tiles of the experts whose last block in macrobatch m lies in [lo, hi)
+  auto wgrad_ending_in = [&](int32_t m, int32_t lo, int32_t hi) {
+    for (int32_t e = 0; e < g.num_experts; ++e) {
+      if (!g.expert_in(e, m)) continue;
+      const int32_t last = g.expert_hi(e, m) - 1;
+      if (last < lo || last >= hi) continue;
+      push(TaskKind::kWgradDown, e, 1, c.n_wgrad_down, m);
+      push(TaskKind::kWgradGateUp, e, 1, c.n_wgrad_gate_up, m);
+    }
+  };
+  int32_t lag = -1;  // the minibatch whose dgrad gate/up and wgrad tiles are not emitted yet
+  auto flush = [&]() {
+    if (lag < 0) return;
+    int32_t lo, hi;
+    mini_range(lag, &lo, &hi);
+    push(TaskKind::kDgradGateUp, lo, hi - lo, c.n_dgrad_gate_up, 0);
+    wgrad_ending_in(g.macro_of(lo), lo, hi);
+    lag = -1;
+  };
+  for (int32_t p = 0; p < g.num_mini; ++p) {
+    int32_t lo, hi;
+    mini_range(p, &lo, &hi);
+    // A new macrobatch overwrites the ring slots of the previous one: its readers first
+    if (lag >= 0 && g.macro_of(lag * g.minibatch_blocks) != g.macro_of(lo)) flush();
+    if (replays(g, c, lo)) push(TaskKind::kReplay, lo, hi - lo, c.n_replay, 0);
+    push(TaskKind::kDgradDown, lo, hi - lo, c.n_dgrad_down, 0);
+    flush();
+    lag = p;
+  }
+  flush();
+  *num_tasks = task;
+  return n;
+}
+
+// Task index -> (kind, unit, n, macro): the segment by binary search, then the tile in it
+// (row-block-major, as the forward's segments without the N-group raster).
+struct TaskTile {
+  int32_t kind, unit, n, macro;
+};
+MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task) {
+  int lo = 0, hi = num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (seg[mid].first_task <= task) lo = mid; else hi = mid - 1;
+  }
+  const Segment& s = seg[lo];
+  const int32_t local = task - s.first_task;
+  return TaskTile{s.kind, s.first + local / s.num_n, local % s.num_n, s.macro};
+}
+
+}  // namespace mok::cuda::fused::bwd

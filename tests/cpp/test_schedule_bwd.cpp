@@ -1,0 +1,305 @@
+// The fused backward's task list (src/cuda/fused/schedule_bwd.cuh) on the host: every tile
+// once, every wait on lower-numbered tasks (or on comm gathers whose own waits are lower
+// still), and a model of the protocol (compute blocks claiming tasks in order, comm blocks
+// gathering their row blocks in order) that must finish under random interleavings.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cuda/fused/schedule_bwd.cuh"
+
+namespace mok::cuda::fused::bwd {
+namespace {
+
+uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+// A call's rows: each local expert's block count, laid end to end.
+struct Case {
+  std::vector<int32_t> blocks_per_expert;
+  int32_t ring_blocks, mini_blocks;
+  TaskCounts c;
+  std::vector<int32_t> begin, end;
+  int32_t num_blocks = 0;
+
+  Case(std::vector<int32_t> per_expert, int32_t ring, int32_t mini, TaskCounts counts)
+      : blocks_per_expert(std::move(per_expert)), ring_blocks(ring), mini_blocks(mini), c(counts) {
+    for (int32_t n : blocks_per_expert) {
+      begin.push_back(num_blocks);
+      num_blocks += n;
+      end.push_back(num_blocks);
+    }
+  }
+  Geometry geometry() const {
+    return Geometry::make(num_blocks, ring_blocks, mini_blocks, static_cast<int32_t>(begin.size()), begin.data(),
+                          end.data());
+  }
+  std::string name() const {
+    return "blocks=" + std::to_string(num_blocks) + " experts=" + std::to_string(begin.size()) +
+           " ring=" + std::to_string(ring_blocks) + " mini=" + std::to_string(mini_blocks) +
+           " replay_all=" + std::to_string(c.replay_all);
+  }
+};
+
+struct Expanded {
+  std::vector<Segment> seg;
+  int32_t num_tasks = 0;
+  std::vector<TaskTile> tiles;  // by task index
+};
+
+Expanded expand(const Geometry& g, const TaskCounts& c) {
+  Expanded x;
+  x.seg.resize(static_cast<size_t>(max_segments(g)));
+  const int n = build_segments(g, c, x.seg.data(), &x.num_tasks);
+  EXPECT_LE(n, max_segments(g));
+  x.seg.resize(static_cast<size_t>(n));
+  for (int32_t t = 0; t < x.num_tasks; ++t) x.tiles.push_back(decode_task(x.seg.data(), n, t));
+  return x;
+}
+
+// The counters a finished tile adds to: (array, index) pairs.
+std::vector<std::pair<CounterArray, int32_t>> signals(const TaskTile& t, const Geometry& g) {
+  switch (static_cast<TaskKind>(t.kind)) {
+    case TaskKind::kReplay: return {{CounterArray::kReplayDone, t.unit}};
+    case TaskKind::kDgradDown:
+      return {{CounterArray::kDgradDownDone, t.unit},
+              {CounterArray::kExpertDgradDone, g.expert_of(t.unit) * g.num_macro + g.macro_of(t.unit)}};
+    case TaskKind::kDgradGateUp: return {{CounterArray::kDgradGateUpDone, t.unit}};
+    default:
+      if (t.macro < 0) return {};
+      return {{CounterArray::kWgradDone, t.unit * g.num_macro + t.macro}};
+  }
+}
+
+void check_list(const Case& k) {
+  SCOPED_TRACE(k.name());
+  const Geometry g = k.geometry();
+  const TaskCounts& c = k.c;
+  const Expanded x = expand(g, c);
+  // Every tile once
+  std::set<std::tuple<int32_t, int32_t, int32_t, int32_t>> seen;
+  for (const TaskTile& t : x.tiles) ASSERT_TRUE(seen.insert({t.kind, t.unit, t.n, t.macro}).second) << "tile twice";
+  int64_t want = int64_t{g.num_blocks} * (c.n_dgrad_down + c.n_dgrad_gate_up);
+  for (int32_t b = 0; b < g.num_blocks; ++b) want += replays(g, c, b) ? c.n_replay : 0;
+  for (int32_t e = 0; e < g.num_experts; ++e) {
+    int32_t pairs = 0;
+    for (int32_t m = 0; m < g.num_macro; ++m) pairs += g.expert_in(e, m);
+    want += int64_t{pairs == 0 ? 1 : pairs} * wgrad_tiles(c);
+  }
+  ASSERT_EQ(x.num_tasks, want);
+  // Which tasks signal each counter, and the first task that waits on each gather
+  std::map<std::pair<int, int32_t>, std::vector<int32_t>> signalers;
+  std::map<int32_t, int32_t> first_waiter_on_gather;
+  for (int32_t t = 0; t < x.num_tasks; ++t)
+    for (const auto& s : signals(x.tiles[static_cast<size_t>(t)], g))
+      signalers[{static_cast<int>(s.first), s.second}].push_back(t);
+  // Waits point at lower-numbered tasks, and expect exactly what their signalers add
+  for (int32_t t = 0; t < x.num_tasks; ++t) {
+    const TaskTile& tile = x.tiles[static_cast<size_t>(t)];
+    Wait w[kMaxWaits];
+    const int n = task_waits(static_cast<TaskKind>(tile.kind), tile.unit, tile.macro, g, c, w);
+    for (int i = 0; i < n; ++i) {
+      if (w[i].array == CounterArray::kDyReady || w[i].array == CounterArray::kXReady) {
+        first_waiter_on_gather.emplace(w[i].index, t);
+        continue;
+      }
+      const auto& who = signalers[{static_cast<int>(w[i].array), w[i].index}];
+      ASSERT_EQ(static_cast<int32_t>(who.size()), w[i].expected)
+          << "task " << t << " kind " << tile.kind << " waits on array " << static_cast<int>(w[i].array) << "["
+          << w[i].index << "]";
+      for (int32_t s : who) ASSERT_LT(s, t) << "task " << t << " waits on a later task " << s;
+    }
+  }
+  // The fp32 accumulator: a wgrad tile of an expert that had rows in the previous macrobatch
+  // waits for all of that macrobatch's wgrad tiles (ascending order of the sums)
+  for (int32_t t = 0; t < x.num_tasks; ++t) {
+    const TaskTile& tile = x.tiles[static_cast<size_t>(t)];
+    const TaskKind kind = static_cast<TaskKind>(tile.kind);
+    if ((kind != TaskKind::kWgradDown && kind != TaskKind::kWgradGateUp) || tile.macro < 1 ||
+        !g.expert_in(tile.unit, tile.macro - 1))
+      continue;
+    Wait w[kMaxWaits];
+    const int n = task_waits(kind, tile.unit, tile.macro, g, c, w);
+    bool found = false;
+    for (int i = 0; i < n; ++i)
+      found |= w[i].array == CounterArray::kWgradDone && w[i].index == tile.unit * g.num_macro + tile.macro - 1 &&
+               w[i].expected == wgrad_tiles(c);
+    ASSERT_TRUE(found) << "wgrad of expert " << tile.unit << " in macrobatch " << tile.macro
+                       << " does not wait for its accumulator's previous macrobatch";
+  }
+  // A gather's waits point at tasks below every task that waits on that gather
+  for (int32_t b = 0; b < g.num_blocks; ++b) {
+    Wait w[kMaxWaits];
+    const int n = gather_waits(b, g, c, w);
+    const auto it = first_waiter_on_gather.find(b);
+    ASSERT_NE(it, first_waiter_on_gather.end()) << "nothing waits on the gather of block " << b;
+    for (int i = 0; i < n; ++i) {
+      const auto& who = signalers[{static_cast<int>(w[i].array), w[i].index}];
+      ASSERT_EQ(static_cast<int32_t>(who.size()), w[i].expected) << "gather " << b << " array " << static_cast<int>(w[i].array);
+      for (int32_t s : who) ASSERT_LT(s, it->second) << "gather " << b << " waits on task " << s;
+    }
+  }
+}
+
+// Compute blocks claim tasks in order and hold at most one claimed-but-waiting and one
+// computing; comm blocks gather their row blocks (b = index, index + num_comm, ...) in
+// order.  Random interleavings must always finish.
+bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std::string* why) {
+  const Geometry g = k.geometry();
+  const Expanded x = expand(g, k.c);
+  std::vector<std::vector<int32_t>> counters(static_cast<size_t>(CounterArray::kNumArrays));
+  const size_t width = static_cast<size_t>(std::max<int32_t>(g.num_blocks, g.num_experts * std::max(g.num_macro, 1)) + 1);
+  for (auto& v : counters) v.assign(width, 0);
+  auto ready = [&](const Wait* w, int n) {
+    for (int i = 0; i < n; ++i)
+      if (counters[static_cast<size_t>(w[i].array)][static_cast<size_t>(w[i].index)] < w[i].expected) return false;
+    return true;
+  };
+  struct Compute {
+    int32_t pending = -1, computing = -1;
+    int64_t busy_until = 0;  // a slow block: its tile finishes no earlier than this step
+  };
+  std::vector<Compute> compute(static_cast<size_t>(num_compute));
+  std::vector<int32_t> comm_next(static_cast<size_t>(num_comm), 0);
+  int32_t next_task = 0, finished = 0;
+  // The fp32 accumulator of a wgrad tile (kind, expert, n) is read and written by its
+  // macrobatches in ascending order: the last macrobatch that finished it
+  std::map<std::tuple<int32_t, int32_t, int32_t>, int32_t> acc_last;
+  auto wgrad = [](const TaskTile& t) {
+    return static_cast<TaskKind>(t.kind) == TaskKind::kWgradDown || static_cast<TaskKind>(t.kind) == TaskKind::kWgradGateUp;
+  };
+  std::mt19937_64 rng(seed);
+  for (int64_t steps = 0; steps < 20000000 && finished < x.num_tasks; ++steps) {
+    std::vector<int> actors(static_cast<size_t>(num_compute + num_comm));
+    std::iota(actors.begin(), actors.end(), 0);
+    std::shuffle(actors.begin(), actors.end(), rng);
+    bool progressed = false;
+    for (int a : actors) {
+      if (a < num_compute) {
+        Compute& cb = compute[static_cast<size_t>(a)];
+        std::vector<int> moves;
+        if (cb.pending < 0 && next_task < x.num_tasks) moves.push_back(0);
+        if (cb.pending >= 0 && cb.computing < 0) {
+          const TaskTile& t = x.tiles[static_cast<size_t>(cb.pending)];
+          Wait w[kMaxWaits];
+          if (ready(w, task_waits(static_cast<TaskKind>(t.kind), t.unit, t.macro, g, k.c, w))) moves.push_back(1);
+        }
+        if (cb.computing >= 0 && steps >= cb.busy_until) moves.push_back(2);
+        if (moves.empty()) continue;
+        const int move = moves[rng() % moves.size()];
+        if (move == 0) {
+          cb.pending = next_task++;
+        } else if (move == 1) {
+          const TaskTile& t = x.tiles[static_cast<size_t>(cb.pending)];
+          if (wgrad(t) && t.macro >= 1 && g.expert_in(t.unit, t.macro - 1)) {
+            const auto it = acc_last.find({t.kind, t.unit, t.n});
+            if (it == acc_last.end() || it->second != t.macro - 1) {
+              *why = "wgrad tile of expert " + std::to_string(t.unit) + " in macrobatch " + std::to_string(t.macro) +
+                     " started before its accumulator's previous macrobatch finished";
+              return false;
+            }
+          }
+          cb.computing = cb.pending;
+          cb.pending = -1;
+          // Now and then a block is slow (preempted, clocked down): adversarial schedules
+          if (rng() % 8 == 0) cb.busy_until = steps + static_cast<int64_t>(rng() % 4000);
+        } else {
+          const TaskTile& t = x.tiles[static_cast<size_t>(cb.computing)];
+          if (wgrad(t) && t.macro >= 0) acc_last[{t.kind, t.unit, t.n}] = t.macro;
+          for (const auto& s : signals(t, g))
+            ++counters[static_cast<size_t>(s.first)][static_cast<size_t>(s.second)];
+          cb.computing = -1;
+          ++finished;
+        }
+        progressed = true;
+      } else {
+        const int i = a - num_compute;
+        const int32_t b = i + comm_next[static_cast<size_t>(i)] * num_comm;
+        if (b >= g.num_blocks) continue;
+        Wait w[kMaxWaits];
+        if (!ready(w, gather_waits(b, g, k.c, w))) continue;
+        counters[static_cast<size_t>(CounterArray::kDyReady)][static_cast<size_t>(b)] = 128;
+        if (replays(g, k.c, b)) counters[static_cast<size_t>(CounterArray::kXReady)][static_cast<size_t>(b)] = 128;
+        ++comm_next[static_cast<size_t>(i)];
+        progressed = true;
+      }
+    }
+    bool waiting_on_slow = false;
+    for (const Compute& cb : compute) waiting_on_slow |= cb.computing >= 0 && steps < cb.busy_until;
+    if (!progressed && !waiting_on_slow) {
+      *why = "deadlock after " + std::to_string(finished) + " of " + std::to_string(x.num_tasks) + " tasks";
+      return false;
+    }
+  }
+  if (finished < x.num_tasks) {
+    *why = "did not finish";
+    return false;
+  }
+  return true;
+}
+
+const TaskCounts kDsv3Like{16, 8, 28, 56 * 8, 32 * 28, 0};  // 128 x 256 tiles, H = 7168, I = 2048
+const TaskCounts kSmall{2, 1, 2, 3, 4, 0};
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (TaskCounts c : {kDsv3Like, kSmall}) {
+    for (int replay_all : {0, 1}) {
+      c.replay_all = replay_all;
+      out.emplace_back(std::vector<int32_t>(16, 17), 128, 8, c);                // dsv3: one macrobatch
+      out.emplace_back(std::vector<int32_t>(16, 17), 16, 8, c);                 // experts span macrobatches
+      out.emplace_back(std::vector<int32_t>{0, 40, 0, 1, 3, 0, 22}, 8, 4, c);   // empty and 1-block experts
+      out.emplace_back(std::vector<int32_t>{64}, 8, 2, c);                      // one hot expert
+      out.emplace_back(std::vector<int32_t>{0, 0, 0}, 4, 2, c);                 // no rows at all
+      out.emplace_back(std::vector<int32_t>{1}, 1, 1, c);
+    }
+  }
+  return out;
+}
+
+TEST(BackwardSchedule, CoversEveryTileAndWaitsOnlyBackwards) {
+  for (const Case& k : cases()) check_list(k);
+  // Random expert sizes
+  std::mt19937_64 rng(fresh_seed());
+  for (int trial = 0; trial < 30; ++trial) {
+    std::vector<int32_t> per(static_cast<size_t>(1 + rng() % 12));
+    for (auto& n : per) n = static_cast<int32_t>(rng() % 4 == 0 ? 0 : rng() % 20);
+    const int32_t mini = static_cast<int32_t>(1 + rng() % 4), ring = mini * static_cast<int32_t>(1 + rng() % 4);
+    check_list(Case(per, ring, mini, kSmall));
+  }
+}
+
+TEST(BackwardSchedule, ProtocolModelFinishesUnderRandomInterleavings) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (const Case& k : cases()) {
+    if (k.c.n_wgrad_down > 100 && k.num_blocks > 100) continue;  // the dsv3-sized lists: list checks only
+    for (int rep = 0; rep < 5; ++rep) {
+      std::string why;
+      const int compute = static_cast<int>(1 + rng() % 6), comm = static_cast<int>(1 + rng() % 3);
+      ASSERT_TRUE(run_model(k, compute, comm, rng(), &why)) << k.name() << " compute=" << compute << " comm=" << comm << ": " << why;
+    }
+  }
+  for (int trial = 0; trial < 40; ++trial) {
+    std::vector<int32_t> per(static_cast<size_t>(1 + rng() % 8));
+    for (auto& n : per) n = static_cast<int32_t>(rng() % 4 == 0 ? 0 : rng() % 12);
+    const int32_t mini = static_cast<int32_t>(1 + rng() % 3), ring = mini * static_cast<int32_t>(1 + rng() % 3);
+    const Case k(per, ring, mini, kSmall);
+    std::string why;
+    ASSERT_TRUE(run_model(k, static_cast<int>(1 + rng() % 4), static_cast<int>(1 + rng() % 3), rng(), &why))
+        << k.name() << ": " << why;
+  }
+}
+
+}  // namespace
+}  // namespace mok::cuda::fused::bwd
