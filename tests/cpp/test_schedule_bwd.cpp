@@ -67,13 +67,19 @@ Expanded expand(const Geometry& g, const TaskCounts& c) {
 }
 
 // The counters a finished tile adds to: (array, index) pairs.
-std::vector<std::pair<CounterArray, int32_t>> signals(const TaskTile& t, const Geometry& g) {
+std::vector<std::pair<CounterArray, int32_t>> signals(const TaskTile& t, const Geometry& g, int32_t shared_total) {
   switch (static_cast<TaskKind>(t.kind)) {
     case TaskKind::kReplay: return {{CounterArray::kReplayDone, t.unit}};
     case TaskKind::kDgradDown:
       return {{CounterArray::kDgradDownDone, t.unit},
               {CounterArray::kExpertDgradDone, g.expert_of(t.unit) * g.num_macro + g.macro_of(t.unit)}};
     case TaskKind::kDgradGateUp: return {{CounterArray::kDgradGateUpDone, t.unit}};
+    case TaskKind::kSharedReplay: return {{CounterArray::kSharedReplayDone, t.unit}};
+    case TaskKind::kSharedDgradDown:
+      return {{CounterArray::kSharedDgradDownDone, t.unit}, {CounterArray::kSharedDgradDownDone, shared_total}};
+    case TaskKind::kSharedDgradGateUp:
+    case TaskKind::kSharedWgradDown:
+    case TaskKind::kSharedWgradGateUp: return {};
     default:
       if (t.macro < 0) return {};
       return {{CounterArray::kWgradDone, t.unit * g.num_macro + t.macro}};
@@ -88,7 +94,9 @@ void check_list(const Case& k) {
   // Every tile once
   std::set<std::tuple<int32_t, int32_t, int32_t, int32_t>> seen;
   for (const TaskTile& t : x.tiles) ASSERT_TRUE(seen.insert({t.kind, t.unit, t.n, t.macro}).second) << "tile twice";
-  int64_t want = int64_t{g.num_blocks} * (c.n_dgrad_down + c.n_dgrad_gate_up);
+  int64_t want = int64_t{g.num_blocks} * (c.n_dgrad_down + c.n_dgrad_gate_up) +
+                 int64_t{c.shared_blocks} * (c.n_shared_replay + c.n_shared_dgrad_down + c.n_shared_dgrad_gate_up) +
+                 (c.shared_blocks > 0 ? c.n_shared_wgrad_down + c.n_shared_wgrad_gate_up : 0);
   for (int32_t b = 0; b < g.num_blocks; ++b) want += replays(g, c, b) ? c.n_replay : 0;
   for (int32_t e = 0; e < g.num_experts; ++e) {
     int32_t pairs = 0;
@@ -100,7 +108,7 @@ void check_list(const Case& k) {
   std::map<std::pair<int, int32_t>, std::vector<int32_t>> signalers;
   std::map<int32_t, int32_t> first_waiter_on_gather;
   for (int32_t t = 0; t < x.num_tasks; ++t)
-    for (const auto& s : signals(x.tiles[static_cast<size_t>(t)], g))
+    for (const auto& s : signals(x.tiles[static_cast<size_t>(t)], g, c.shared_blocks))
       signalers[{static_cast<int>(s.first), s.second}].push_back(t);
   // Waits point at lower-numbered tasks, and expect exactly what their signalers add
   for (int32_t t = 0; t < x.num_tasks; ++t) {
@@ -157,7 +165,8 @@ bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std:
   const Geometry g = k.geometry();
   const Expanded x = expand(g, k.c);
   std::vector<std::vector<int32_t>> counters(static_cast<size_t>(CounterArray::kNumArrays));
-  const size_t width = static_cast<size_t>(std::max<int32_t>(g.num_blocks, g.num_experts * std::max(g.num_macro, 1)) + 1);
+  const size_t width = static_cast<size_t>(
+      std::max<int32_t>({g.num_blocks, g.num_experts * std::max(g.num_macro, 1), k.c.shared_blocks}) + 1);
   for (auto& v : counters) v.assign(width, 0);
   auto ready = [&](const Wait* w, int n) {
     for (int i = 0; i < n; ++i)
@@ -215,7 +224,7 @@ bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std:
         } else {
           const TaskTile& t = x.tiles[static_cast<size_t>(cb.computing)];
           if (wgrad(t) && t.macro >= 0) acc_last[{t.kind, t.unit, t.n}] = t.macro;
-          for (const auto& s : signals(t, g))
+          for (const auto& s : signals(t, g, k.c.shared_blocks))
             ++counters[static_cast<size_t>(s.first)][static_cast<size_t>(s.second)];
           cb.computing = -1;
           ++finished;
@@ -249,10 +258,13 @@ bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std:
 
 const TaskCounts kDsv3Like{16, 8, 28, 56 * 8, 32 * 28, 0};  // 128 x 256 tiles, H = 7168, I = 2048
 const TaskCounts kSmall{2, 1, 2, 3, 4, 0};
+// With a shared expert over 5 token blocks (replayed, or its h kept by the forward)
+const TaskCounts kSmallShared{2, 1, 2, 3, 4, 0, 5, 2, 1, 2, 3, 4};
+const TaskCounts kSmallSharedKept{2, 1, 2, 3, 4, 0, 5, 0, 1, 2, 3, 4};
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  for (TaskCounts c : {kDsv3Like, kSmall}) {
+  for (TaskCounts c : {kDsv3Like, kSmall, kSmallShared, kSmallSharedKept}) {
     for (int replay_all : {0, 1}) {
       c.replay_all = replay_all;
       out.emplace_back(std::vector<int32_t>(16, 17), 128, 8, c);                // dsv3: one macrobatch

@@ -14,7 +14,8 @@
 //     whose last block in M is in minibatch p-1]
 //   and at the end of each macrobatch everything lagged is flushed, so that the readers of a
 //   ring slot's previous occupant come before the tasks of the block that overwrites it.
-// Experts without rows get their zero wgrad tiles first (no waits).
+// The shared expert's tasks come first (its rows are the rank's own tokens: no gather, the
+// comm blocks' pulls start meanwhile), then the zero wgrad tiles of experts without rows.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,13 @@ enum class TaskKind : int32_t {
   kDgradGateUp = 2,  // dx = [dg | du] · [W_gate; W_up][e], pushed home
   kWgradDown = 3,    // dW_down[e] += dyᵀ · (w·a) over e's rows in a macrobatch (block = expert)
   kWgradGateUp = 4,  // [dW_gate; dW_up][e] += [dg | du]ᵀ · x                 (block = expert)
-  kDone = 5,
+  // The shared expert over the rank's tokens (unit = a 128-token block; its wgrad: unit 0)
+  kSharedReplay = 5,      // h_s = x · [Ws_gate; Ws_up]ᵀ (unless the forward kept it)
+  kSharedDgradDown = 6,   // da_s = dy · Ws_down; epilogue: dg_s | du_s (weight 1)
+  kSharedDgradGateUp = 7, // dx_s = [dg_s | du_s] · [Ws_gate; Ws_up], for the combine
+  kSharedWgradDown = 8,   // dWs_down += dyᵀ · a_s over every token
+  kSharedWgradGateUp = 9, // [dWs_gate; dWs_up] += [dg_s | du_s]ᵀ · x
+  kDone = 10,
 };
 
 // Tiles per unit of work (from the shape and the tile engine).
@@ -40,6 +47,9 @@ struct TaskCounts {
   int32_t n_wgrad_down;      // (H / 128) * (I / BLOCK_N) tiles per expert and macrobatch
   int32_t n_wgrad_gate_up;   // (2I / 128) * (H / BLOCK_N) tiles per expert and macrobatch
   int32_t replay_all = 0;    // recompute_forward_context: replay macrobatch 0 too
+  // The shared expert (0 tiles: none): per 128-token block, and its wgrad tiles
+  int32_t shared_blocks = 0, n_shared_replay = 0, n_shared_dgrad_down = 0, n_shared_dgrad_gate_up = 0;
+  int32_t n_shared_wgrad_down = 0, n_shared_wgrad_gate_up = 0;
 };
 
 // Rows of the call: routed row blocks, the ring, minibatches, and each local expert's blocks
@@ -88,7 +98,9 @@ enum class CounterArray : int32_t {
   kDgradGateUpDone = 4,  // [block] dgrad gate/up tiles finished
   kExpertDgradDone = 5,  // [expert * num_macro + macro] dgrad-down tiles of the expert's blocks in it
   kWgradDone = 6,        // [expert * num_macro + macro] wgrad tiles (both kinds) finished
-  kNumArrays = 7,
+  kSharedReplayDone = 7,     // [token block] shared replay tiles finished
+  kSharedDgradDownDone = 8,  // [token block] shared dgrad-down tiles finished; [shared_blocks]: all of them
+  kNumArrays = 9,
 };
 struct Wait {
   CounterArray array;
@@ -115,6 +127,18 @@ MOK_HD int task_waits(TaskKind kind, int32_t unit, int32_t macro, const Geometry
     }
     case TaskKind::kDgradGateUp:
       out[0] = Wait{CounterArray::kDgradDownDone, unit, c.n_dgrad_down};
+      return 1;
+    case TaskKind::kSharedDgradDown:
+      if (c.n_shared_replay == 0) return 0;
+      out[0] = Wait{CounterArray::kSharedReplayDone, unit, c.n_shared_replay};
+      return 1;
+    case TaskKind::kSharedDgradGateUp:
+      out[0] = Wait{CounterArray::kSharedDgradDownDone, unit, c.n_shared_dgrad_down};
+      return 1;
+    case TaskKind::kSharedWgradDown:
+    case TaskKind::kSharedWgradGateUp:
+      // Every token block's dg_s | du_s (and a_s): the running total past the last block
+      out[0] = Wait{CounterArray::kSharedDgradDownDone, c.shared_blocks, c.shared_blocks * c.n_shared_dgrad_down};
       return 1;
     case TaskKind::kWgradDown:
     case TaskKind::kWgradGateUp: {
@@ -158,7 +182,7 @@ struct Segment {
 // Most segments a call can need: per minibatch three block segments, per (expert, macrobatch)
 // pair two wgrad segments (an expert spans at most num_macro of them, and the pairs number at
 // most E + num_macro - 1), plus the zero tiles of empty experts.
-MOK_HD int32_t max_segments(const Geometry& g) { return 3 * g.num_mini + 2 * (2 * g.num_experts + g.num_macro); }
+MOK_HD int32_t max_segments(const Geometry& g) { return 3 * g.num_mini + 2 * (2 * g.num_experts + g.num_macro) + 5; }
 
 // Writes the segment table; returns the number of segments (*num_tasks gets the task count).
 MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
@@ -173,7 +197,15 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     *lo = p * g.minibatch_blocks;
     *hi = *lo + g.minibatch_blocks < g.num_blocks ? *lo + g.minibatch_blocks : g.num_blocks;
   };
-  // Experts without rows: zero tiles, first
+  // The shared expert, first: replay, dgrad down, dgrad gate/up over its token blocks, its wgrad
+  if (c.shared_blocks > 0) {
+    push(TaskKind::kSharedReplay, 0, c.shared_blocks, c.n_shared_replay, 0);
+    push(TaskKind::kSharedDgradDown, 0, c.shared_blocks, c.n_shared_dgrad_down, 0);
+    push(TaskKind::kSharedDgradGateUp, 0, c.shared_blocks, c.n_shared_dgrad_gate_up, 0);
+    push(TaskKind::kSharedWgradDown, 0, 1, c.n_shared_wgrad_down, 0);
+    push(TaskKind::kSharedWgradGateUp, 0, 1, c.n_shared_wgrad_gate_up, 0);
+  }
+  // Experts without rows: zero tiles
   for (int32_t e = 0; e < g.num_experts; ++e)
     if (g.expert_begin[e] >= g.expert_end[e]) {
       push(TaskKind::kWgradDown, e, 1, c.n_wgrad_down, -1);
