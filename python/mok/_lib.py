@@ -78,12 +78,18 @@ class mokConfig(ctypes.Structure):
     )
 
 
+_default_config: Optional[mokConfig] = None
+
+
 def default_config() -> mokConfig:
-    """A mokConfig equal to MOK_CONFIG_INITIALIZER, as the loaded library was compiled with it
-    (mokGetDefaultConfig): the defaults are written once, in mok.h."""
-    config = mokConfig()
-    check(lib.mokGetDefaultConfig(ctypes.byref(config)))
-    return config
+    """A fresh mokConfig equal to MOK_CONFIG_INITIALIZER, as the loaded library was compiled
+    with it (mokGetDefaultConfig, asked once): the defaults are written once, in mok.h."""
+    global _default_config
+    if _default_config is None:
+        config = mokConfig()
+        check(lib.mokGetDefaultConfig(ctypes.byref(config)))
+        _default_config = config
+    return mokConfig.from_buffer_copy(_default_config)
 
 
 def config_defaults() -> dict:

@@ -14,58 +14,12 @@
 
 namespace mok::gemm {
 
-GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate, const void* w_up,
-                             int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
-                             void* out) {
-  GroupedGemmArgs g;
-  g.a = a;
-  g.a_rows = a_rows;
-  g.k = hidden;
-  g.b0 = w_gate;
-  g.b1 = w_up;
-  g.num_experts = num_experts;
-  g.b_rows_per_expert = inter;
-  g.b_n_step = 128;
-  g.b_half_offset = 0;
-  g.num_n_blocks = static_cast<int32_t>(inter / 128);
-  g.block_expert = block_expert;
-  g.max_m_blocks = max_m_blocks;
-  g.epilogue = static_cast<int32_t>(Epilogue::kSwiGLU);
-  g.out = out;
-  g.out_ld = inter;
-  g.out_rows = a_rows;
-  return g;
-}
-
-GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
-                          int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out) {
-  GroupedGemmArgs g;
-  g.a = a;
-  g.a_rows = a_rows;
-  g.k = inter;
-  g.b0 = w_down;
-  g.b1 = w_down;
-  g.num_experts = num_experts;
-  g.b_rows_per_expert = hidden;
-  g.b_n_step = 256;
-  g.b_half_offset = 128;
-  g.num_n_blocks = static_cast<int32_t>(hidden / 256);
-  g.block_expert = block_expert;
-  g.max_m_blocks = max_m_blocks;
-  g.epilogue = static_cast<int32_t>(Epilogue::kStore);
-  g.out = out;
-  g.out_ld = hidden;
-  g.out_rows = a_rows;
-  return g;
-}
-
 namespace {
 
-// The dgrad kinds: out[rows, n] = a[rows, k] · B_e, B_e the K rows of expert e in b0 (K rows
-// [0, k_split)) and b1 (the rest), N-major as stored.
-GroupedGemmArgs dgrad_args(const void* a, int64_t a_rows, int64_t k, const void* b0, const void* b1,
-                           int64_t num_experts, int64_t b_rows_per_expert, int64_t k_split, int64_t n,
-                           const int32_t* block_expert, int32_t max_m_blocks, void* out) {
+// The fields every kind sets: A rows, K, the B maps' sources, the row blocks and the output.
+GroupedGemmArgs rows_args(const void* a, int64_t a_rows, int64_t k, const void* b0, const void* b1,
+                          int64_t num_experts, int64_t b_rows_per_expert, const int32_t* block_expert,
+                          int32_t max_m_blocks, Epilogue epilogue, void* out, int64_t out_ld) {
   GroupedGemmArgs g;
   g.a = a;
   g.a_rows = a_rows;
@@ -74,19 +28,52 @@ GroupedGemmArgs dgrad_args(const void* a, int64_t a_rows, int64_t k, const void*
   g.b1 = b1;
   g.num_experts = num_experts;
   g.b_rows_per_expert = b_rows_per_expert;
-  g.b_n_major = true;
-  g.b_k_split = k_split;
-  g.num_n_blocks = static_cast<int32_t>(n / TileConfig::kBlockN);
   g.block_expert = block_expert;
   g.max_m_blocks = max_m_blocks;
-  g.epilogue = static_cast<int32_t>(Epilogue::kStore);
+  g.epilogue = static_cast<int32_t>(epilogue);
   g.out = out;
-  g.out_ld = n;
+  g.out_ld = out_ld;
   g.out_rows = a_rows;
   return g;
 }
 
+// The dgrad kinds: out[rows, n] = a[rows, k] · B_e, B_e the K rows of expert e in b0 (K rows
+// [0, k_split)) and b1 (the rest), N-major as stored.
+GroupedGemmArgs dgrad_args(const void* a, int64_t a_rows, int64_t k, const void* b0, const void* b1,
+                           int64_t num_experts, int64_t b_rows_per_expert, int64_t k_split, int64_t n,
+                           const int32_t* block_expert, int32_t max_m_blocks, void* out) {
+  GroupedGemmArgs g = rows_args(a, a_rows, k, b0, b1, num_experts, b_rows_per_expert, block_expert, max_m_blocks,
+                                Epilogue::kStore, out, n);
+  g.b_n_major = true;
+  g.b_k_split = k_split;
+  g.num_n_blocks = static_cast<int32_t>(n / TileConfig::kBlockN);
+  return g;
+}
+
 }  // namespace
+
+GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate, const void* w_up,
+                             int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
+                             void* out) {
+  // B halves: 128 rows of w_gate and of w_up for the same channels per N block
+  GroupedGemmArgs g = rows_args(a, a_rows, hidden, w_gate, w_up, num_experts, inter, block_expert, max_m_blocks,
+                                Epilogue::kSwiGLU, out, inter);
+  g.b_n_step = 128;
+  g.b_half_offset = 0;
+  g.num_n_blocks = static_cast<int32_t>(inter / 128);
+  return g;
+}
+
+GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
+                          int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out) {
+  // B halves: rows n*256 and n*256 + 128 of w_down
+  GroupedGemmArgs g = rows_args(a, a_rows, inter, w_down, w_down, num_experts, hidden, block_expert, max_m_blocks,
+                                Epilogue::kStore, out, hidden);
+  g.b_n_step = 256;
+  g.b_half_offset = 128;
+  g.num_n_blocks = static_cast<int32_t>(hidden / 256);
+  return g;
+}
 
 GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_down,
                                 int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
