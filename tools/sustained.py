@@ -3,6 +3,8 @@ under load for a while, so all of them see the same (power-capped) clock.
 
     python3 tools/sustained.py [shape] [--heat-s 3] [--rounds 20]
     python3 tools/sustained.py [shape] --gemm     # the backward's GEMM kinds, mok vs torch._grouped_mm
+    python3 tools/sustained.py [shape] --gemm --variants base,skew2:MOK_GEMM_SKEW=2,n128:MOK_GEMM_TILE_N=128
+                                                  # mok under several knob settings, all interleaved
 
 Variants (EP=1, one GPU, no shared expert, uniform routing): dense bf16 mm 8192^3, the
 torch EP=1 pipeline (bench/baselines.torch_ep1_forward), the experts-only grouped GEMMs, and
@@ -90,18 +92,62 @@ def gemm_kinds(args, H, I, k, E, T):
                           lambda: ops.grouped_wgrad(dgu, x, ex_off, ex_cnt, out=gwgu),
                           lambda: torch._grouped_mm(dgu.t(), x, offs=offs)),
     }
+    knobs = parse_variants(args.variants)
     variants = {"dense mm 8192^3": lambda: torch.mm(mm_a, mm_b)}
     for name, (_, mok_fn, torch_fn) in kinds.items():
-        variants["mok " + name] = mok_fn
+        for vname, env in knobs.items():
+            variants[f"mok[{vname}] " + name] = with_env(env, mok_fn)
         variants["torch " + name] = torch_fn
+    # Every variant's output equals the base variant's (the knobs change the schedule, not the bits)
+    outs = {"dgrad down": da, "dgrad gate/up": dx, "wgrad down": gwd, "wgrad gate/up": gwgu}
+    for name, (_, mok_fn, _) in kinds.items():
+        ref = None
+        for vname, env in knobs.items():
+            outs[name].fill_(float("nan"))
+            with_env(env, mok_fn)()
+            got = outs[name].clone()
+            if ref is None:
+                ref = got
+            elif not torch.equal(got, ref):
+                raise SystemExit(f"{name}: variant {vname} differs from {next(iter(knobs))}")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     print(f"{args.shape} GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved rounds); "
-          f"dense mm {dense:.0f} TFLOP/s; {E} experts x {rows} rows")
+          f"dense mm {dense:.0f} TFLOP/s; {E} experts x {rows} rows; variants {args.variants}")
     for name, (flops, _, _) in kinds.items():
-        m, t = ms["mok " + name], ms["torch " + name]
-        print(f"  {name:14} mok {m:.3f} ms ({flops / m / 1e9:.0f} TFLOP/s, {flops / m / 1e9 / dense:.2f} of dense)  "
-              f"torch {t:.3f} ms  torch/mok {t / m:.3f}")
+        t = ms["torch " + name]
+        for vname in knobs:
+            m = ms[f"mok[{vname}] " + name]
+            print(f"  {name:14} {vname:8} mok {m:.3f} ms ({flops / m / 1e9:.0f} TFLOP/s, "
+                  f"{flops / m / 1e9 / dense:.2f} of dense)  torch {t:.3f} ms  torch/mok {t / m:.3f}")
+
+
+def parse_variants(text):
+    """'base,skew2:MOK_GEMM_SKEW=2' -> {"base": {}, "skew2": {"MOK_GEMM_SKEW": "2"}}; ';' joins knobs."""
+    out = {}
+    for item in text.split(","):
+        name, _, rest = item.partition(":")
+        out[name] = dict(kv.split("=", 1) for kv in rest.split(";") if kv)
+    return out
+
+
+def with_env(env, fn):
+    """fn run with the environment variables in env set (mok reads its knobs at each launch)."""
+    if not env:
+        return fn
+
+    def run():
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+    return run
 
 
 def main():
@@ -110,6 +156,8 @@ def main():
     ap.add_argument("--heat-s", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
+    ap.add_argument("--variants", default="base",
+                    help="--gemm: name[:ENV=VAL[;ENV=VAL]],... knob settings of mok timed side by side")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
     if args.gemm:

@@ -37,6 +37,13 @@ inline constexpr Knob kGemmCluster{"MOK_GEMM_CLUSTER", "1",
                                    "tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their weight "
                                    "tiles through TMA multicast (same bits)"};
 
+inline constexpr Knob kGemmSkew{"MOK_GEMM_SKEW", "0",
+                                "grouped-GEMM launches: k-blocks by which the second consumer warpgroup starts "
+                                "behind the first, so that one's epilogue runs under the other's MMAs (0: none)"};
+
+inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
+                                 "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
+
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

@@ -191,8 +191,7 @@ TEST(GemmGpu, DgradGateUpTiles) {
 // with 0, 1, 130 and 256 rows at the plan's 128-padded offsets (padding rows zero); one call
 // against float64 (bf16 out, fp32 main_grad += on a non-zero start), run twice bitwise, and
 // the same rows split over two calls through the fp32 accumulator.
-TEST(GemmGpu, WgradTiles) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+void check_wgrad() {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed=" + std::to_string(seed));
   std::mt19937_64 rng(seed);
@@ -282,6 +281,31 @@ TEST(GemmGpu, WgradTiles) {
   EXPECT_LT(acc_err, 1e-4) << "two calls through the fp32 accumulator vs float64";
   std::printf("grouped wgrad E=%ld Mo=%ld No=%ld counts 0/1/130/256: rel %.3e, main_grad %.3e, two-call acc %.3e\n",
               static_cast<long>(E), static_cast<long>(Mo), static_cast<long>(No), std::sqrt(num / den), mg_err, acc_err);
+}
+
+TEST(GemmGpu, WgradTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_wgrad();
+}
+
+// MOK_GEMM_SKEW: the second consumer warpgroup starts k-blocks behind the first (one lead
+// barrier at the start); every kind, tiles of one k-block (K = 64, skew past the tile's
+// length), a skew as deep as the stage ring, both tile shapes: float64 and run-twice bits.
+TEST(GemmGpu, ConsumerSkewEveryKind) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* skew : {"1", "3", "200"}) {
+    SCOPED_TRACE(std::string("MOK_GEMM_SKEW=") + skew);
+    setenv("MOK_GEMM_SKEW", skew, 1);
+    check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, mokGemmDown, 0);
+    check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0);
+    check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0);
+    check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0);
+    check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3);
+    check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0, 128);
+    check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmDown, 3);
+    check_wgrad();
+  }
+  unsetenv("MOK_GEMM_SKEW");
 }
 
 // The engine at its second tile shape, 128 x 128 (six stages; the dgrad-down epilogue and

@@ -30,7 +30,7 @@ namespace mok::gemm {
 enum class Role : int32_t { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
 
 template <class T>
-inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
+inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 64 + 1024;  // + skew barrier, alignment slack
 inline constexpr size_t kGemmSmemBytes = kGemmSmemBytesT<TileConfig>;
 static_assert(kGemmSmemBytes <= 227 * 1024 && kGemmSmemBytesT<TileConfigN128> <= 227 * 1024,
               "shared storage exceeds the 227 KB a block can have");
@@ -53,6 +53,7 @@ struct GroupedGemmParams {
   int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
+  int32_t skew_k_blocks;     // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
 };
 
 // T: the tile shape (config.hpp), 128 x 256 unless the launch asks for another.
@@ -63,13 +64,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   using C = T;
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<StageStorageT<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const Role role = static_cast<Role>(threadIdx.x / 128);
+  uint64_t* skew_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(&s) + sizeof(StageStorageT<T>));
+  const Role role = static_cast<Role>(__shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0));
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_tiles = p.max_m_blocks * p.num_n_blocks;
 
   // Initialise barriers
   if (threadIdx.x == 0) {
     s.init_barriers();
+    ptx::mbar_init(skew_bar, 1);
     ptx::fence_mbar_init();
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b0);
@@ -103,13 +106,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = static_cast<int>(role) - 1;
   PipelineState<C::kStages> stage;
+  ConsumerSkew skew{skew_bar, p.skew_k_blocks, p.skew_k_blocks > 0};
   float acc[C::kAccRegs];
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
     const int m_block = tc.m, n_block = tc.n;
     if (p.block_expert[m_block] < 0) continue;
     constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
-    if (!consume_tile<false, kOps>(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
+    if (!skew.wait_turn(consumer, wait)) return;
+    if (!consume_tile<false, kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, nullptr, 0,
+                                   skew.hook(consumer, p.num_k_blocks)))
+      return;
+    skew.pending = false;
     // Epilogue straight from registers
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     switch (p.epilogue) {

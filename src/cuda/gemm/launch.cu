@@ -113,6 +113,7 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
   p.timeout_record = g.timeout_record;
+  p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
   return p;
 }
 
@@ -154,8 +155,13 @@ GroupedGemmArgs with_tile_n(GroupedGemmArgs g, int32_t tile_n) {
   return g;
 }
 
-void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
+void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   using C = TileConfig;
+  const long env_tile_n = env::get_int(env::kGemmTileN);
+  MOK_CHECK_ARG(env_tile_n == 128 || env_tile_n == 256, env::kGemmTileN.name << " = " << env_tile_n << " must be 128 or 256");
+  // The knob re-tiles launches laid out for 256 (the C ABI's)
+  const bool retile = env_tile_n == 128 && args.tile_n == 256;
+  const GroupedGemmArgs g = retile ? with_tile_n(args, 128) : args;
   MOK_CHECK_ARG(g.k > 0 && g.k % C::kBlockK == 0, "grouped GEMM: K = " << g.k << " must be a multiple of " << C::kBlockK);
   MOK_CHECK_ARG(g.tile_n == 128 || g.tile_n == 256, "grouped GEMM: tile N = " << g.tile_n << " must be 128 or 256");
   // NOTES: A may have fewer rows than max_m_blocks*BLOCK_M: TMA fills rows past the end
@@ -236,6 +242,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
   p.timeout_record = g.timeout_record;
+  p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

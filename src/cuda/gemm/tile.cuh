@@ -124,15 +124,21 @@ enum class Operands : int32_t {
   kMNMajor = 2,  // A M-major, B N-major: wgrad (both row-major rows, K = rows)
 };
 
+// Called by consume_tile after the MMAs of k-block kb were issued (the grouped kernels' skew
+// between their two consumer warpgroups); the default does nothing.
+struct NoIssueHook {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+
 // Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
 // least one), the operands in the stage as `kOps` says.  kPair (2-CTA clusters): each freed
 // stage is also reported to the peer CTA's pair_empty, whose producer multicasts into this
 // CTA's stages.
-template <bool kPair = false, Operands kOps = Operands::kKMajor, class T>
+template <bool kPair = false, Operands kOps = Operands::kKMajor, class T, class Hook = NoIssueHook>
 __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
                                              const WaitContext& wait, uint64_t* pair_empty = nullptr,
-                                             uint32_t peer = 0) {
+                                             uint32_t peer = 0, Hook issued = {}) {
   using C = T;
   const bool leader = threadIdx.x % 128 == 0;
   int prev_index = 0;
@@ -164,6 +170,7 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
         ptx::mma_bf16_tatb<C::kBlockN>(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
     }
     ptx::wgmma_commit();
+    issued(kb);
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
     // inject a wait (C7517) and serialise the MMAs.
     // Release the previous stage once its MMAs retired (one group stays in flight)
@@ -185,6 +192,32 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
   }
   return true;
 }
+
+// Two consumer warpgroups that share every stage finish a tile together, and both then sit in
+// the epilogue while the tensor cores idle.  Started k_blocks apart (consumer 1 waits once,
+// before its first tile, until consumer 0 has issued that many k-blocks of it), one's epilogue
+// runs under the other's MMAs.  The lead keeps itself: the leader runs alone while the other
+// stores, and the shared stages bound it (kStages - 1).  k_blocks = 0: no skew.
+struct ConsumerSkew {
+  uint64_t* bar;     // one arrival: consumer 0 issued its first k_blocks k-blocks
+  int32_t k_blocks;
+  bool pending;      // before the first tile both consume
+
+  // Consumer 1, before each tile: its first waits for the lead.  Warp-uniform exit.
+  __device__ __forceinline__ bool wait_turn(int consumer, const WaitContext& wait) const {
+    if (!pending || consumer != 1) return true;
+    return wait_barrier_warp(bar, 0, wait, WaitSite::kConsumerFull, -5);
+  }
+  // consume_tile's hook for a tile of num_k_blocks: consumer 0's leader arrives once its first
+  // min(k_blocks, num_k_blocks) k-blocks are issued.
+  __device__ __forceinline__ auto hook(int consumer, int num_k_blocks) const {
+    const int at = (pending && consumer == 0) ? min(k_blocks, num_k_blocks) - 1 : -1;
+    uint64_t* b = bar;
+    return [at, b](int kb) {
+      if (kb == at && threadIdx.x % 128 == 0) ptx::mbar_arrive(b);
+    };
+  }
+};
 
 // ---- epilogues: one consumer's 64 x 256 accumulator tile ------------------------------------
 // Fragment layout (wgmma D): thread (warp w, lane l) holds, for n8 in [0, 32), columns

@@ -37,6 +37,7 @@ struct WgradParams {
   int32_t n_group;
   uint64_t timeout_ns;
   int64_t* timeout_record;
+  int32_t skew_k_blocks;       // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
 };
 
 struct WgradTile {
@@ -124,13 +125,16 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   using C = TileConfig;
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<StageStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const int role = static_cast<int>(threadIdx.x / 128);  // 0 producer, 1 and 2 consumers
+  uint64_t* skew_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(&s) + sizeof(StageStorage));
+  // 0 producer, 1 and 2 consumers
+  const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_tiles = p.num_experts * p.num_m_blocks * p.num_n_blocks;
 
   // Initialise barriers
   if (threadIdx.x == 0) {
     s.init_barriers();
+    ptx::mbar_init(skew_bar, 1);
     ptx::fence_mbar_init();
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b);
@@ -150,6 +154,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = role - 1;
   PipelineState<C::kStages> stage;
+  ConsumerSkew skew{skew_bar, p.skew_k_blocks, p.skew_k_blocks > 0};
   float acc[C::kAccRegs];
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const WgradTile t = wgrad_tile(p, tile);
@@ -159,11 +164,15 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       epilogue_wgrad<true>(acc, consumer, p, t);
       continue;
     }
-    if (!consume_tile<false, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
+    if (!skew.wait_turn(consumer, wait)) return;
+    if (!consume_tile<false, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, nullptr, 0,
+                                                 skew.hook(consumer, t.num_k_blocks)))
+      return;
+    skew.pending = false;
     epilogue_wgrad<false>(acc, consumer, p, t);
   }
 }
 
-inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 1024;  // + alignment slack
+inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 64 + 1024;  // + skew barrier, alignment slack
 
 }  // namespace mok::gemm
