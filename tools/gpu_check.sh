@@ -3,6 +3,9 @@
 # probe, write logs and JSON under $OUT (default ./out; at most 8 files come back).  Carry
 # `build` to skip the build.  PERF=1 adds the measurements of docs/perf.md in the same call:
 # grouped GEMMs vs torch, the fused-forward knob sweep, its timing ring, and the layer bench.
+# SANITIZER=0 skips compute-sanitizer; GEMM_VARIANTS="base,skew2:MOK_GEMM_SKEW=2" times the
+# backward's GEMM kinds against torch at the sustained clock (tools/sustained.py --gemm) on
+# dsv3 and qwen3 with those knob settings, interleaved.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -25,7 +28,7 @@ for t in build/tests/cpp/test_*; do
   [ $rc -eq 0 ] || { status=1; tail -30 /tmp/$name.log; }
 done
 echo "== compute-sanitizer (memcheck, racecheck) on virtual EP=4, small shape"
-for tool in memcheck racecheck; do
+for tool in $([ "${SANITIZER:-1}" = 1 ] && echo memcheck racecheck); do
   timeout 300 compute-sanitizer --tool $tool --print-limit 20 build/tests/cpp/test_ep_gpu \
     --gtest_filter=EpGpu.SanitizerSmall >"$OUT/sanitizer_$tool.log" 2>&1
   rc=$?
@@ -35,6 +38,13 @@ done
 echo "== Python tests"
 PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ -n "${GEMM_VARIANTS:-}" ]; then
+  echo "== the backward's GEMM kinds at the sustained clock"
+  for shape in dsv3 qwen3; do
+    PYTHONPATH=python timeout 240 python3 tools/sustained.py $shape --gemm --variants "$GEMM_VARIANTS" 2>&1 \
+      | tee -a "$OUT/sustained_gemm.log"
+  done
+fi
 echo "== ceilings"
 python3 tools/ceilings.py "$OUT/ceilings.json" | tail -12
 if [ "${PERF:-0}" = 1 ]; then
