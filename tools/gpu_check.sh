@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# A kernel that waits forever fails its test in seconds, not a minute per wait
+export MOK_GEMM_TIMEOUT_S="${MOK_GEMM_TIMEOUT_S:-10}"
 status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/gpu.txt" 2>&1
 if [ ! -x build/tests/cpp/test_plan_gpu ] || [ ! -f build/lib/libmok.so ]; then
@@ -21,8 +23,10 @@ echo "== C++ tests (binaries run directly: the carried CTest files hold this mac
 for t in build/tests/cpp/test_*; do
   [ -x "$t" ] || continue
   name=$(basename "$t")
-  "$t" --gtest_brief=1 >/tmp/$name.log 2>&1
+  start=$(date +%s)
+  timeout "${TEST_TIMEOUT_S:-300}" "$t" --gtest_brief=1 >/tmp/$name.log 2>&1
   rc=$?
+  echo "  ($name: $(( $(date +%s) - start )) s)"
   cat /tmp/$name.log >>"$OUT/cpp_tests.log"
   echo "$name: rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' /tmp/$name.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || { status=1; tail -30 /tmp/$name.log; }
@@ -35,9 +39,6 @@ for tool in $([ "${SANITIZER:-1}" = 1 ] && echo memcheck racecheck); do
   echo "$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
   [ $rc -eq 0 ] || status=1
 done
-echo "== Python tests"
-PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ -n "${GEMM_VARIANTS:-}" ]; then
   echo "== the backward's GEMM kinds at the sustained clock"
   for shape in dsv3 qwen3; do
@@ -45,6 +46,9 @@ if [ -n "${GEMM_VARIANTS:-}" ]; then
       | tee -a "$OUT/sustained_gemm.log"
   done
 fi
+echo "== Python tests"
+PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== ceilings"
 python3 tools/ceilings.py "$OUT/ceilings.json" | tail -12
 if [ "${PERF:-0}" = 1 ]; then

@@ -44,6 +44,10 @@ inline constexpr Knob kGemmSkew{"MOK_GEMM_SKEW", "0",
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
 
+inline constexpr Knob kGemmTimeout{"MOK_GEMM_TIMEOUT_S", "60",
+                                   "grouped-GEMM launches (mokGroupedGemm, mokGroupedWgrad): seconds every wait "
+                                   "of the kernel may take before it gives up (tests set it low)"};
+
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = static_cast<int>(role) - 1;
   PipelineState<C::kStages> stage;
-  ConsumerSkew skew{skew_bar, p.skew_k_blocks, p.skew_k_blocks > 0};
+  ConsumerSkew<C::kStages> skew(skew_bar, p.skew_k_blocks);
   float acc[C::kAccRegs];
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);

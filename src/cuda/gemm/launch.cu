@@ -93,6 +93,9 @@ GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter,
 
 namespace {
 
+// MOK_GEMM_TIMEOUT_S caps the launch's own deadline.
+double env_timeout_s() { return std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr)); }
+
 // The kernel parameters every orientation shares.
 GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   GroupedGemmParams p{};
@@ -111,7 +114,7 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   p.plan_rows = g.plan_rows;
   p.topk = g.topk;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
+  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
   return p;
@@ -240,7 +243,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.mo = g.mo;
   p.no = g.no;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(g.timeout_s * 1e9);
+  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;

@@ -197,11 +197,16 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
 // the epilogue while the tensor cores idle.  Started k_blocks apart (consumer 1 waits once,
 // before its first tile, until consumer 0 has issued that many k-blocks of it), one's epilogue
 // runs under the other's MMAs.  The lead keeps itself: the leader runs alone while the other
-// stores, and the shared stages bound it (kStages - 1).  k_blocks = 0: no skew.
+// stores, and the shared stages bound it.  k_blocks = 0: no skew.
+// NOTES: the lead is at most kStages - 1 k-blocks: consumer 0 can issue only the stages the
+// producer filled before consumer 1 released any; a deeper lead would deadlock.
+template <int kStages>
 struct ConsumerSkew {
   uint64_t* bar;     // one arrival: consumer 0 issued its first k_blocks k-blocks
   int32_t k_blocks;
   bool pending;      // before the first tile both consume
+
+  __device__ __forceinline__ ConsumerSkew(uint64_t* b, int32_t k) : bar(b), k_blocks(min(k, kStages - 1)), pending(k > 0) {}
 
   // Consumer 1, before each tile: its first waits for the lead.  Warp-uniform exit.
   __device__ __forceinline__ bool wait_turn(int consumer, const WaitContext& wait) const {

@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = role - 1;
   PipelineState<C::kStages> stage;
-  ConsumerSkew skew{skew_bar, p.skew_k_blocks, p.skew_k_blocks > 0};
+  ConsumerSkew<C::kStages> skew(skew_bar, p.skew_k_blocks);
   float acc[C::kAccRegs];
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const WgradTile t = wgrad_tile(p, tile);
