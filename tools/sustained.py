@@ -156,6 +156,8 @@ def main():
     ap.add_argument("--heat-s", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
+    ap.add_argument("--minibatches", default="0",
+                    help="forward: minibatch sizes of mok's workspaces timed side by side (0 = mok's choice)")
     ap.add_argument("--variants", default="base",
                     help="--gemm: name[:ENV=VAL[;ENV=VAL]],... knob settings of mok timed side by side")
     args = ap.parse_args()
@@ -176,23 +178,33 @@ def main():
     h_rows = torch.randn(a_rows.shape[0], I, device=dev, generator=g).bfloat16()
     mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
-    ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda")
     variants = {
         "dense mm 8192^3": lambda: torch.mm(mm_a, mm_b),
         "torch EP=1 fwd": lambda: bl.torch_ep1_forward(x, ids, tw, wg, wu, wd, w_gateup=wgu),
         "experts only": lambda: bl.experts_only(a_rows, offs, wgu, wd, h_rows),
-        "mok fused fwd": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0],
     }
+    mok_names, first_y = [], None
+    for mb in (int(v) for v in args.minibatches.split(",")):
+        ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(minibatch_size=mb))
+        name = f"mok fused fwd mb={ws.c_config().minibatch_size}" + (" (mok's)" if mb == 0 else "")
+        y = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]
+        if first_y is None:
+            first_y = y.clone()
+        elif not torch.equal(y, first_y):
+            raise SystemExit(f"{name}: output differs from {mok_names[0]}")
+        variants[name] = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0])(ws)
+        mok_names.append(name)
     ms = interleaved(variants, args.heat_s, args.rounds)
     mm_tflops = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 6 * T * k * H * I
     floor = flops / (mm_tflops * 1e9)
     print(f"{args.shape}, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved rounds):")
     print(f"  dense mm rate {mm_tflops:.0f} TFLOP/s -> layer floor {floor:.3f} ms")
-    for name in ("torch EP=1 fwd", "experts only", "mok fused fwd"):
+    for name in ["torch EP=1 fwd", "experts only"] + mok_names:
         print(f"  {name:16} {ms[name]:.3f} ms  ({flops / ms[name] / 1e9:.0f} TFLOP/s, {ms[name] / floor:.2f}x floor)")
-    print(f"  torch / mok {ms['torch EP=1 fwd'] / ms['mok fused fwd']:.3f}   "
-          f"mok / experts {ms['mok fused fwd'] / ms['experts only']:.3f}")
+    for name in mok_names:
+        print(f"  {name}: torch / mok {ms['torch EP=1 fwd'] / ms[name]:.3f}   "
+              f"mok / experts {ms[name] / ms['experts only']:.3f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
 namespace mok::cuda {
 
 bool built();
+// SMs of CUDA device `device`; 0 when unknown (no CUDA part, no such device).
+int sm_count(int device);
 
 // Device buffers of a workspace (src/cuda/forward.hpp has the byte map).
 struct DeviceWorkspace;

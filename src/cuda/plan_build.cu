@@ -173,6 +173,15 @@ __global__ void plan_fill_kernel(plan::PlanDims d, plan::RoutingView v, plan::Pl
 
 bool built() { return true; }
 
+int sm_count(int device) {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: leave no error behind for the caller's next check
+    return 0;
+  }
+  return sms;
+}
+
 void build_plan(const plan::PlanDims& d, const plan::RoutingView& v, const plan::PlanView& out,
                 int64_t* error_record, int device, void* stream_ptr) {
   const DeviceGuard guard(device);

@@ -26,13 +26,16 @@ namespace mok::plan {
 // The fused kernels' task table (shared memory) holds two segments per minibatch plus the
 // shared expert's: at most kMaxMinibatches minibatches per call.
 inline constexpr int64_t kMaxMinibatches = 511;
-// minibatch_size = 0 / macrobatch_size = 0 ("chosen by mok", the defaults): 1024 and 16384
-// rows, the best of the minibatch sweeps on dsv3 and qwen3 (docs/perf.md); the minibatch is
-// raised in steps of 1024 rows when the worst-case plan would make more than kMaxMinibatches
-// (T_max = 32768 with k = 8 and P = 8 gives 2M rows: 4096-row minibatches), and the ring is
-// raised to a multiple of it.
-inline constexpr int64_t kAutoMinibatchRows = 1024;
+// minibatch_size = 0 / macrobatch_size = 0 ("chosen by mok", the defaults): the minibatch is
+// the smallest whole number of row blocks that gives each of its expert grouped GEMMs (gate/up
+// and down) at least two full waves of the kernel's grid (kWavesPerMinibatch), raised to the
+// rows the task table needs (at most kMaxMinibatches minibatches); the ring is at least
+// kAutoMacrobatchRows, a whole number of minibatches.
+inline constexpr int64_t kWavesPerMinibatch = 2;
 inline constexpr int64_t kAutoMacrobatchRows = 16384;
+// The grid the rule assumes where the device is not known (host-memory configs): the SM
+// count of an H100 / H200 SXM.
+inline constexpr int64_t kNominalGrid = 132;
 
 struct PlanDims {
   int32_t num_ranks = 1;      // P
@@ -41,7 +44,7 @@ struct PlanDims {
   int32_t topk = 0;           // k
   int32_t block_m = MOK_DEFAULT_BLOCK_M;
   int64_t max_tokens = 0;     // T_max
-  int64_t minibatch_size = kAutoMinibatchRows;   // resolved values (never 0 here)
+  int64_t minibatch_size = 1024;  // resolved values (never 0 here; these for direct construction)
   int64_t macrobatch_size = kAutoMacrobatchRows;
 
   MOK_HD int64_t local_experts() const { return num_experts / num_ranks; }
@@ -73,15 +76,25 @@ MOK_HD int64_t max_rows(const PlanDims& d) {
   const int64_t bound = routed + d.local_experts() * (d.block_m - 1);
   return (bound / d.block_m) * d.block_m;
 }
+// What the minibatch rule needs beyond the plan: output tiles per row block of the smaller of
+// the two expert GEMMs (gate/up: ceil(I / 128), down: ceil(H / 256) at the 128 x 256 tile) and
+// the grid (blocks of the fused kernel).
+struct BatchRule {
+  int64_t gemm_tiles_per_block = 1;
+  int64_t grid = kNominalGrid;
+};
+
 // Fills minibatch_size / macrobatch_size left at 0 ("chosen by mok"); explicit values stay
 // (check_plan_dims reports bad ones).  Needs a valid block_m.
-inline void resolve_batch_sizes(PlanDims& d) {
+inline void resolve_batch_sizes(PlanDims& d, const BatchRule& rule) {
   if (d.block_m < 1) return;
   const int64_t rows = max_rows(d) > d.block_m ? max_rows(d) : d.block_m;
   if (d.minibatch_size == 0) {
-    int64_t mb = round_up(kAutoMinibatchRows, d.block_m);
+    const int64_t tiles = rule.gemm_tiles_per_block > 0 ? rule.gemm_tiles_per_block : 1;
+    const int64_t grid = rule.grid > 0 ? rule.grid : kNominalGrid;
+    int64_t mb = ceil_div(kWavesPerMinibatch * grid, tiles) * d.block_m;
     const int64_t needed = ceil_div(rows, kMaxMinibatches);
-    if (needed > mb) mb = round_up(round_up(needed, kAutoMinibatchRows), d.block_m);
+    if (needed > mb) mb = round_up(needed, d.block_m);
     if (d.macrobatch_size > 0) {
       // A given ring: the largest multiple of block_m up to mb that divides it.
       mb = min64(mb, d.macrobatch_size - d.macrobatch_size % d.block_m);

@@ -7,11 +7,22 @@
 
 #include "common/symmetric.hpp"
 #include "common/workspace_layout.hpp"
+#include "cuda/cuda_api.hpp"
 #include "runtime/env.hpp"
 #include "runtime/errors.hpp"
 #include "runtime/tensor.hpp"
 
 namespace mok {
+
+plan::BatchRule batch_rule(const mokConfig_t& c) {
+  plan::BatchRule r;
+  const int64_t gate_up = (c.intermediate + 127) / 128, down = (c.hidden + 255) / 256;
+  r.gemm_tiles_per_block = std::max<int64_t>(1, std::min(gate_up, down));
+  // The fused kernel's grid: config.num_blocks, else the device's SM count
+  r.grid = c.num_blocks > 0 ? c.num_blocks : c.device >= 0 ? cuda::sm_count(static_cast<int>(c.device)) : 0;
+  if (r.grid <= 0) r.grid = plan::kNominalGrid;
+  return r;
+}
 
 mokConfig_t normalize_config(const mokConfig_t* config) {
   if (config == nullptr) MOK_FAIL(mokInvalidUsage, "config is NULL");
@@ -26,7 +37,7 @@ mokConfig_t normalize_config(const mokConfig_t* config) {
   // minibatch_size / macrobatch_size = 0: chosen from the shape (plan::resolve_batch_sizes);
   // every entry point sees the resolved values, and mokWorkspaceGetConfig returns them.
   plan::PlanDims d = plan_dims(out);
-  plan::resolve_batch_sizes(d);
+  plan::resolve_batch_sizes(d, batch_rule(out));
   out.minibatch_size = d.minibatch_size;
   out.macrobatch_size = d.macrobatch_size;
   return out;

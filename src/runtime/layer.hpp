@@ -14,6 +14,8 @@ namespace mok {
 // Throws mokInvalidArgument naming the bad field.  Config structs from newer or older
 // callers are accepted by `size`/`version` (fields past the caller's size keep defaults).
 mokConfig_t normalize_config(const mokConfig_t* config);
+// The shape and grid the minibatch rule reads (plan::resolve_batch_sizes).
+plan::BatchRule batch_rule(const mokConfig_t& config);
 void check_config(const mokConfig_t& config);
 plan::PlanDims plan_dims(const mokConfig_t& config);
 ref::LayerDims layer_dims(const mokConfig_t& config);

@@ -235,9 +235,11 @@ TEST(Plan, DimsAreChecked) {
   EXPECT_NE(plan::check_plan_dims(bad).find("topk"), std::string::npos);
 }
 
-// minibatch_size / macrobatch_size = 0: chosen from the shape, within the task table's limit.
+// minibatch_size / macrobatch_size = 0: chosen from the shape (two full waves of the grid per
+// expert GEMM of a minibatch), within the task table's limit.
 TEST(Plan, BatchSizesChosenForAnyTokenCount) {
-  auto resolved = [](int32_t P, int64_t T, int32_t k, int64_t E, int64_t mini, int64_t macro) {
+  auto resolved = [](int32_t P, int64_t T, int32_t k, int64_t E, int64_t mini, int64_t macro,
+                     plan::BatchRule rule = plan::BatchRule{16, 132}) {
     plan::PlanDims d;
     d.num_ranks = P;
     d.max_tokens = T;
@@ -245,26 +247,39 @@ TEST(Plan, BatchSizesChosenForAnyTokenCount) {
     d.num_experts = E;
     d.minibatch_size = mini;
     d.macrobatch_size = macro;
-    plan::resolve_batch_sizes(d);
+    plan::resolve_batch_sizes(d, rule);
     EXPECT_EQ(plan::check_plan_dims(d), "") << "P=" << P << " T=" << T << " k=" << k << " E=" << E;
     EXPECT_LE(plan::num_minibatches(plan::max_rows(d), d.minibatch_size), plan::kMaxMinibatches);
+    EXPECT_EQ(d.macrobatch_size % d.minibatch_size, 0);
     return std::make_pair(d.minibatch_size, d.macrobatch_size);
   };
   using P2 = std::pair<int64_t, int64_t>;
-  // dsv3 at EP = 1: the measured defaults
-  EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 0), P2(1024, 16384));
-  // fg30b / fg120b: T = 32768, k = 4, E = 64 -> 139,200 rows, 136 minibatches of 1024
-  EXPECT_EQ(resolved(1, 32768, 4, 64, 0, 0), P2(1024, 16384));
-  // EP = 8, T = 32768, k = 8, E = 256: 2,101,216 rows -> 5120-row minibatches, ring a multiple
-  EXPECT_EQ(resolved(8, 32768, 8, 256, 0, 0), P2(5120, 20480));
+  // dsv3 at EP = 1 (gate/up 16 tiles per row block, down 28; 132 SMs): ceil(264 / 16) = 17 blocks
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 0), P2(2176, 17408));
+  // qwen3 (gate/up 12, down 16): 22 blocks; the ring 6 of them
+  EXPECT_EQ(resolved(1, 4096, 8, 32, 0, 0, {12, 132}), P2(2816, 16896));
+  // fg30b: T = 32768, k = 4, E = 64 (139,136 rows; gate/up 8 tiles): 33 blocks, 33 minibatches
+  EXPECT_EQ(resolved(1, 32768, 4, 64, 0, 0, {8, 132}), P2(4224, 16896));
+  // The rule is the smallest number of blocks with two full waves, for any grid
+  for (int64_t tiles : {1, 3, 16, 28, 300})
+    for (int64_t grid : {1, 33, 66, 114, 132}) {
+      const int64_t mb = resolved(1, 4096, 8, 16, 0, 0, {tiles, grid}).first;
+      EXPECT_EQ(mb % 128, 0);
+      EXPECT_GE(mb / 128 * tiles, 2 * grid) << tiles << " tiles, grid " << grid;
+      EXPECT_LT((mb / 128 - 1) * tiles, 2 * grid) << tiles << " tiles, grid " << grid;
+    }
+  // EP = 8, T = 32768, k = 8, E = 256: 2,101,120 rows need 4112-row minibatches (511 at most)
+  EXPECT_EQ(resolved(8, 32768, 8, 256, 0, 0), P2(4224, 16896));
   // A 67M-row plan (P = 64, k = 32) still gets a minibatch count within the table
   resolved(64, 32768, 32, 2048, 0, 0);
   // Explicit knobs stay; a given ring gets a minibatch that divides it
   EXPECT_EQ(resolved(1, 4096, 8, 16, 512, 0), P2(512, 16384));
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 1024, 0), P2(1024, 16384));
   EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 512), P2(512, 512));
   EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 3 * 128), P2(384, 384));
   EXPECT_EQ(resolved(1, 4096, 8, 16, 256, 512), P2(256, 512));
-  EXPECT_EQ(resolved(1, 16, 2, 8, 0, 0), P2(1024, 16384));
+  EXPECT_EQ(resolved(1, 4096, 8, 16, 0, 4352), P2(2176, 4352));
+  EXPECT_EQ(resolved(1, 16, 2, 8, 0, 0), P2(2176, 17408));
 }
 
 TEST(Plan, MinibatchGeometry) {

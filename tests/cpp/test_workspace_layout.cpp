@@ -24,7 +24,8 @@ mokConfig_t config(int64_t H, int64_t I, int64_t Is, int64_t E, int64_t k, int64
   c.max_tokens = T;
   c.ep_size = P;
   c.ep_rank = rank;
-  c.device = 0;  // a CUDA workspace's description; nothing here touches a GPU
+  c.device = 0;        // a CUDA workspace's description; nothing here touches a GPU
+  c.num_blocks = 132;  // the grid the minibatch rule reads: an H100 / H200's, on any machine
   const mokConfig_t n = normalize_config(&c);
   check_config(n);
   return n;
@@ -92,23 +93,24 @@ void check_backward_adds_exactly_its_entries(const mokConfig_t& c) {
 TEST(WorkspaceLayout, Dsv3SizesAreTheFormulas) {
   // dsv3: H = 7168, I = 2048, E = 16, k = 8, T = 4096, EP = 1
   const mokConfig_t c = config(7168, 2048, 0, 16, 8, 4096);
-  ASSERT_EQ(c.minibatch_size, 1024);
-  ASSERT_EQ(c.macrobatch_size, 16384);
+  // The minibatch rule: ceil(2 * 132 / min(2048/128, 7168/256)) = 17 row blocks; the ring 8 of them
+  ASSERT_EQ(c.minibatch_size, 2176);
+  ASSERT_EQ(c.macrobatch_size, 17408);
   const WorkspaceLayout L = layout(c, true);
   // max_rows = 4096*8 + 16*127 = 34800, rounded down to 128
   EXPECT_EQ(L.max_rows, 34688);
   EXPECT_EQ(L.max_blocks, 271);
-  EXPECT_EQ(L.ring_rows, 16384);
-  EXPECT_EQ(L.n_macro, 3);
-  EXPECT_EQ(L.n_acc, 2);  // min(E_l = 16, n_macro - 1 = 2)
+  EXPECT_EQ(L.ring_rows, 17408);
+  EXPECT_EQ(L.n_macro, 2);
+  EXPECT_EQ(L.n_acc, 1);  // min(E_l = 16, n_macro - 1 = 1)
   EXPECT_EQ(L.i_tiles, 8);
   const auto bytes = [&](WsBuffer b) { return L[b].bytes; };
   EXPECT_EQ(bytes(WsBuffer::kRows), 34688 * 4);
   EXPECT_EQ(bytes(WsBuffer::kExpertCount), 16 * 4);
   EXPECT_EQ(bytes(WsBuffer::kExpertOffset), 17 * 4);
   EXPECT_EQ(bytes(WsBuffer::kBlockExpert), 271 * 4);
-  EXPECT_EQ(bytes(WsBuffer::kRing), int64_t{16384} * 7168 * 2);
-  EXPECT_EQ(bytes(WsBuffer::kAct), int64_t{16384} * 2048 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kRing), int64_t{17408} * 7168 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kAct), int64_t{17408} * 2048 * 2);
   EXPECT_EQ(bytes(WsBuffer::kCounters), (2 + 5 * 271) * 4);
   EXPECT_EQ(bytes(WsBuffer::kSlots), int64_t{4096} * 8 * 7168 * 2);
   EXPECT_EQ(bytes(WsBuffer::kErrors), 11 * 8);
@@ -121,11 +123,11 @@ TEST(WorkspaceLayout, Dsv3SizesAreTheFormulas) {
                      WsBuffer::kBwdSharedA, WsBuffer::kBwdSharedDx, WsBuffer::kBwdSymDy, WsBuffer::kBwdSymDtw})
     EXPECT_FALSE(L.present(b)) << ws_name(b);
   // Backward
-  EXPECT_EQ(bytes(WsBuffer::kBwdDyRing), int64_t{16384} * 7168 * 2);
-  EXPECT_EQ(bytes(WsBuffer::kBwdH), int64_t{16384} * 2 * 2048 * 2);
-  EXPECT_EQ(bytes(WsBuffer::kBwdDh), int64_t{16384} * 2 * 2048 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kBwdDyRing), int64_t{17408} * 7168 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kBwdH), int64_t{17408} * 2 * 2048 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kBwdDh), int64_t{17408} * 2 * 2048 * 2);
   EXPECT_EQ(bytes(WsBuffer::kBwdDtwPartials), int64_t{34688} * 8 * 4);
-  EXPECT_EQ(bytes(WsBuffer::kBwdWgradAcc), int64_t{2} * 3 * 2048 * 7168 * 4);  // 336 MiB, not E_l's 2.6 GiB
+  EXPECT_EQ(bytes(WsBuffer::kBwdWgradAcc), int64_t{1} * 3 * 2048 * 7168 * 4);  // 168 MiB, not E_l's 2.6 GiB
   EXPECT_EQ(bytes(WsBuffer::kBwdCounters), (2 + 6 * 271) * 4);
   EXPECT_EQ(L[WsBuffer::kBwdXRing].alias, WsBuffer::kRing);
   EXPECT_EQ(L[WsBuffer::kBwdWa].alias, WsBuffer::kAct);
@@ -154,7 +156,7 @@ TEST(WorkspaceLayout, SharedExpertSizesAreTheFormulas) {
   const WorkspaceLayout L = layout(c, true);
   EXPECT_EQ(L.max_rows, 73600);  // 8192*8 + 64*127 = 73664, rounded down to 128
   EXPECT_EQ(L.max_blocks, 575);
-  EXPECT_EQ(L.ring_rows, 16384);
+  EXPECT_EQ(L.ring_rows, 16896);  // 44 blocks (min(768/128, 2048/256) = 6 tiles per block) x 3
   EXPECT_EQ(L.shared_blocks, 64);
   EXPECT_EQ(L.n_macro, 5);
   EXPECT_EQ(L.n_acc, 4);

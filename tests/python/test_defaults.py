@@ -84,16 +84,20 @@ def test_scripts_write_no_literal_knob_default():
 
 def test_batch_sizes_chosen_by_mok_for_any_token_count():
     # minibatch_size / macrobatch_size = 0 (the defaults): the library chooses them from the
-    # shape; 32k tokens per GPU (fg30b) works with the defaults, explicit knobs stay.
+    # shape (two full waves of the grid per expert GEMM of a minibatch; a host config assumes
+    # 132 SMs); 32k tokens per GPU (fg30b) works with the defaults, explicit knobs stay.
     assert F.MoKConfig().minibatch_size == 0 and F.MoKConfig().macrobatch_size == 0
     ws = F.create_workspace(4096, 1024, 64, 4, 32768)
     c = ws.c_config()
-    assert (c.minibatch_size, c.macrobatch_size) == (1024, 16384)
-    assert "minibatch_size     = 1024 rows" in ws.describe()
+    # fg30b: min(1024/128, 4096/256) = 8 tiles per row block -> ceil(2*132/8) = 33 blocks
+    assert (c.minibatch_size, c.macrobatch_size) == (33 * 128, 4 * 33 * 128)
+    assert f"minibatch_size     = {33 * 128} rows" in ws.describe()
     ws = F.create_workspace(64, 32, 8, 2, 32768, ep_size=8, ep_rank=3)
     c = ws.c_config()
-    assert c.minibatch_size == 1024 and c.macrobatch_size % c.minibatch_size == 0
-    ws = F.create_workspace(64, 32, 256, 8, 32768, ep_size=8, config=F.MoKConfig(macrobatch_size=0))
-    assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (5120, 20480)
+    assert c.minibatch_size == 264 * 128 and c.macrobatch_size % c.minibatch_size == 0  # one tile per block
+    # A small grid (8 blocks: 16-block minibatches) with 2.1M worst-case rows: raised to 4224
+    # rows so that the task table's 511 minibatches hold the plan
+    ws = F.create_workspace(64, 32, 256, 8, 32768, ep_size=8, config=F.MoKConfig(macrobatch_size=0, num_blocks=8))
+    assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (4224, 16896)
     ws = F.create_workspace(64, 32, 8, 2, 64, config=F.MoKConfig(minibatch_size=256, macrobatch_size=512))
     assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (256, 512)

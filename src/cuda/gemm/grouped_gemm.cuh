@@ -108,10 +108,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   PipelineState<C::kStages> stage;
   ConsumerSkew<C::kStages> skew(skew_bar, p.skew_k_blocks);
   float acc[C::kAccRegs];
+  // NOTES: each tile's expert is read one tile ahead (its load latency under the previous
+  // tile's MMAs); only its sign matters here.
+  auto expert_of = [&](int tile) {
+    return tile < num_tiles ? p.block_expert[raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group).m] : -1;
+  };
+  int expert = expert_of(blockIdx.x);
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
     const int m_block = tc.m, n_block = tc.n;
-    if (p.block_expert[m_block] < 0) continue;
+    const int this_expert = expert;
+    expert = expert_of(tile + static_cast<int>(gridDim.x));
+    if (this_expert < 0) continue;
     constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
     if (!skew.wait_turn(consumer, wait)) return;
     if (!consume_tile<false, kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, nullptr, 0,

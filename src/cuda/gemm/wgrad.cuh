@@ -156,12 +156,17 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   PipelineState<C::kStages> stage;
   ConsumerSkew<C::kStages> skew(skew_bar, p.skew_k_blocks);
   float acc[C::kAccRegs];
+  // NOTES: each tile's fields (two dependent global loads) are read one tile ahead, so their
+  // latency passes under the previous tile's MMAs instead of stalling both warpgroups.
+  WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile(p, blockIdx.x) : WgradTile{};
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const WgradTile t = wgrad_tile(p, tile);
+    const int next = tile + static_cast<int>(gridDim.x);
+    const WgradTile next_t = next < num_tiles ? wgrad_tile(p, next) : t;
     if (t.num_k_blocks == 0) {
       // An expert with no rows: its gradient is zero (plus what acc already holds)
       // NOTES: zeroing the accumulator registers here instead makes ptxas spill them.
       epilogue_wgrad<true>(acc, consumer, p, t);
+      t = next_t;
       continue;
     }
     if (!skew.wait_turn(consumer, wait)) return;
@@ -170,6 +175,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       return;
     skew.pending = false;
     epilogue_wgrad<false>(acc, consumer, p, t);
+    t = next_t;
   }
 }
 
