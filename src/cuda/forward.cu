@@ -433,6 +433,11 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
       g = gemm::dgrad_gate_up_args(call.a, call.a_rows, call.k / 2, call.b0, call.b1, call.num_experts, call.n,
                                    call.block_expert, call.num_m_blocks, call.out);
       break;
+    case mokGemmDgradDownSwiGLU:
+      g = gemm::dgrad_down_swiglu_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n,
+                                       call.block_expert, call.num_m_blocks, call.h, call.row_weight, call.out,
+                                       call.wa, call.dtw_partials);
+      break;
     default:
       MOK_FAIL(mokInvalidArgument, "grouped GEMM kind = " << call.kind << " is not a mokGemmKind_t");
   }

@@ -40,6 +40,7 @@ enum class Epilogue : int32_t {
   kStore = 0,    // out[row, col] = bf16(acc)
   kSwiGLU = 1,   // out[row, ch] = bf16(silu(gate) * up), ch = n_block*BLOCK_N/2 + col (col < BLOCK_N/2)
   kScatter = 2,  // out[token*k + j, col] = bf16(acc) for the plan row's (token, j); padding skipped
+  kDgradSwiGLU = 3,  // dgrad down: out = dh = [dg | du] from da = acc and h (epilogue_bwd.cuh); wa, partials
 };
 
 // Raster of a (num_m x num_n) tile grid: groups of `group` N-blocks, m-major inside a group,
