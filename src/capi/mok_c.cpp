@@ -294,9 +294,9 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
     if (swiglu_bwd) {
       // out is dh = [dg | du]; the epilogue's inputs are required, its other outputs optional
       MOK_CHECK_ARG(mok::present(args->h), "kind 4 (dgrad down SwiGLU) needs h: [M, 2I] = ["
-                                               << M << ", " << 2 * N << "] bf16, the saved [g | u] of each row");
+                                               << M << ", " << 2 * N << "] bfloat16, the saved [g | u] of each row");
       MOK_CHECK_ARG(mok::present(args->row_weight),
-                    "kind 4 (dgrad down SwiGLU) needs row_weight: [M] = [" << M << "] fp32, the route weight of each row "
+                    "kind 4 (dgrad down SwiGLU) needs row_weight: [M] = [" << M << "] float32, the route weight of each row "
                                                                               "(0 for padding rows)");
       mok::check_tensor(args->out, "out (dh)", {mokBFloat16}, {M, 2 * N}, dev);
       mok::check_tensor(args->h, "h", {mokBFloat16}, {M, 2 * N}, dev);

@@ -223,7 +223,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
 
 // The layout's constants restate the kernels' (common/workspace_layout.hpp is host code too).
 static_assert(kWsErrorWords == kAllErrorWords, "error words of the layout differ from the kernels'");
-static_assert(kWsDgradTileN == gemm::TileConfig::kBlockN, "dgrad-down N tile differs from the tile engine's");
+static_assert(kWsDtwChunk == gemm::kDtwChunk, "channels per router-gradient partial differ from the dgrad-down epilogue's");
 static_assert(kWsCounterHeader == static_cast<int>(fused::Counter::kHeader) &&
                   kWsCounterArrays == static_cast<int>(fused::CounterArray::kPushDone) + 1,
               "counters of the layout differ from the fused kernel's");

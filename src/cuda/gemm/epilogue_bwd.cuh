@@ -37,8 +37,6 @@
 
 namespace mok::gemm {
 
-inline constexpr int kDtwChunk = 128;  // channels of I per router-gradient partial
-
 // Where the epilogue reads and writes (row-major, contiguous; 16-byte aligned rows).
 struct SwiGLUBwdArgs {
   const __nv_bfloat16* h;  // [rows, 2I]: g at column i, u at column I + i
