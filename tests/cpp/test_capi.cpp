@@ -2,6 +2,7 @@
 // usable after a rejected call.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "mok/mok.h"
@@ -261,6 +262,10 @@ TEST(CppApi, WorkspaceRaiiAndExceptions) {
 
 // mokGroupedGemm's checks run on the views before the CPU is rejected, so the dgrad-down
 // SwiGLU kind's argument errors show on host memory too (nothing is launched).
+static_assert(sizeof(mokGroupedGemmArgs_t) == 5 * sizeof(mokTensor_t) + 16 + 4 * sizeof(mokTensor_t) &&
+                  offsetof(mokGroupedGemmArgs_t, h) == 5 * sizeof(mokTensor_t) + 16,
+              "mokGroupedGemmArgs_t: the epilogue's tensors follow num_blocks (python/mok/_lib.py mirrors it)");
+
 TEST(CApiGroupedGemm, DgradDownSwiGLUArgumentsAreChecked) {
   const int64_t M = 130, H = 64, I = 256, E = 2;
   std::vector<bf16_t> dy(M * H), w(E * H * I), h(M * 2 * I), dh(M * 2 * I), wa(M * I);
