@@ -225,18 +225,36 @@ typedef struct mokPlanArgs_t {
  *                       (K = H, N = I; N % 256 == 0)
  *   mokGemmDgradGateUp: out [M, N] = a · [b0[e]; b1[e]], b0 = w_gate, b1 = w_up [E, K/2, N] as
  *                       stored: dx = [dg | du] · [W_gate; W_up] (K = 2I, N = H; N % 256, K/2 % 64)
+ *   mokGemmDgradDownSwiGLU: the dgrad of down with the SwiGLU backward in its epilogue
+ *                       (docs/design.md, "The dgrad-down SwiGLU-backward epilogue").  a = dy rows
+ *                       [M, H], b0 = w_down [E, H, I] as stored (K = H, N = I; I % 256 == 0);
+ *                       da = a · b0[e] stays in fp32 registers.  Per row r and channel i, with
+ *                       g = h[r, i], u = h[r, I + i] (bf16 as stored), w = row_weight[r],
+ *                       sg = sigmoid(g), sl = g·sg, a = bf16(sl·u), silu' = sg·(1 + g·(1 − sg)):
+ *                         out = dh [M, 2I] bf16: dh[r, i] = bf16(w·da·u·silu'), dh[r, I + i] = bf16(w·da·sl)
+ *                         wa [M, I] bf16 (optional): bf16(w·a), the wgrad-down operand
+ *                         dtw_partials [M, I/128] fp32 (optional): [r, c] = Σ da·a over channels
+ *                           [128c, 128c + 128), in a fixed order; d topk_weights of the row's route
+ *                           is their sum in ascending c (exact for w = 0 and w < 0: no division)
+ *                       h [M, 2I] bf16 and row_weight [M] fp32 are required.  Padding rows should
+ *                       have w = 0 and h = 0: they then get dh = 0, wa = 0 and partials 0.
  * K % 64 == 0 for every kind.  num_blocks: grid size, 0 = one block per SM.  CUDA tensors only.
+ * The fields after num_blocks are read for mokGemmDgradDownSwiGLU only (callers compiled before
+ * they existed keep working for the other kinds).
  * (kind replaced the former swiglu flag with the same values for its two kinds.) */
 typedef enum mokGemmKind_t {
   mokGemmDown = 0,
   mokGemmGateUp = 1,
   mokGemmDgradDown = 2,
-  mokGemmDgradGateUp = 3
+  mokGemmDgradGateUp = 3,
+  mokGemmDgradDownSwiGLU = 4
 } mokGemmKind_t;
 typedef struct mokGroupedGemmArgs_t {
   mokTensor_t a, b0, b1, block_expert, out;
   int64_t kind;  /* mokGemmKind_t */
   int64_t num_blocks;
+  /* mokGemmDgradDownSwiGLU only (see above) */
+  mokTensor_t h, row_weight, wa, dtw_partials;
 } mokGroupedGemmArgs_t;
 
 /* The weight-gradient GEMM, K-grouped (the wgrad kind of the engine):

@@ -141,7 +141,9 @@ class mokPlanArgs(ctypes.Structure):
 
 class mokGroupedGemmArgs(ctypes.Structure):
     _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor), ("block_expert", mokTensor),
-                ("out", mokTensor), ("kind", c_int64), ("num_blocks", c_int64)]
+                ("out", mokTensor), ("kind", c_int64), ("num_blocks", c_int64),
+                # read for kind dgrad_down_swiglu only
+                ("h", mokTensor), ("row_weight", mokTensor), ("wa", mokTensor), ("dtw_partials", mokTensor)]
 
 
 class mokGroupedWgradArgs(ctypes.Structure):
@@ -151,7 +153,7 @@ class mokGroupedWgradArgs(ctypes.Structure):
 
 
 # mokGemmKind_t
-GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3}
+GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3, "dgrad_down_swiglu": 4}
 
 
 class mokTraceEvent(ctypes.Structure):

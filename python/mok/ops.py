@@ -144,7 +144,9 @@ def _(topk_ids, num_experts, ep_rank=0, max_tokens=0, block_m=_D["block_m"], min
 
 
 def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor] = None,
-               out: Optional[Tensor] = None, kind: Optional[str] = None) -> Tensor:
+               out: Optional[Tensor] = None, kind: Optional[str] = None, *, h: Optional[Tensor] = None,
+               row_weight: Optional[Tensor] = None, wa: Optional[Tensor] = None,
+               dtw_partials: Optional[Tensor] = None) -> Tensor:
     """mok's grouped-GEMM engine on CUDA tensors (tests and benchmarks).
 
     a [M, K] bf16, rows grouped in 128-row blocks; block_expert [ceil(M/128)] int32 gives each
@@ -154,7 +156,14 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
       "gate_up":       out = silu(a @ b0[e].T) * (a @ b1[e].T), b0, b1 [E, N, K] (N % 128 == 0);
       "dgrad_down":    out = a @ b0[e], b0 = w_down [E, K, N] as stored (da = dy @ W_down);
       "dgrad_gate_up": out = a @ cat(b0[e], b1[e]), b0 = w_gate, b1 = w_up [E, K/2, N] as
-                       stored (dx = [dg | du] @ [W_gate; W_up])."""
+                       stored (dx = [dg | du] @ [W_gate; W_up]);
+      "dgrad_down_swiglu": the SwiGLU backward in the epilogue of da = a @ b0[e] (a = dy rows
+                       [M, H], b0 = w_down [E, H, I] as stored, I % 256 == 0).  h [M, 2I] bf16
+                       (= [g | u], required), row_weight [M] fp32 (required); returns
+                       out = dh [M, 2I] bf16 = [bf16(w*da*u*silu'(g)) | bf16(w*da*silu(g))], and
+                       writes wa [M, I] bf16 = bf16(w*a) and dtw_partials [M, I/128] fp32 (the
+                       sums of da*a over each 128 channels: d topk_weights = their sum in
+                       ascending order) where given; a = bf16(silu(g)*u) from h as stored."""
     if kind is None:
         kind = "gate_up" if b1 is not None else "down"
     if kind not in _lib.GEMM_KINDS:
@@ -169,15 +178,29 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
         _lib.expect_tensor(b1, "b1", _lib.BF16, ndim=3)
     if out is not None:
         _lib.expect_tensor(out, "out", _lib.BF16, ndim=2)
+    swiglu_bwd = kind == "dgrad_down_swiglu"
+    extra = (("h", h, _lib.BF16, 2), ("row_weight", row_weight, _lib.FP32, 1), ("wa", wa, _lib.BF16, 2),
+             ("dtw_partials", dtw_partials, _lib.FP32, 2))
+    for name, t, dtypes, ndim in extra:
+        if not swiglu_bwd and t is not None:
+            raise ValueError(f"{name} is an input of kind 'dgrad_down_swiglu' only, not of {kind!r}")
+        if swiglu_bwd and t is None and name in ("h", "row_weight"):
+            raise ValueError(f"kind 'dgrad_down_swiglu' needs {name} ("
+                             + ("[M, 2I] bf16, the saved [g | u]" if name == "h" else "[M] float32, the route weights")
+                             + ")")
+        if t is not None:
+            _lib.expect_tensor(t, name, dtypes, ndim=ndim)
     _lib.device_index(a.device, "a")
     n = b0.shape[2] if kind.startswith("dgrad") else b0.shape[1]
     if out is None:
-        out = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device=a.device)
+        out = torch.empty(a.shape[0], 2 * n if swiglu_bwd else n, dtype=torch.bfloat16, device=a.device)
     views = _lib.Views()
     args = _lib.mokGroupedGemmArgs(views(a, "a", _lib.BF16), views(b0, "b0", _lib.BF16),
                                    views(b1 if b1 is not None else b0, "b1", _lib.BF16),
                                    views(block_expert, "block_expert", _lib.INT32), views(out, "out", _lib.BF16),
-                                   _lib.GEMM_KINDS[kind], 0)
+                                   _lib.GEMM_KINDS[kind], 0, views(h, "h", _lib.BF16),
+                                   views(row_weight, "row_weight", _lib.FP32), views(wa, "wa", _lib.BF16),
+                                   views(dtw_partials, "dtw_partials", _lib.FP32))
     _lib.check(_lib.lib.mokGroupedGemm(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
     return out
 

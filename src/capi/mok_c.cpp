@@ -266,13 +266,17 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   return guarded("mokGroupedGemm", [&] {
     MOK_CHECK_ARG(args != nullptr, "args is NULL");
     const int64_t kind = args->kind;
-    MOK_CHECK_ARG(kind >= mokGemmDown && kind <= mokGemmDgradGateUp,
-                  "kind = " << kind << " is not a mokGemmKind_t (0 down, 1 gate/up, 2 dgrad down, 3 dgrad gate/up)");
+    MOK_CHECK_ARG(kind >= mokGemmDown && kind <= mokGemmDgradDownSwiGLU,
+                  "kind = " << kind
+                            << " is not a mokGemmKind_t (0 down, 1 gate/up, 2 dgrad down, 3 dgrad gate/up, "
+                               "4 dgrad down SwiGLU)");
+    // Every check below runs on the views alone, before the CPU is rejected: shapes, dtypes and
+    // the kind's inputs are reported the same way wherever the tensors live.
     const int32_t dev = args->a.device;
-    MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemm runs on CUDA tensors");
     MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, *, *]");
     const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0];
-    const bool dgrad = kind == mokGemmDgradDown || kind == mokGemmDgradGateUp;
+    const bool swiglu_bwd = kind == mokGemmDgradDownSwiGLU;
+    const bool dgrad = kind == mokGemmDgradDown || kind == mokGemmDgradGateUp || swiglu_bwd;
     // Forward kinds: b [E, N, K]; dgrad kinds: b as stored, [E, K, N] (gate/up: [E, K/2, N] each)
     const int64_t N = dgrad ? args->b0.shape[2] : args->b0.shape[1];
     const int64_t b_k = kind == mokGemmDgradGateUp ? K / 2 : K;
@@ -283,17 +287,39 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
     const bool two_b = kind == mokGemmGateUp || kind == mokGemmDgradGateUp;
     if (two_b) mok::check_tensor(args->b1, "b1", {mokBFloat16}, b_shape, dev);
     mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
-    mok::check_tensor(args->out, "out", {mokBFloat16}, {M, N}, dev);
     const int64_t n_multiple = kind == mokGemmGateUp ? 128 : 256;
-    MOK_CHECK_ARG(N % n_multiple == 0, "N = " << N << " must be a multiple of " << n_multiple);
+    MOK_CHECK_ARG(N % n_multiple == 0, (swiglu_bwd ? "I = b0.shape[2] = " : "N = ")
+                                           << N << " must be a multiple of " << n_multiple
+                                           << (swiglu_bwd ? " (the C ABI launches 128 x 256 tiles)" : ""));
+    if (swiglu_bwd) {
+      // out is dh = [dg | du]; the epilogue's inputs are required, its other outputs optional
+      MOK_CHECK_ARG(mok::present(args->h), "kind 4 (dgrad down SwiGLU) needs h: [M, 2I] = ["
+                                               << M << ", " << 2 * N << "] bfloat16, the saved [g | u] of each row");
+      MOK_CHECK_ARG(mok::present(args->row_weight),
+                    "kind 4 (dgrad down SwiGLU) needs row_weight: [M] = [" << M << "] float32, the route weight of each row "
+                                                                              "(0 for padding rows)");
+      mok::check_tensor(args->out, "out (dh)", {mokBFloat16}, {M, 2 * N}, dev);
+      mok::check_tensor(args->h, "h", {mokBFloat16}, {M, 2 * N}, dev);
+      mok::check_tensor(args->row_weight, "row_weight", {mokFloat32}, {M}, dev);
+      if (mok::present(args->wa)) mok::check_tensor(args->wa, "wa", {mokBFloat16}, {M, N}, dev);
+      if (mok::present(args->dtw_partials))
+        mok::check_tensor(args->dtw_partials, "dtw_partials", {mokFloat32}, {M, N / 128}, dev);
+    } else {
+      mok::check_tensor(args->out, "out", {mokBFloat16}, {M, N}, dev);
+    }
     MOK_CHECK_ARG(K % 64 == 0 && (kind != mokGemmDgradGateUp || K % 128 == 0),
                   "K = " << K << " must be a multiple of " << (kind == mokGemmDgradGateUp ? 128 : 64));
-    mok::cuda::grouped_gemm(mok::cuda::GroupedGemmCall{args->a.data, M, K, args->b0.data,
-                                                       two_b ? args->b1.data : args->b0.data, E, N,
-                                                       static_cast<const int32_t*>(args->block_expert.data),
-                                                       static_cast<int32_t>(blocks), args->out.data,
-                                                       static_cast<int32_t>(kind), static_cast<int32_t>(args->num_blocks)},
-                            stream);
+    MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemm runs on CUDA tensors");
+    mok::cuda::GroupedGemmCall call{args->a.data, M, K, args->b0.data, two_b ? args->b1.data : args->b0.data, E, N,
+                                    static_cast<const int32_t*>(args->block_expert.data), static_cast<int32_t>(blocks),
+                                    args->out.data, static_cast<int32_t>(kind), static_cast<int32_t>(args->num_blocks)};
+    if (swiglu_bwd) {
+      call.h = args->h.data;
+      call.row_weight = static_cast<const float*>(args->row_weight.data);
+      call.wa = args->wa.data;
+      call.dtw_partials = static_cast<float*>(args->dtw_partials.data);
+    }
+    mok::cuda::grouped_gemm(call, stream);
   });
 }
 

@@ -21,7 +21,8 @@
 //   shared_blocks = ceil(T_max / block_m)
 //   n_macro     = ceil(max_rows / macrobatch_size)   macrobatches of a worst-case plan
 //   n_acc       = min(E_l, n_macro - 1)              experts whose rows can span > 1 macrobatch
-//   i_tiles     = ceil(I / 256)                      N tiles of the dgrad-down GEMM (da is [rows, I])
+//   i_chunks    = ceil(I / 128)                      128-channel chunks of I: the dgrad-down epilogue's
+//                                                    router-gradient partials (gemm::kDtwChunk)
 #pragma once
 
 #include <cstdint>
@@ -148,7 +149,7 @@ inline constexpr int32_t kWsCounterArrays = 5;   // gather_ready, gu_done, dn_do
 inline constexpr int32_t kWsCounterHeader = 2;   // task_next, blocks_done
 inline constexpr int32_t kWsBwdCounterArrays = 6;  // provisional (the backward kernel fixes it): dy_ready, x_ready,
                                                    // h_ready, dh_ready, dx_done, wgrad_done [max_blocks]
-inline constexpr int32_t kWsDgradTileN = 256;  // N of a dgrad-down tile over I (gemm::TileConfig::kBlockN)
+inline constexpr int32_t kWsDtwChunk = 128;  // channels of I per <da, a> partial (gemm::kDtwChunk)
 inline constexpr int32_t kWsPlanChunk = 256;   // tokens per chunk of the device plan build (plan_build.cu)
 
 MOK_HD int64_t ws_align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
@@ -177,7 +178,7 @@ struct WorkspaceOptions {
 struct WorkspaceLayout {
   // Dimensions and derived sizes, the names of the formulas
   int64_t H = 0, I = 0, Is = 0, El = 0, k = 0, P = 0, T_max = 0, block_m = 0, macrobatch = 0;
-  int64_t max_rows = 0, max_blocks = 0, ring_rows = 0, shared_blocks = 0, n_macro = 0, n_acc = 0, i_tiles = 0;
+  int64_t max_rows = 0, max_blocks = 0, ring_rows = 0, shared_blocks = 0, n_macro = 0, n_acc = 0, i_chunks = 0;
   WorkspaceOptions options;
   SymLayout sym;                   // EP >= 2
   int64_t end = 0;                 // end of the last block entry
@@ -264,7 +265,7 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
   L.shared_blocks = plan::ceil_div(c.max_tokens, c.block_m);
   L.n_macro = c.macrobatch_size > 0 ? plan::ceil_div(L.max_rows, c.macrobatch_size) : 1;
   L.n_acc = plan::min64(L.El, L.n_macro - 1);
-  L.i_tiles = plan::ceil_div(c.intermediate, kWsDgradTileN);
+  L.i_chunks = plan::ceil_div(c.intermediate, kWsDtwChunk);
   const bool ep = c.ep_size > 1, shared = c.shared_intermediate > 0, bwd = o.with_backward;
   if (ep) L.sym = sym_layout(c.ep_size, c.max_tokens, c.topk, c.hidden);
   const int64_t H = L.H, I = L.I, Is = L.Is, T = L.T_max, R = L.ring_rows;
@@ -330,9 +331,9 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
   L.block(WsBuffer::kBwdDh, kWsTmaAlign, "ring_rows*2*I", "dg|du rows (dgrad gate/up A, K = 2I; wgrad gate/up operand)",
           0, 3, R, 2, I);
   L.alias(WsBuffer::kBwdWa, WsBuffer::kAct, "w*a rows from the dgrad-down epilogue (it reads h): wgrad-down operand");
-  L.block(WsBuffer::kBwdDtwPartials, kWsAlign, "max_rows*i_tiles",
-          "<da, a> per plan row and dgrad-down N tile, summed in ascending tile order (no float atomics)", 0, 2,
-          L.max_rows, L.i_tiles);
+  L.block(WsBuffer::kBwdDtwPartials, kWsAlign, "max_rows*i_chunks",
+          "<da, a> per plan row and 128 channels of I, summed in ascending chunk order (no float atomics)", 0, 2,
+          L.max_rows, L.i_chunks);
   L.block(WsBuffer::kBwdWgradAcc, kWsTmaAlign, "n_acc*3*I*H",
           "fp32 dW_gate|dW_up|dW_down of each expert whose rows span more than one macrobatch", 0, 4, L.n_acc, 3, I, H);
   if (shared) {

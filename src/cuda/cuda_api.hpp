@@ -37,12 +37,14 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::Ra
 std::string unsupported_shape(const mokConfig_t& config);
 
 // Grouped GEMM over 128-row blocks, by kind (mokGemmKind_t; shapes in mok.h):
-// out = a·b0ᵀ, silu(a·b0ᵀ) ⊙ (a·b1ᵀ), a·b0 (dgrad down), a·[b0; b1] (dgrad gate/up).
+// out = a·b0ᵀ, silu(a·b0ᵀ) ⊙ (a·b1ᵀ), a·b0 (dgrad down), a·[b0; b1] (dgrad gate/up),
+// dh = SwiGLU backward of a·b0 (dgrad down SwiGLU: h, row_weight, optional wa, dtw_partials).
 struct GroupedGemmCall {
   const void* a; int64_t a_rows; int64_t k;
   const void* b0; const void* b1; int64_t num_experts; int64_t n;  // b* as in mok.h for the kind
   const int32_t* block_expert; int32_t num_m_blocks;
   void* out; int32_t kind; int32_t num_blocks;
+  const void* h = nullptr; const float* row_weight = nullptr; void* wa = nullptr; float* dtw_partials = nullptr;
 };
 void grouped_gemm(const GroupedGemmCall& call, void* stream);
 

@@ -223,7 +223,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
 
 // The layout's constants restate the kernels' (common/workspace_layout.hpp is host code too).
 static_assert(kWsErrorWords == kAllErrorWords, "error words of the layout differ from the kernels'");
-static_assert(kWsDgradTileN == gemm::TileConfig::kBlockN, "dgrad-down N tile differs from the tile engine's");
+static_assert(kWsDtwChunk == gemm::kDtwChunk, "channels per router-gradient partial differ from the dgrad-down epilogue's");
 static_assert(kWsCounterHeader == static_cast<int>(fused::Counter::kHeader) &&
                   kWsCounterArrays == static_cast<int>(fused::CounterArray::kPushDone) + 1,
               "counters of the layout differ from the fused kernel's");
@@ -432,6 +432,11 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
     case mokGemmDgradGateUp:
       g = gemm::dgrad_gate_up_args(call.a, call.a_rows, call.k / 2, call.b0, call.b1, call.num_experts, call.n,
                                    call.block_expert, call.num_m_blocks, call.out);
+      break;
+    case mokGemmDgradDownSwiGLU:
+      g = gemm::dgrad_down_swiglu_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n,
+                                       call.block_expert, call.num_m_blocks, call.h, call.row_weight, call.out,
+                                       call.wa, call.dtw_partials);
       break;
     default:
       MOK_FAIL(mokInvalidArgument, "grouped GEMM kind = " << call.kind << " is not a mokGemmKind_t");

@@ -32,6 +32,7 @@ float dot_f_bf(const float* a, const bf16_t* b, int64_t n) {
 
 float silu(float g) { return g / (1.0f + std::exp(-g)); }
 float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+float bf16_round(float v) { return bf16_to_float(float_to_bf16(v)); }
 
 void to_float(const bf16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
@@ -187,7 +188,7 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
       float* dyf = &dys[static_cast<size_t>(ri * hidden)];
       to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf, hidden);
       to_float(dy[static_cast<size_t>(row.rank)] + row.token * hidden, dyf, hidden);
-      // Recompute gate/up; unweighted dgrad of down.
+      // Recompute gate/up (fp32, rounded to bf16 below); unweighted dgrad of down.
       float dw = 0.f;
       float dw_acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int64_t i = 0; i < inter; ++i) {
@@ -195,22 +196,27 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
         uf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.up + i * hidden, hidden);
         daf[static_cast<size_t>(i)] = dot_f_bf(dyf, &down_t[static_cast<size_t>(i * hidden)], hidden);
       }
-      // SwiGLU backward with the router-weight gradient fused in.
+      // SwiGLU backward with the router-weight gradient fused in, from h = [g | u] rounded to
+      // bf16 as the CUDA backward saves it (bwd.h): the expressions and their order are those
+      // of the dgrad-down epilogue (src/cuda/gemm/epilogue_bwd.cuh), which uses __expf for exp.
+      // `a` is recomputed from the rounded g, u (it can differ from the forward's a, which
+      // rounds silu(g)·u of the fp32 g, u, in its last bf16 bit).
       for (int64_t i = 0; i < inter; ++i) {
-        const float g = gf[static_cast<size_t>(i)], u = uf[static_cast<size_t>(i)];
-        const float sg = sigmoid(g), sl = silu(g);
-        const float a = bf16_to_float(float_to_bf16(sl * u));
+        const float g = bf16_round(gf[static_cast<size_t>(i)]), u = bf16_round(uf[static_cast<size_t>(i)]);
+        const float sg = sigmoid(g);
+        const float sl = g * sg;
+        const float a = bf16_round(sl * u);
         const float da = daf[static_cast<size_t>(i)];
         dw_acc[i % kLanes] = dw_acc[i % kLanes] + da * a;
-        const float da_w = row.weight * da;
+        const float wda = row.weight * da;
         const float dsilu = sg * (1.0f + g * (1.0f - sg));
-        const float dg = bf16_to_float(float_to_bf16(da_w * u * dsilu));
-        const float du = bf16_to_float(float_to_bf16(da_w * sl));
+        const float dg = bf16_round((wda * u) * dsilu);
+        const float du = bf16_round(wda * sl);
         dguf[static_cast<size_t>(i)] = dg;
         dguf[static_cast<size_t>(inter + i)] = du;
         dgs[static_cast<size_t>(ri * inter + i)] = dg;
         dus[static_cast<size_t>(ri * inter + i)] = du;
-        aws[static_cast<size_t>(ri * inter + i)] = bf16_to_float(float_to_bf16(row.weight * a));
+        aws[static_cast<size_t>(ri * inter + i)] = bf16_round(row.weight * a);
       }
       dw = ((dw_acc[0] + dw_acc[1]) + (dw_acc[2] + dw_acc[3])) +
            ((dw_acc[4] + dw_acc[5]) + (dw_acc[6] + dw_acc[7]));

@@ -7,9 +7,11 @@
 //   o      = bf16(a·w_downᵀ)                  one routed (or shared) output row
 //   y[t]   = bf16(Σ_j↑ w[t,j]·o(t,j) + o_shared(t))   fp32, ascending j, shared last
 // and the backward:
+//   h      = [bf16(g) | bf16(u)]              the saved pre-activations, rounded as the GPU stores them
+//   sg     = 1/(1 + exp(-g)), sl = g·sg, a = bf16(sl·u), silu' = sg·(1 + g·(1 − sg))   (g, u from h)
 //   da     = dy·w_down                        fp32 (unweighted)
 //   dw[t,j]= Σ_i da[i]·a[i]                   exact for every weight, 0 and negatives too
-//   dg     = bf16(w·da ⊙ u ⊙ silu'(g)),  du = bf16(w·da ⊙ silu(g))
+//   dg     = bf16((w·da)·u·silu'),  du = bf16((w·da)·sl)
 //   dx     = bf16(Σ_j↑ bf16(dg·w_gate + du·w_up) + bf16(shared part))
 //   dW_down += dy ⊗ bf16(w·a),  dW_gate += dg ⊗ x,  dW_up += du ⊗ x   (fp32, rows in plan order)
 // Every dot product sums in a fixed 8-lane order; no result depends on the thread count.

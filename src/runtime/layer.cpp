@@ -166,7 +166,7 @@ std::string describe_buffers(const mokConfig_t& c) {
      << ", ring_rows = min(macrobatch_size, max_rows) = " << L.ring_rows << ",\n"
      << "         shared_blocks = ceil(T_max/block_m) = " << L.shared_blocks
      << ", n_macro = ceil(max_rows/macrobatch_size) = " << L.n_macro << ", n_acc = min(E_l, n_macro-1) = " << L.n_acc
-     << ", i_tiles = ceil(I/256) = " << L.i_tiles << "\n"
+     << ", i_chunks = ceil(I/128) = " << L.i_chunks << "\n"
      << "  device block: one allocation; offsets from a 1 KB aligned base, " << kWsAlign << " B aligned, "
      << kWsTmaAlign << " B for TMA operands and bulk-copy targets:\n";
   describe_entries(os, L, false, WsPlace::kBlock);

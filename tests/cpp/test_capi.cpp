@@ -2,6 +2,7 @@
 // usable after a rejected call.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "mok/mok.h"
@@ -257,6 +258,70 @@ TEST(CppApi, WorkspaceRaiiAndExceptions) {
   mok::Workspace moved = std::move(ws);
   EXPECT_NE(moved.handle(), nullptr);
   EXPECT_EQ(ws.handle(), nullptr);
+}
+
+// mokGroupedGemm's checks run on the views before the CPU is rejected, so the dgrad-down
+// SwiGLU kind's argument errors show on host memory too (nothing is launched).
+static_assert(sizeof(mokGroupedGemmArgs_t) == 5 * sizeof(mokTensor_t) + 16 + 4 * sizeof(mokTensor_t) &&
+                  offsetof(mokGroupedGemmArgs_t, h) == 5 * sizeof(mokTensor_t) + 16,
+              "mokGroupedGemmArgs_t: the epilogue's tensors follow num_blocks (python/mok/_lib.py mirrors it)");
+
+TEST(CApiGroupedGemm, DgradDownSwiGLUArgumentsAreChecked) {
+  const int64_t M = 130, H = 64, I = 256, E = 2;
+  std::vector<bf16_t> dy(M * H), w(E * H * I), h(M * 2 * I), dh(M * 2 * I), wa(M * I);
+  std::vector<float> rw(M), part(M * I / 128);
+  std::vector<int32_t> blocks = {0, 1};
+  mokGroupedGemmArgs_t a{};
+  a.a = tensor_view(dy.data(), mokBFloat16, {M, H});
+  a.b0 = tensor_view(w.data(), mokBFloat16, {E, H, I});
+  a.block_expert = tensor_view(blocks.data(), mokInt32, {2});
+  a.out = tensor_view(dh.data(), mokBFloat16, {M, 2 * I});
+  a.kind = mokGemmDgradDownSwiGLU;
+  a.h = tensor_view(h.data(), mokBFloat16, {M, 2 * I});
+  a.row_weight = tensor_view(rw.data(), mokFloat32, {M});
+  a.wa = tensor_view(wa.data(), mokBFloat16, {M, I});
+  a.dtw_partials = tensor_view(part.data(), mokFloat32, {M, I / 128});
+  auto expect = [](const mokGroupedGemmArgs_t& args, const std::string& needle) {
+    EXPECT_EQ(mokGroupedGemm(&args, nullptr), mokInvalidArgument) << needle;
+    EXPECT_NE(std::string(mokGetLastError()).find(needle), std::string::npos)
+        << "want \"" << needle << "\" in: " << mokGetLastError();
+  };
+  expect(a, "a is on the CPU; mokGroupedGemm runs on CUDA tensors");  // every view is right
+  auto bad = a;
+  bad.h = mokTensor_t{};
+  expect(bad, "needs h: [M, 2I] = [130, 512] bfloat16");
+  bad = a;
+  bad.row_weight = mokTensor_t{};
+  expect(bad, "needs row_weight: [M] = [130] float32");
+  bad = a;
+  bad.h = tensor_view(h.data(), mokBFloat16, {M, I});
+  expect(bad, "h has shape [130, 256], expected [130, 512]");
+  bad = a;
+  bad.h.dtype = mokFloat32;
+  expect(bad, "h must be bfloat16, got float32");
+  bad = a;
+  bad.row_weight.dtype = mokBFloat16;
+  expect(bad, "row_weight must be float32, got bfloat16");
+  bad = a;
+  bad.out = tensor_view(dh.data(), mokBFloat16, {M, I});
+  expect(bad, "out (dh) has shape [130, 256], expected [130, 512]");
+  bad = a;
+  bad.wa = tensor_view(wa.data(), mokBFloat16, {M, 2 * I});
+  expect(bad, "wa has shape [130, 512], expected [130, 256]");
+  bad = a;
+  bad.dtw_partials = tensor_view(part.data(), mokFloat32, {M, 1});
+  expect(bad, "dtw_partials has shape [130, 1], expected [130, 2]");
+  bad = a;
+  bad.b0 = tensor_view(w.data(), mokBFloat16, {E, H, 384});
+  expect(bad, "I = b0.shape[2] = 384 must be a multiple of 256");
+  // Optional outputs may be absent
+  bad = a;
+  bad.wa = mokTensor_t{};
+  bad.dtw_partials = mokTensor_t{};
+  expect(bad, "a is on the CPU");
+  bad = a;
+  bad.kind = 5;
+  expect(bad, "kind = 5 is not a mokGemmKind_t");
 }
 
 }  // namespace

@@ -318,6 +318,433 @@ TEST(GemmGpu, TileShape128x128EveryKind) {
   check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3, 128);
 }
 
+// ---- the dgrad-down SwiGLU-backward kind (mokGemmDgradDownSwiGLU, gemm/epilogue_bwd.cuh) -----
+
+// Rows of one expert, laid out as the plan lays them out: `rows` routed rows, then padding
+// rows up to the next multiple of 128.
+struct Segment {
+  int32_t expert, rows;
+};
+
+// One call's inputs: the segments' blocks, then `trailing` blocks of -1, M = 128·blocks − cut
+// (the last block cut short when cut > 0).  Padding rows have dy = 0, h = 0, w = 0, as the
+// plan's padding rows do; rows of -1 blocks hold random data the kernel must not touch.
+struct SwiGLUBwdInputs {
+  int64_t E = 0, H = 0, I = 0, M = 0;
+  std::vector<int32_t> block_expert;
+  std::vector<int8_t> row_kind;  // 1 routed, 0 padding, -1 in a -1 block
+  std::vector<bf16_t> dy, w_down, h;
+  std::vector<float> row_weight;
+};
+
+SwiGLUBwdInputs make_swiglu_bwd_inputs(uint64_t seed, int64_t E, int64_t H, int64_t I, const std::vector<Segment>& segs,
+                                       int trailing, int64_t cut) {
+  std::mt19937_64 rng(seed);
+  SwiGLUBwdInputs in;
+  in.E = E, in.H = H, in.I = I;
+  for (const Segment& s : segs) {
+    const int blocks = (s.rows + 127) / 128;
+    for (int b = 0; b < blocks; ++b) in.block_expert.push_back(s.expert);
+    for (int r = 0; r < blocks * 128; ++r) in.row_kind.push_back(r < s.rows ? 1 : 0);
+  }
+  for (int b = 0; b < trailing; ++b) {
+    in.block_expert.push_back(-1);
+    for (int r = 0; r < 128; ++r) in.row_kind.push_back(-1);
+  }
+  in.M = static_cast<int64_t>(in.block_expert.size()) * 128 - cut;
+  in.row_kind.resize(static_cast<size_t>(in.M));
+  in.dy = random_bf16(rng, static_cast<size_t>(in.M * H), 1.0f);
+  in.w_down = random_bf16(rng, static_cast<size_t>(E * H * I), 1.0f / std::sqrt(static_cast<float>(H)));
+  in.h = random_bf16(rng, static_cast<size_t>(in.M * 2 * I), 1.0f);
+  std::uniform_real_distribution<float> wdist(-0.5f, 1.0f), big(6.0f, 30.0f);
+  in.row_weight.resize(static_cast<size_t>(in.M));
+  int64_t routed = 0;
+  for (int64_t r = 0; r < in.M; ++r) {
+    const int8_t k = in.row_kind[static_cast<size_t>(r)];
+    float& w = in.row_weight[static_cast<size_t>(r)];
+    w = wdist(rng);
+    if (k == 1 && routed++ % 13 == 5) w = 0.0f;  // a real route of weight 0: dh = 0, partials exact
+    bf16_t* hr = &in.h[static_cast<size_t>(r * 2 * I)];
+    for (int64_t i = 0; i < I; ++i) {
+      float g = 2.0f * bf16_to_float(hr[i]);
+      if (rng() % 61 == 0) g = (rng() % 2 ? 1.0f : -1.0f) * big(rng);  // sigmoid saturated
+      hr[i] = float_to_bf16(g);
+    }
+    if (k == 0) {
+      w = 0.0f;
+      std::fill(in.dy.begin() + r * H, in.dy.begin() + (r + 1) * H, bf16_t{0});
+      std::fill(hr, hr + 2 * I, bf16_t{0});
+    }
+  }
+  return in;
+}
+
+struct SwiGLUBwdOutputs {
+  std::vector<bf16_t> dh, wa;  // [M, 2I], [M, I]
+  std::vector<float> part;     // [M, I / 128]
+};
+
+// One call at tile N = tile_n: 256 through the C ABI (what it launches), 128 through the
+// engine's own launch (with_tile_n).  Outputs start as 0xFF bytes (NaN); without
+// `optional`, wa and the partials are not passed (and come back all 0xFF).
+::testing::AssertionResult run_swiglu_bwd(const SwiGLUBwdInputs& in, int32_t tile_n, int64_t num_blocks, bool optional,
+                                          SwiGLUBwdOutputs* out) {
+  const int64_t M = in.M, H = in.H, I = in.I, E = in.E, C = I / 128;
+  DeviceBuffer ddy(in.dy), dw(in.w_down), dhin(in.h), drw(in.row_weight), dblk(in.block_expert);
+  DeviceBuffer ddh(static_cast<size_t>(M * 2 * I) * 2), dwa(static_cast<size_t>(M * I) * 2),
+      dpart(static_cast<size_t>(M * C) * 4);
+  const int32_t blocks = static_cast<int32_t>(in.block_expert.size());
+  if (tile_n == 256) {
+    mokGroupedGemmArgs_t a{};
+    a.a = tensor_view(ddy.ptr, mokBFloat16, {M, H}, 0);
+    a.b0 = tensor_view(dw.ptr, mokBFloat16, {E, H, I}, 0);
+    a.block_expert = tensor_view(dblk.ptr, mokInt32, {blocks}, 0);
+    a.out = tensor_view(ddh.ptr, mokBFloat16, {M, 2 * I}, 0);
+    a.kind = mokGemmDgradDownSwiGLU;
+    a.num_blocks = num_blocks;
+    a.h = tensor_view(dhin.ptr, mokBFloat16, {M, 2 * I}, 0);
+    a.row_weight = tensor_view(drw.ptr, mokFloat32, {M}, 0);
+    if (optional) {
+      a.wa = tensor_view(dwa.ptr, mokBFloat16, {M, I}, 0);
+      a.dtw_partials = tensor_view(dpart.ptr, mokFloat32, {M, C}, 0);
+    }
+    if (mokGroupedGemm(&a, nullptr) != mokSuccess)
+      return ::testing::AssertionFailure() << "mokGroupedGemm: " << mokGetLastError();
+  } else {
+    gemm::GroupedGemmArgs g = gemm::dgrad_down_swiglu_args(
+        ddy.ptr, M, H, dw.ptr, E, I, static_cast<const int32_t*>(dblk.ptr), blocks, dhin.ptr,
+        static_cast<const float*>(drw.ptr), ddh.ptr, optional ? dwa.ptr : nullptr,
+        optional ? static_cast<float*>(dpart.ptr) : nullptr);
+    g.num_blocks = static_cast<int32_t>(num_blocks);
+    try {
+      gemm::launch_grouped_gemm(gemm::with_tile_n(g, tile_n), nullptr);
+    } catch (const std::exception& e) {
+      return ::testing::AssertionFailure() << "engine launch at tile N " << tile_n << ": " << e.what();
+    }
+  }
+  const cudaError_t err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) return ::testing::AssertionFailure() << "kernel: " << cudaGetErrorString(err);
+  out->dh = ddh.get<bf16_t>();
+  out->wa = dwa.get<bf16_t>();
+  out->part = dpart.get<float>();
+  return ::testing::AssertionSuccess();
+}
+
+// The float64 reference: da = dy · W_down[e] in double; then the epilogue's formulas in double
+// on the bf16 g, u as stored, with a = bf16(silu(g)·u) (the one rounding the kernel keeps
+// inside its formulas).  Where silu(g)·u lies so close to a bf16 rounding midpoint that fp32
+// and double may round it differently, `a_amb` is one ulp of a (else 0): the tolerances of
+// wa and of the partials take that one-ulp choice into account and nothing else.
+struct SwiGLUBwdWant {
+  std::vector<double> dg, du, wa, wa_amb;   // [M, I]
+  std::vector<double> part, part_abs, part_amb;  // [M, I / 128]: Σ da·a, Σ |da·a|, Σ |da|·a_amb
+  std::vector<double> da;                   // [M, I], for the messages
+};
+
+// One bf16 ulp at v when v lies within 1e-5 (relative) of a midpoint between two bf16
+// neighbours (where an fp32 computation of v may round to the other one), else 0.
+double bf16_rounding_ambiguity(double v) {
+  const bf16_t b = float_to_bf16(static_cast<float>(v));
+  const double a = bf16_to_float(b);
+  // The neighbours one bf16 step away on either side (bit patterns ±1, sign-magnitude)
+  auto step = [&](bool up) {
+    const bool neg = (b & 0x8000) != 0;
+    const uint16_t mag = b & 0x7FFF;
+    if (mag == 0) return static_cast<double>(bf16_to_float(static_cast<bf16_t>(up ? 0x0001 : 0x8001)));
+    const bool away = up != neg;  // away from zero
+    return static_cast<double>(bf16_to_float(static_cast<bf16_t>((b & 0x8000) | (away ? mag + 1 : mag - 1))));
+  };
+  const double hi = step(true), lo = step(false);
+  const double window = 1e-5 * std::fabs(v) + 1e-38;
+  const bool near = std::fabs(v - (a + hi) / 2) <= window || std::fabs(v - (a + lo) / 2) <= window;
+  return near ? std::max(hi - a, a - lo) : 0.0;
+}
+
+SwiGLUBwdWant swiglu_bwd_reference(const SwiGLUBwdInputs& in) {
+  const int64_t M = in.M, H = in.H, I = in.I, C = I / 128;
+  SwiGLUBwdWant w;
+  for (auto* v : {&w.dg, &w.du, &w.wa, &w.wa_amb, &w.da}) v->assign(static_cast<size_t>(M * I), 0.0);
+  for (auto* v : {&w.part, &w.part_abs, &w.part_amb}) v->assign(static_cast<size_t>(M * C), 0.0);
+  std::vector<double> da(static_cast<size_t>(I));
+  for (int64_t r = 0; r < M; ++r) {
+    if (in.row_kind[static_cast<size_t>(r)] < 0) continue;
+    const int64_t e = in.block_expert[static_cast<size_t>(r / 128)];
+    std::fill(da.begin(), da.end(), 0.0);
+    for (int64_t k = 0; k < H; ++k) {
+      const double d = bf16_to_float(in.dy[static_cast<size_t>(r * H + k)]);
+      if (d == 0.0) continue;
+      const bf16_t* wrow = &in.w_down[static_cast<size_t>((e * H + k) * I)];
+      for (int64_t i = 0; i < I; ++i) da[static_cast<size_t>(i)] += d * bf16_to_float(wrow[i]);
+    }
+    const double wt = in.row_weight[static_cast<size_t>(r)];
+    for (int64_t i = 0; i < I; ++i) {
+      const double g = bf16_to_float(in.h[static_cast<size_t>(r * 2 * I + i)]);
+      const double u = bf16_to_float(in.h[static_cast<size_t>(r * 2 * I + I + i)]);
+      const double d = da[static_cast<size_t>(i)];
+      const double sg = 1.0 / (1.0 + std::exp(-g)), sl = g * sg;
+      const double av = sl * u;
+      const double a = bf16_to_float(float_to_bf16(static_cast<float>(av)));
+      const double amb = bf16_rounding_ambiguity(av);
+      const double dsilu = sg * (1.0 + g * (1.0 - sg));
+      const size_t x = static_cast<size_t>(r * I + i), c = static_cast<size_t>(r * C + i / 128);
+      w.da[x] = d;
+      w.dg[x] = wt * d * u * dsilu;
+      w.du[x] = wt * d * sl;
+      w.wa[x] = wt * a;
+      w.wa_amb[x] = std::fabs(wt) * amb;
+      w.part[c] += d * a;
+      w.part_abs[c] += std::fabs(d * a);
+      w.part_amb[c] += std::fabs(d) * amb;
+    }
+  }
+  return w;
+}
+
+// Up to five failures, with what a reader needs to see which formula or column is wrong.
+struct Failures {
+  int64_t count = 0;
+  std::string shown;
+  template <typename Describe>
+  void add(Describe describe) {
+    if (count++ < 5) shown += "\n    " + describe();
+  }
+};
+
+std::string num(double v) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.6g", v);
+  return b;
+}
+
+// Checks one call's outputs against the reference.  Tolerances (per element):
+//   dg, du: |got − want| ≤ |want|/128 + 1e-3·rms(want): the bf16 rounding (≤ |want|/256) and
+//     fp32 noise; a missing w, a wrong column, g and u swapped or silu' wrong fail by far more.
+//   wa: |got − want| ≤ |want|/128 + |w|·(one ulp of a where its rounding is ambiguous).
+//   partials: |got − want| ≤ 1e-4·Σ|da·a| + Σ|da|·(one ulp of a where ambiguous) + 1e-7: fp32
+//     sums of 128 products; a missing, repeated or misplaced channel or chunk fails.
+// Padding rows: dh and wa exactly ±0, partials exactly 0.  Rows of -1 blocks: unwritten (0xFF).
+void check_swiglu_bwd_outputs(const SwiGLUBwdInputs& in, const SwiGLUBwdWant& want, const SwiGLUBwdOutputs& got,
+                              bool optional, const std::string& what) {
+  const int64_t M = in.M, I = in.I, C = I / 128;
+  double rms_g = 0, rms_u = 0, num_g = 0, num_u = 0;
+  int64_t n = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    if (in.row_kind[static_cast<size_t>(r)] < 0) continue;
+    for (int64_t i = 0; i < I; ++i) {
+      const size_t x = static_cast<size_t>(r * I + i);
+      rms_g += want.dg[x] * want.dg[x];
+      rms_u += want.du[x] * want.du[x];
+      ++n;
+    }
+  }
+  rms_g = std::sqrt(rms_g / std::max<int64_t>(n, 1));
+  rms_u = std::sqrt(rms_u / std::max<int64_t>(n, 1));
+  Failures dh_fail, wa_fail, part_fail, pad_fail, unwritten;
+  for (int64_t r = 0; r < M; ++r) {
+    const int8_t kind = in.row_kind[static_cast<size_t>(r)];
+    const std::string row_s = "row " + std::to_string(r) + " (expert " +
+                              std::to_string(in.block_expert[static_cast<size_t>(r / 128)]) + ", w " +
+                              num(in.row_weight[static_cast<size_t>(r)]) + ")";
+    for (int64_t i = 0; i < I; ++i) {
+      const size_t x = static_cast<size_t>(r * I + i);
+      const bf16_t gdg = got.dh[static_cast<size_t>(r * 2 * I + i)], gdu = got.dh[static_cast<size_t>(r * 2 * I + I + i)];
+      const bf16_t gwa = got.wa[x];
+      if (kind < 0) {
+        if (gdg != 0xFFFF || gdu != 0xFFFF || (optional && gwa != 0xFFFF))
+          unwritten.add([&] { return row_s + " of a -1 block, channel " + std::to_string(i) + " was written"; });
+        continue;
+      }
+      if (kind == 0) {
+        if ((gdg & 0x7FFF) != 0 || (gdu & 0x7FFF) != 0 || (optional && (gwa & 0x7FFF) != 0))
+          pad_fail.add([&] {
+            return "padding " + row_s + " channel " + std::to_string(i) + ": dg " + num(bf16_to_float(gdg)) + " du " +
+                   num(bf16_to_float(gdu)) + " wa " + num(bf16_to_float(gwa)) + " (want 0)";
+          });
+        continue;
+      }
+      const double dg = bf16_to_float(gdg), du = bf16_to_float(gdu);
+      const double tg = std::fabs(want.dg[x]) / 128 + 1e-3 * rms_g, tu = std::fabs(want.du[x]) / 128 + 1e-3 * rms_u;
+      if (!(std::fabs(dg - want.dg[x]) <= tg) || !(std::fabs(du - want.du[x]) <= tu))
+        dh_fail.add([&] {
+          return row_s + " channel " + std::to_string(i) + ": dg " + num(dg) + " want " + num(want.dg[x]) + ", du " +
+                 num(du) + " want " + num(want.du[x]) + " (g " +
+                 num(bf16_to_float(in.h[static_cast<size_t>(r * 2 * I + i)])) + ", u " +
+                 num(bf16_to_float(in.h[static_cast<size_t>(r * 2 * I + I + i)])) + ", da " + num(want.da[x]) + ")";
+        });
+      num_g += (dg - want.dg[x]) * (dg - want.dg[x]);
+      num_u += (du - want.du[x]) * (du - want.du[x]);
+      if (optional) {
+        const double wa = bf16_to_float(gwa);
+        if (!(std::fabs(wa - want.wa[x]) <= std::fabs(want.wa[x]) / 128 + want.wa_amb[x] + 1e-30))
+          wa_fail.add([&] { return row_s + " channel " + std::to_string(i) + ": wa " + num(wa) + " want " + num(want.wa[x]); });
+      }
+    }
+    if (!optional) continue;
+    for (int64_t c = 0; c < C; ++c) {
+      const size_t x = static_cast<size_t>(r * C + c);
+      uint32_t bits;
+      std::memcpy(&bits, &got.part[x], 4);
+      if (kind < 0) {
+        if (bits != 0xFFFFFFFFu) unwritten.add([&] { return row_s + " of a -1 block: partial " + std::to_string(c) + " written"; });
+        continue;
+      }
+      if (kind == 0) {
+        if (got.part[x] != 0.0f)
+          pad_fail.add([&] { return "padding " + row_s + ": partial " + std::to_string(c) + " = " + num(got.part[x]); });
+        continue;
+      }
+      const double tol = 1e-4 * want.part_abs[x] + want.part_amb[x] + 1e-7;
+      if (!(std::fabs(got.part[x] - want.part[x]) <= tol))
+        part_fail.add([&] {
+          return row_s + " chunk " + std::to_string(c) + " (channels " + std::to_string(128 * c) + ".." +
+                 std::to_string(128 * c + 127) + "): partial " + num(got.part[x]) + " want " + num(want.part[x]) +
+                 " (tolerance " + num(tol) + ")";
+        });
+    }
+  }
+  if (!optional) {
+    // Not passed: nothing written
+    for (size_t x = 0; x < got.wa.size(); ++x)
+      if (got.wa[x] != 0xFFFF) unwritten.add([&] { return "wa was written without being passed (element " + std::to_string(x) + ")"; });
+    for (size_t x = 0; x < got.part.size(); ++x) {
+      uint32_t bits;
+      std::memcpy(&bits, &got.part[x], 4);
+      if (bits != 0xFFFFFFFFu)
+        unwritten.add([&] { return "dtw_partials written without being passed (element " + std::to_string(x) + ")"; });
+    }
+  }
+  EXPECT_EQ(dh_fail.count, 0) << what << ": dh = [dg | du] outside the tolerance at " << dh_fail.count
+                              << " elements:" << dh_fail.shown;
+  EXPECT_EQ(wa_fail.count, 0) << what << ": wa = bf16(w·a) outside the tolerance at " << wa_fail.count
+                              << " elements:" << wa_fail.shown;
+  EXPECT_EQ(part_fail.count, 0) << what << ": dtw_partials outside the tolerance at " << part_fail.count
+                                << " (row, chunk)s:" << part_fail.shown;
+  EXPECT_EQ(pad_fail.count, 0) << what << ": padding rows (w = 0, h = 0, dy = 0) must give zeros; "
+                               << pad_fail.count << " did not:" << pad_fail.shown;
+  EXPECT_EQ(unwritten.count, 0) << what << ": values that must stay unwritten (0xFF poison) were written at "
+                                << unwritten.count << " places:" << unwritten.shown;
+  std::printf("dgrad-down SwiGLU %s: dg rel %.3e, du rel %.3e over %ld elements\n", what.c_str(),
+              std::sqrt(num_g / std::max(rms_g * rms_g * n, 1e-300)), std::sqrt(num_u / std::max(rms_u * rms_u * n, 1e-300)),
+              static_cast<long>(n));
+}
+
+bool bitwise_equal(const SwiGLUBwdOutputs& a, const SwiGLUBwdOutputs& b, std::string* where) {
+  auto first_diff = [](const auto& x, const auto& y) -> int64_t {
+    for (size_t i = 0; i < x.size(); ++i)
+      if (std::memcmp(&x[i], &y[i], sizeof(x[i])) != 0) return static_cast<int64_t>(i);
+    return -1;
+  };
+  const int64_t dh = first_diff(a.dh, b.dh), wa = first_diff(a.wa, b.wa), part = first_diff(a.part, b.part);
+  *where = "first differing element: dh " + std::to_string(dh) + ", wa " + std::to_string(wa) + ", dtw_partials " +
+           std::to_string(part) + " (-1: equal)";
+  return dh < 0 && wa < 0 && part < 0;
+}
+
+struct SwiGLUBwdCase {
+  const char* name;
+  int64_t E, H, I;
+  std::vector<Segment> segs;
+  int trailing;
+  int64_t cut;
+  int64_t num_blocks;
+};
+
+// Experts with 0 rows (no blocks), 1 row, 130 rows (a second block of 2), full blocks; padding
+// rows; -1 blocks at the end; M cut inside the last block; grids smaller than the tile count
+// (several tiles per block); I = 384 (not a multiple of 256: 128 x 128 tiles only).
+std::vector<SwiGLUBwdCase> swiglu_bwd_cases() {
+  return {
+      {"E=4 H=512 I=512, experts 2:1 1:130 3:256 (0: none), one -1 block", 4, 512, 512, {{2, 1}, {1, 130}, {3, 256}}, 1, 0, 0},
+      {"E=3 H=256 I=256, M cut 58 rows into the last block, grid 3", 3, 256, 256, {{0, 200}, {2, 128}}, 0, 58, 3},
+      {"E=2 H=1024 I=768, one expert of 300 rows, two -1 blocks, grid 2", 2, 1024, 768, {{1, 300}}, 2, 0, 2},
+  };
+}
+
+TEST(GemmGpu, DgradDownSwiGLUEpilogue) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const SwiGLUBwdCase& c : swiglu_bwd_cases()) {
+    const uint64_t seed = fresh_seed();
+    const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, c.E, c.H, c.I, c.segs, c.trailing, c.cut);
+    const SwiGLUBwdWant want = swiglu_bwd_reference(in);
+    for (int32_t tile_n : {256, 128})
+      for (bool optional : {true, false}) {
+        const std::string what = std::string(c.name) + ", tile 128x" + std::to_string(tile_n) +
+                                 (optional ? "" : ", without wa and partials") + ", seed " + std::to_string(seed);
+        SCOPED_TRACE(what);
+        SwiGLUBwdOutputs out, again;
+        ASSERT_TRUE(run_swiglu_bwd(in, tile_n, c.num_blocks, optional, &out));
+        check_swiglu_bwd_outputs(in, want, out, optional, what);
+        ASSERT_TRUE(run_swiglu_bwd(in, tile_n, c.num_blocks, optional, &again));
+        std::string where;
+        EXPECT_TRUE(bitwise_equal(out, again, &where)) << what << ": run twice, not bitwise equal; " << where;
+      }
+  }
+}
+
+// I % 256 == 128: the C ABI (128 x 256 tiles) refuses it, the engine runs it in 128 x 128 tiles.
+TEST(GemmGpu, DgradDownSwiGLUIntermediateOf384At128x128) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = fresh_seed();
+  const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, 2, 192, 384, {{1, 77}, {0, 300}}, 2, 0);
+  const std::string what = "E=2 H=192 I=384 experts 1:77 0:300, tile 128x128, seed " + std::to_string(seed);
+  SCOPED_TRACE(what);
+  SwiGLUBwdOutputs out;
+  ASSERT_TRUE(run_swiglu_bwd(in, 128, 0, true, &out));
+  check_swiglu_bwd_outputs(in, swiglu_bwd_reference(in), out, true, what);
+  EXPECT_FALSE(run_swiglu_bwd(in, 256, 0, true, &out)) << "the C ABI must refuse I = 384 (not a multiple of 256)";
+}
+
+// The partials are defined per 128 channels with one summation order for both tile shapes, so
+// given the same da bits they are the same bits at 128 x 256 and 128 x 128; dh and wa are
+// element-wise functions of da, h and w.  The two shapes run the same K loop (same stages,
+// four k16 wgmmas per stage in the same order, one accumulator chain per element); they differ
+// only in the wgmma's N (n256 vs n128).  That every output element's k16 reduction inside the
+// tensor core does not depend on N is what this test asserts, and what it cannot know
+// beforehand: if it fails, the message says whether the plain dgrad-down kind's bf16 da also
+// differs between the shapes (then the hardware sums differently per N and the shape
+// independence holds only to rounding, as DgradDownSwiGLUEpilogue checks), or not (then look at
+// the epilogue's chunk order).
+TEST(GemmGpu, DgradDownSwiGLUTileShapesAgreeBitwise) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const SwiGLUBwdCase& c : swiglu_bwd_cases()) {
+    const uint64_t seed = fresh_seed();
+    const std::string what = std::string(c.name) + ", seed " + std::to_string(seed);
+    SCOPED_TRACE(what);
+    const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, c.E, c.H, c.I, c.segs, c.trailing, c.cut);
+    SwiGLUBwdOutputs t256, t128;
+    ASSERT_TRUE(run_swiglu_bwd(in, 256, c.num_blocks, true, &t256));
+    ASSERT_TRUE(run_swiglu_bwd(in, 128, c.num_blocks, true, &t128));
+    std::string where;
+    if (bitwise_equal(t256, t128, &where)) continue;
+    // Diagnose: the plain dgrad-down kind (bf16 da) at both shapes
+    const int64_t M = in.M, H = in.H, I = in.I;
+    DeviceBuffer ddy(in.dy), dw(in.w_down), dblk(in.block_expert), d256(static_cast<size_t>(M * I) * 2),
+        d128(static_cast<size_t>(M * I) * 2);
+    const int32_t blocks = static_cast<int32_t>(in.block_expert.size());
+    int64_t da_diff = -1;
+    try {
+      for (int32_t tile_n : {256, 128}) {
+        gemm::GroupedGemmArgs g = gemm::dgrad_down_args(ddy.ptr, M, H, dw.ptr, in.E, I,
+                                                        static_cast<const int32_t*>(dblk.ptr), blocks,
+                                                        tile_n == 256 ? d256.ptr : d128.ptr);
+        gemm::launch_grouped_gemm(gemm::with_tile_n(g, tile_n), nullptr);
+      }
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto a = d256.get<bf16_t>(), b = d128.get<bf16_t>();
+      da_diff = 0;
+      for (size_t i = 0; i < a.size(); ++i) da_diff += a[i] != b[i];
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "diagnostic dgrad-down launch: " << e.what();
+    }
+    ADD_FAILURE() << what << ": 128x256 and 128x128 tiles give different bits; " << where << ". Diagnostic: the plain "
+                  << "dgrad-down kind's bf16 da differs at " << da_diff << " elements between the shapes"
+                  << (da_diff > 0 ? " -> the wgmma's fp32 sums depend on N: the partials agree only to rounding"
+                                  : da_diff == 0 ? " -> da's bf16 agree: suspect the epilogue's per-shape order (or fp32 "
+                                                   "da bits that differ below bf16)"
+                                                 : "");
+  }
+}
+
 // MOK_GEMM_CLUSTER=2: 2-CTA clusters, B multicast within a pair of row blocks of one expert;
 // pairs of two experts, a lone last block (CTA 1 recomputes and stores nothing), tiny grids.
 TEST(GemmGpu, PairClustersShareB) {

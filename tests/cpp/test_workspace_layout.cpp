@@ -103,7 +103,7 @@ TEST(WorkspaceLayout, Dsv3SizesAreTheFormulas) {
   EXPECT_EQ(L.ring_rows, 17408);
   EXPECT_EQ(L.n_macro, 2);
   EXPECT_EQ(L.n_acc, 1);  // min(E_l = 16, n_macro - 1 = 1)
-  EXPECT_EQ(L.i_tiles, 8);
+  EXPECT_EQ(L.i_chunks, 16);  // I = 2048 in chunks of 128
   const auto bytes = [&](WsBuffer b) { return L[b].bytes; };
   EXPECT_EQ(bytes(WsBuffer::kRows), 34688 * 4);
   EXPECT_EQ(bytes(WsBuffer::kExpertCount), 16 * 4);
@@ -126,7 +126,7 @@ TEST(WorkspaceLayout, Dsv3SizesAreTheFormulas) {
   EXPECT_EQ(bytes(WsBuffer::kBwdDyRing), int64_t{17408} * 7168 * 2);
   EXPECT_EQ(bytes(WsBuffer::kBwdH), int64_t{17408} * 2 * 2048 * 2);
   EXPECT_EQ(bytes(WsBuffer::kBwdDh), int64_t{17408} * 2 * 2048 * 2);
-  EXPECT_EQ(bytes(WsBuffer::kBwdDtwPartials), int64_t{34688} * 8 * 4);
+  EXPECT_EQ(bytes(WsBuffer::kBwdDtwPartials), int64_t{34688} * 16 * 4);
   EXPECT_EQ(bytes(WsBuffer::kBwdWgradAcc), int64_t{1} * 3 * 2048 * 7168 * 4);  // 168 MiB, not E_l's 2.6 GiB
   EXPECT_EQ(bytes(WsBuffer::kBwdCounters), (2 + 6 * 271) * 4);
   EXPECT_EQ(L[WsBuffer::kBwdXRing].alias, WsBuffer::kRing);
@@ -160,7 +160,7 @@ TEST(WorkspaceLayout, SharedExpertSizesAreTheFormulas) {
   EXPECT_EQ(L.shared_blocks, 64);
   EXPECT_EQ(L.n_macro, 5);
   EXPECT_EQ(L.n_acc, 4);
-  EXPECT_EQ(L.i_tiles, 3);
+  EXPECT_EQ(L.i_chunks, 6);  // I = 768 in chunks of 128
   EXPECT_EQ(L[WsBuffer::kSharedBlock].bytes, 64 * 4);
   EXPECT_TRUE(L[WsBuffer::kSharedBlock].zero_at_creation);
   EXPECT_EQ(L[WsBuffer::kSharedAct].bytes, int64_t{8192} * 2048 * 2);
@@ -170,7 +170,7 @@ TEST(WorkspaceLayout, SharedExpertSizesAreTheFormulas) {
   EXPECT_EQ(L[WsBuffer::kBwdSharedDx].alias, WsBuffer::kSharedOut);
   EXPECT_EQ(L[WsBuffer::kBwdSharedA].alias, WsBuffer::kSharedAct);
   EXPECT_EQ(L[WsBuffer::kBwdWgradAcc].bytes, int64_t{4} * 3 * 768 * 2048 * 4);
-  EXPECT_EQ(L[WsBuffer::kBwdDtwPartials].bytes, int64_t{73600} * 3 * 4);
+  EXPECT_EQ(L[WsBuffer::kBwdDtwPartials].bytes, int64_t{73600} * 6 * 4);
   check_geometry(L);
   check_backward_adds_exactly_its_entries(c);
 }

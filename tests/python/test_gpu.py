@@ -282,6 +282,68 @@ def test_grouped_mm_dgrad_kinds_read_the_weights_as_stored(gen, kind):
         assert torch.equal(again[rows], out[rows]), "not bitwise reproducible"
 
 
+def test_grouped_mm_dgrad_down_swiglu_matches_float64(gen):
+    # Rows laid out as the plan lays them out: expert 2 with 1 row, expert 0 with 130 (a second
+    # block of 2), expert 1 with none, each padded to 128 rows (padding: dy = 0, h = 0, w = 0),
+    # then a -1 block (left unwritten).
+    E, H, I = 3, 512, 512
+    blocks, kinds = [], []
+    for e, n in ((2, 1), (0, 130)):
+        nb = (n + 127) // 128
+        blocks += [e] * nb
+        kinds += [1] * n + [0] * (nb * 128 - n)
+    blocks.append(-1)
+    kinds += [-1] * 128
+    M, kinds = len(blocks) * 128, torch.tensor(kinds)
+    dy = torch.randn(M, H, generator=gen).bfloat16()
+    w_down = (torch.randn(E, H, I, generator=gen) / H ** 0.5).bfloat16()
+    g = (2 * torch.randn(M, I, generator=gen)).bfloat16()
+    u = torch.randn(M, I, generator=gen).bfloat16()
+    w = torch.rand(M, generator=gen) * 1.5 - 0.5
+    w[130] = 0.0  # a real route of weight 0: dh = 0, its partials still exact
+    pad = kinds == 0
+    dy[pad], g[pad], u[pad], w[pad] = 0, 0, 0, 0
+    h = torch.cat([g, u], dim=1)
+    be = torch.tensor(blocks, dtype=torch.int32).cuda()
+    nan = dict(dtype=torch.bfloat16, device="cuda")
+    dh = torch.full((M, 2 * I), float("nan"), **nan)
+    wa = torch.full((M, I), float("nan"), **nan)
+    part = torch.full((M, I // 128), float("nan"), device="cuda")
+    args = (dy.cuda(), w_down.cuda(), be)
+    eps = dict(h=h.cuda(), row_weight=w.cuda())
+    got = mok.ops.grouped_mm(*args, out=dh, kind="dgrad_down_swiglu", wa=wa, dtw_partials=part, **eps)
+    assert got is dh
+    wa2 = torch.empty_like(wa)
+    part2 = torch.empty_like(part)
+    again = mok.ops.grouped_mm(*args, kind="dgrad_down_swiglu", wa=wa2, dtw_partials=part2, **eps)
+    live = slice(0, (len(blocks) - 1) * 128)  # the rows of the blocks before the -1 block
+    assert torch.equal(again[live], dh[live]) and torch.equal(wa2[live], wa[live]) and \
+        torch.equal(part2[live], part[live]), "not bitwise reproducible"
+    dh, wa, part = dh.cpu(), wa.cpu(), part.cpu()
+    for i, e in enumerate(blocks):
+        rows = slice(i * 128, (i + 1) * 128)
+        if e < 0:
+            assert torch.isnan(dh[rows]).all() and torch.isnan(wa[rows]).all() and torch.isnan(part[rows]).all(), \
+                "a -1 block's rows must stay unwritten"
+            continue
+        da = dy[rows].double() @ w_down[e].double()
+        gd, ud, wd = g[rows].double(), u[rows].double(), w[rows].double()[:, None]
+        sg = torch.sigmoid(gd)
+        sl = gd * sg
+        a = (sl * ud).float().bfloat16().double()
+        dsilu = sg * (1 + gd * (1 - sg))
+        real = kinds[rows] == 1
+        want_dh = torch.cat([wd * da * ud * dsilu, wd * da * sl], dim=1)
+        want_part = (da * a).reshape(128, I // 128, 128).sum(-1)
+        assert_close(f"dh of block {i} (expert {e})", dh[rows][real], want_dh[real])
+        assert_close(f"wa of block {i} (expert {e})", wa[rows][real], (wd * a)[real])
+        assert_close(f"dtw_partials of block {i} (expert {e})", part[rows][real], want_part[real], tol=1e-3)
+        assert_close(f"d topk_weights of block {i}", part[rows][real].double().sum(1), (da * a)[real].sum(1), tol=1e-3)
+        assert (dh[rows][~real] == 0).all() and (wa[rows][~real] == 0).all() and (part[rows][~real] == 0).all(), \
+            "padding rows (w = 0, h = 0, dy = 0) must give zeros"
+    assert (dh[130] == 0).all() and part[130].abs().sum() > 0, "w = 0: dh = 0 and the partials still <da, a>"
+
+
 def test_grouped_wgrad_matches_float64_with_empty_and_one_row_experts(gen):
     # out[e] = a[rows of e].T @ b[rows of e] at the plan's 128-padded offsets, padding rows zero
     counts = [3, 0, 1, 200]

@@ -205,6 +205,71 @@ class TestGroupedMM:
             ops.grouped_mm(a, b, be, out=torch.zeros(128, dtype=torch.bfloat16))
 
 
+class TestGroupedMMDgradDownSwiGLU:
+    """kind "dgrad_down_swiglu": its inputs are checked in Python, and shapes by the C side before
+    it rejects CPU tensors (so all of it shows without a GPU)."""
+    M, H_, I_ = 130, 64, 256
+
+    def _inputs(self):
+        M, H_, I_ = self.M, self.H_, self.I_
+        return dict(a=torch.zeros(M, H_, dtype=torch.bfloat16), b0=torch.zeros(2, H_, I_, dtype=torch.bfloat16),
+                    block_expert=torch.zeros(2, dtype=torch.int32), kind="dgrad_down_swiglu",
+                    h=torch.zeros(M, 2 * I_, dtype=torch.bfloat16), row_weight=torch.zeros(M),
+                    wa=torch.zeros(M, I_, dtype=torch.bfloat16), dtw_partials=torch.zeros(M, I_ // 128))
+
+    def test_valid_inputs_reach_the_cuda_check(self):
+        with _raises(ValueError, "CUDA tensors"):
+            ops.grouped_mm(**self._inputs())
+        args = self._inputs()
+        args.update(wa=None, dtw_partials=None)  # optional
+        with _raises(ValueError, "CUDA tensors"):
+            ops.grouped_mm(**args)
+
+    def test_missing_inputs(self):
+        for name, what in (("h", "[M, 2I] bf16"), ("row_weight", "[M] float32")):
+            args = self._inputs()
+            args[name] = None
+            with _raises(ValueError, "kind 'dgrad_down_swiglu' needs " + name, what):
+                ops.grouped_mm(**args)
+
+    def test_dtypes_and_ndim(self):
+        for name, bad, fragments in (("h", torch.float32, ("h must be bfloat16", "got float32")),
+                                     ("row_weight", torch.bfloat16, ("row_weight must be float32", "got bfloat16")),
+                                     ("wa", torch.float32, ("wa must be bfloat16", "got float32")),
+                                     ("dtw_partials", torch.float64, ("dtw_partials must be float32", "got float64"))):
+            args = self._inputs()
+            args[name] = args[name].to(bad)
+            with _raises(ValueError, *fragments):
+                ops.grouped_mm(**args)
+        args = self._inputs()
+        args["row_weight"] = args["row_weight"][:, None]
+        with _raises(ValueError, "row_weight must be 1-D", "got shape [130, 1]"):
+            ops.grouped_mm(**args)
+
+    def test_shapes_checked_by_the_c_side(self):
+        M, I_ = self.M, self.I_
+        for name, shape, fragment in (("h", (M, I_), "h has shape [130, 256], expected [130, 512]"),
+                                      ("out", (M, I_), "out (dh) has shape [130, 256], expected [130, 512]"),
+                                      ("wa", (M, 2 * I_), "wa has shape [130, 512], expected [130, 256]"),
+                                      ("dtw_partials", (M, 1), "dtw_partials has shape [130, 1], expected [130, 2]")):
+            args = self._inputs()
+            dtype = torch.float32 if name == "dtw_partials" else torch.bfloat16
+            args[name] = torch.zeros(*shape, dtype=dtype)
+            with _raises(ValueError, fragment):
+                ops.grouped_mm(**args)
+        args = self._inputs()
+        args.update(b0=torch.zeros(2, self.H_, 384, dtype=torch.bfloat16), h=torch.zeros(M, 768, dtype=torch.bfloat16),
+                    wa=None, dtw_partials=None)
+        with _raises(ValueError, "I = b0.shape[2] = 384 must be a multiple of 256"):
+            ops.grouped_mm(**args)
+
+    def test_epilogue_inputs_belong_to_this_kind(self):
+        a, b, be = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(1, 64, 256, dtype=torch.bfloat16), \
+            torch.zeros(1, dtype=torch.int32)
+        with _raises(ValueError, "h is an input of kind 'dgrad_down_swiglu' only", "'dgrad_down'"):
+            ops.grouped_mm(a, b, be, kind="dgrad_down", h=torch.zeros(128, 512, dtype=torch.bfloat16))
+
+
 class TestEmulated:
     def test_rank_named(self, gen):
         ranks = []

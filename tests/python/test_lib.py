@@ -20,6 +20,9 @@ def test_struct_layouts():
     assert ctypes.sizeof(_lib.mokBackwardArgs) == 10 * 88 + 3 * 88 + 12 * 88
     assert ctypes.sizeof(_lib.mokPlanCapacity) == 24
     assert ctypes.sizeof(_lib.mokPlanArgs) == 16 + 5 * 88
+    # a, b0, b1, block_expert, out, kind, num_blocks, then h, row_weight, wa, dtw_partials
+    assert ctypes.sizeof(_lib.mokGroupedGemmArgs) == 5 * 88 + 16 + 4 * 88
+    assert _lib.mokGroupedGemmArgs.h.offset == 5 * 88 + 16
     assert _lib.mokConfig.timeout_s.offset == 17 * 8 and _lib.mokConfig.num_threads.offset == 19 * 8
 
 

@@ -36,10 +36,15 @@ using TileConfig = TileShape<128, 256>;
 using TileConfigN128 = TileShape<128, 128>;
 static_assert(TileConfig::kStages == 4, "the forward's measured configuration");
 
+// Channels of I per router-gradient partial of the dgrad-down SwiGLU epilogue (epilogue_bwd.cuh):
+// the same for every tile shape, so the partials do not depend on it.
+inline constexpr int kDtwChunk = 128;
+
 enum class Epilogue : int32_t {
   kStore = 0,    // out[row, col] = bf16(acc)
   kSwiGLU = 1,   // out[row, ch] = bf16(silu(gate) * up), ch = n_block*BLOCK_N/2 + col (col < BLOCK_N/2)
   kScatter = 2,  // out[token*k + j, col] = bf16(acc) for the plan row's (token, j); padding skipped
+  kDgradSwiGLU = 3,  // dgrad down: out = dh = [dg | du] from da = acc and h (epilogue_bwd.cuh); wa, partials
 };
 
 // Raster of a (num_m x num_n) tile grid: groups of `group` N-blocks, m-major inside a group,

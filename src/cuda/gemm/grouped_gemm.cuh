@@ -23,6 +23,9 @@
 // +gridDim.x, ... (deterministic).
 #pragma once
 
+#include "cuda/gemm/epilogue_bwd.cuh"
+#include <type_traits>
+
 #include "cuda/gemm/tile.cuh"
 
 namespace mok::gemm {
@@ -56,11 +59,26 @@ struct GroupedGemmParams {
   int32_t skew_k_blocks;     // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
 };
 
+// The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
+// kDgradSwiGLU epilogue): out = dh [rows, 2I], out_ld = 2I.  A type of its own, so that the
+// other kernels' parameters (and code) stay as they were.
+struct GroupedGemmSwiGLUBwdParams : GroupedGemmParams {
+  const __nv_bfloat16* h;    // [rows, 2I] bf16: the saved g | u
+  const float* row_weight;   // [rows] fp32: w of each row (0 for padding rows)
+  __nv_bfloat16* wa;         // [rows, I] bf16 or null
+  float* dtw_partials;       // [rows, I / 128] fp32 or null
+  int64_t inter;             // I
+};
+template <bool kSwiGLUBwd>
+using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdParams, GroupedGemmParams>;
+
 // T: the tile shape (config.hpp), 128 x 256 unless the launch asks for another.
-template <bool kBNMajor, class T = TileConfig>
+// kSwiGLUBwd (with kBNMajor: the dgrad-down kind): the one epilogue is epilogue_dgrad_swiglu
+// (epilogue_bwd.cuh), a kernel of its own so that the other kinds' code is not touched.
+template <bool kBNMajor, class T = TileConfig, bool kSwiGLUBwd = false>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
-                        const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParams p) {
+                        const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParamsOf<kSwiGLUBwd> p) {
   using C = T;
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<StageStorageT<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -128,16 +146,26 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     skew.pending = false;
     // Epilogue straight from registers
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
-    switch (p.epilogue) {
-      case Epilogue::kSwiGLU:
-        epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
-        break;
-      case Epilogue::kStore:
-        epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
-        break;
-      case Epilogue::kScatter:
-        epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
-        break;
+    if constexpr (kSwiGLUBwd) {
+      static_assert(kBNMajor, "the SwiGLU-backward epilogue belongs to the dgrad-down kind");
+      const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter};
+      const int64_t left = p.out_rows - row0;
+      const int valid_rows = left < C::kBlockM ? static_cast<int>(left) : C::kBlockM;
+      const float* __restrict__ rw = p.row_weight + row0;
+      epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, valid_rows, int64_t{n_block} * C::kBlockN,
+                            [&](int r) { return rw[r]; });
+    } else {
+      switch (p.epilogue) {
+        case Epilogue::kSwiGLU:
+          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
+          break;
+        case Epilogue::kStore:
+          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
+          break;
+        case Epilogue::kScatter:
+          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
+          break;
+      }
     }
   }
 }

@@ -46,6 +46,7 @@ GroupedGemmArgs dgrad_args(const void* a, int64_t a_rows, int64_t k, const void*
                                 Epilogue::kStore, out, n);
   g.b_n_major = true;
   g.b_k_split = k_split;
+  g.n = n;
   g.num_n_blocks = static_cast<int32_t>(n / TileConfig::kBlockN);
   return g;
 }
@@ -81,6 +82,20 @@ GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, c
   // K = H rows of w_down[e] ([H, I]), one map
   return dgrad_args(a, a_rows, hidden, w_down, w_down, num_experts, hidden, hidden, inter, block_expert, max_m_blocks,
                     out);
+}
+
+GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t hidden, const void* w_down,
+                                       int64_t num_experts, int64_t inter, const int32_t* block_expert,
+                                       int32_t max_m_blocks, const void* h, const float* row_weight, void* dh,
+                                       void* wa, float* dtw_partials) {
+  GroupedGemmArgs g = dgrad_down_args(dy, a_rows, hidden, w_down, num_experts, inter, block_expert, max_m_blocks, dh);
+  g.epilogue = static_cast<int32_t>(Epilogue::kDgradSwiGLU);
+  g.out_ld = 2 * inter;
+  g.h = h;
+  g.row_weight = row_weight;
+  g.wa = wa;
+  g.dtw_partials = dtw_partials;
+  return g;
 }
 
 GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter, const void* w_gate,
@@ -120,9 +135,21 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   return p;
 }
 
+// The parameters of the SwiGLU-backward kernel: the shared ones and the epilogue's operands.
+GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
+  GroupedGemmSwiGLUBwdParams p{};
+  static_cast<GroupedGemmParams&>(p) = common_params(g);
+  p.h = static_cast<const __nv_bfloat16*>(g.h);
+  p.row_weight = g.row_weight;
+  p.wa = static_cast<__nv_bfloat16*>(g.wa);
+  p.dtw_partials = g.dtw_partials;
+  p.inter = g.n;
+  return p;
+}
+
 // One grouped-GEMM launch of tile shape T: N-major B (dgrad) or K-major (forward), one block
 // per SM (or g.num_blocks), each taking tiles blockIdx.x, +gridDim.x, ...
-template <class T, bool kBNMajor>
+template <class T, bool kBNMajor, bool kSwiGLUBwd = false>
 void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   const int64_t n = int64_t{g.num_n_blocks} * T::kBlockN;
   const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM);
@@ -130,19 +157,41 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   const int64_t b_rows = g.num_experts * g.b_rows_per_expert;
   const CUtensorMap map_b0 = kBNMajor ? tensor_map_2d(g.b0, b_rows, n, T::kBlockK) : tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2);
   const CUtensorMap map_b1 = kBNMajor ? tensor_map_2d(g.b1, b_rows, n, T::kBlockK) : tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2);
-  const GroupedGemmParams p = common_params(g);
+  GroupedGemmParamsOf<kSwiGLUBwd> p;
+  if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g);
+  else p = common_params(g);
   constexpr size_t smem = kGemmSmemBytesT<T>;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)));
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, g.max_m_blocks * g.num_n_blocks);
-  grouped_gemm_kernel<kBNMajor, T><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p);
+  grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
-template <bool kBNMajor>
+template <bool kBNMajor, bool kSwiGLUBwd = false>
 void launch_tile_shape(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
-  if (g.tile_n == 128) launch_tiles<TileConfigN128, kBNMajor>(g, sms, stream);
-  else launch_tiles<TileConfig, kBNMajor>(g, sms, stream);
+  if (g.tile_n == 128) launch_tiles<TileConfigN128, kBNMajor, kSwiGLUBwd>(g, sms, stream);
+  else launch_tiles<TileConfig, kBNMajor, kSwiGLUBwd>(g, sms, stream);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// The checks of the SwiGLU-backward epilogue's operands (the C ABI checks shapes before).
+void check_swiglu_bwd(const GroupedGemmArgs& g) {
+  const int64_t inter = g.n;
+  MOK_CHECK_ARG(g.out_ld == 2 * inter, "grouped GEMM (dgrad down SwiGLU): dh rows must be 2I = " << 2 * inter << " wide");
+  MOK_CHECK_ARG(g.b_n_major, "grouped GEMM (dgrad down SwiGLU): the epilogue needs the dgrad-down orientation");
+  MOK_CHECK_ARG(inter > 0 && inter % kDtwChunk == 0 && int64_t{g.num_n_blocks} * g.tile_n == inter,
+                "grouped GEMM (dgrad down SwiGLU): I = " << inter << " must be a positive multiple of " << kDtwChunk
+                                                          << " and of the tile N = " << g.tile_n);
+  MOK_CHECK_ARG(g.h != nullptr, "grouped GEMM (dgrad down SwiGLU): h ([rows, 2I] bf16, the saved g | u) is missing");
+  MOK_CHECK_ARG(g.row_weight != nullptr, "grouped GEMM (dgrad down SwiGLU): row_weight ([rows] fp32) is missing");
+  MOK_CHECK_ARG(g.out != nullptr, "grouped GEMM (dgrad down SwiGLU): dh ([rows, 2I] bf16) is missing");
+  MOK_CHECK_ARG(aligned16(g.h) && aligned16(g.out) && aligned16(g.wa),
+                "grouped GEMM (dgrad down SwiGLU): h, dh and wa must be 16-byte aligned (16-byte loads and stores)");
+  MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(g.row_weight) & 3u) == 0 &&
+                    (reinterpret_cast<uintptr_t>(g.dtw_partials) & 3u) == 0,
+                "grouped GEMM (dgrad down SwiGLU): row_weight and dtw_partials must be 4-byte aligned");
 }
 
 }  // namespace
@@ -153,7 +202,8 @@ GroupedGemmArgs with_tile_n(GroupedGemmArgs g, int32_t tile_n) {
   if (f == 1) return g;
   g.b_n_step /= f;
   g.b_half_offset /= f;
-  g.num_n_blocks *= f;
+  // dgrad kinds: N from the builder, so that N % 256 == 128 gets all its tiles at N = 128
+  g.num_n_blocks = g.b_n_major && g.n > 0 ? static_cast<int32_t>(g.n / tile_n) : g.num_n_blocks * f;
   g.tile_n = tile_n;
   return g;
 }
@@ -176,16 +226,21 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
                   "grouped GEMM (dgrad): K split = " << g.b_k_split << " must be a multiple of " << C::kBlockK
                                                      << " within K = " << g.k);
     MOK_CHECK_ARG(g.b_k_split <= g.b_rows_per_expert, "grouped GEMM (dgrad): K split exceeds the rows per expert");
+    MOK_CHECK_ARG(g.n == 0 || int64_t{g.num_n_blocks} * g.tile_n == g.n,
+                  "grouped GEMM (dgrad): N = " << g.n << " is not a multiple of the tile N = " << g.tile_n);
   } else {
     MOK_CHECK_ARG(g.b_rows_per_expert % 128 == 0, "grouped GEMM: N per expert = " << g.b_rows_per_expert
                                                                                  << " must be a multiple of 128");
     MOK_CHECK_ARG(int64_t{g.num_n_blocks} * g.b_n_step == g.b_rows_per_expert,
                   "grouped GEMM: N per expert = " << g.b_rows_per_expert << " is not a multiple of " << g.b_n_step);
   }
+  const bool swiglu_bwd = g.epilogue == static_cast<int32_t>(Epilogue::kDgradSwiGLU);
+  if (swiglu_bwd) check_swiglu_bwd(g);
   if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (swiglu_bwd) return launch_tile_shape<true, true>(g, sms, stream);
   if (g.b_n_major) return launch_tile_shape<true>(g, sms, stream);
   if (env::get_int(env::kGemmCluster) == 2 && g.tile_n == C::kBlockN) {
     // 2-CTA clusters sharing B: as many clusters as fit at once

@@ -35,8 +35,15 @@ struct GroupedGemmArgs {
   // stored; K rows [0, b_k_split) of an expert come from b0, the rest from b1 (rows from 0).
   bool b_n_major = false;
   int64_t b_k_split = 0;
+  int64_t n = 0;                 // dgrad kinds: the output's columns (with_tile_n re-tiles them)
   // Tile N of the launch (config.hpp): 256, or 128 (TileConfigN128) through with_tile_n.
   int32_t tile_n = 256;
+  // Epilogue::kDgradSwiGLU (dgrad_down_swiglu_args): out is dh [a_rows, 2I]; these as in
+  // gemm/epilogue_bwd.cuh, row r of each at row r of a.
+  const void* h = nullptr;             // [a_rows, 2I] bf16
+  const float* row_weight = nullptr;   // [a_rows] fp32
+  void* wa = nullptr;                  // [a_rows, I] bf16 or null
+  float* dtw_partials = nullptr;       // [a_rows, I / 128] fp32 or null
 };
 
 // Gate/up with the SwiGLU epilogue: out[rows, I] from w_gate/w_up [E, I, H].
@@ -55,6 +62,14 @@ GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, c
 GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter, const void* w_gate,
                                    const void* w_up, int64_t num_experts, int64_t hidden,
                                    const int32_t* block_expert, int32_t max_m_blocks, void* out);
+
+// dgrad of down with the SwiGLU backward in the epilogue (Epilogue::kDgradSwiGLU): da = dy ·
+// w_down[e] stays in registers; dh = [dg | du] [rows, 2I] from h = [g | u] and row_weight, and
+// optionally wa = bf16(w·a) [rows, I] and the router-gradient partials [rows, I / 128].
+GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t hidden, const void* w_down,
+                                       int64_t num_experts, int64_t inter, const int32_t* block_expert,
+                                       int32_t max_m_blocks, const void* h, const float* row_weight, void* dh,
+                                       void* wa, float* dtw_partials);
 
 // The same GEMM in tiles of N = tile_n (128 or 256): the builders above lay out for 256.
 GroupedGemmArgs with_tile_n(GroupedGemmArgs args, int32_t tile_n);

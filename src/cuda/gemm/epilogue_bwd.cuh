@@ -1,0 +1,142 @@
+// The dgrad-down epilogue of the backward: SwiGLU backward and the router-weight gradient's
+// partial sums, straight from the accumulator of da = dy · W_down[e] (docs/design.md, "The
+// dgrad-down SwiGLU-backward epilogue"; docs/contracts.md §4a).
+//
+// Per row r of the tile (expert e, route weight w) and channel i of the tile's N range (N = I):
+//   da       = acc                                   fp32, unweighted
+//   g, u     = h[r, i], h[r, I + i]                  the saved bf16 pre-activations, as stored
+//   sg       = 1 / (1 + __expf(-g))                  __frcp_rn: the correctly rounded reciprocal
+//   sl       = g · sg                                silu(g)
+//   a        = bf16(sl · u)                          as the forward's a (rounded), then used in fp32
+//   dsilu    = sg · (1 + g · (1 − sg))
+//   wda      = w · da
+//   dh[r, i]       = dg = bf16((wda · u) · dsilu)
+//   dh[r, I + i]   = du = bf16(wda · sl)
+//   wa[r, i]       = bf16(w · a)                     (optional: the wgrad-down operand)
+//   dtw_partials[r, c] = Σ_{i in chunk c} da · a     (optional), chunk c = channels [128c, 128c + 128)
+// Every operation is one rounding, in exactly this order: products and sums are written with
+// __fmul_rn / __fadd_rn / __fsub_rn, which the compiler never contracts into an FMA, so the
+// CPU reference (src/ref/reference.cpp, compiled with -ffp-contract=off) evaluates the same
+// expressions; its only other difference is std::exp for __expf (and da's summation order).
+//
+// The partial of a (row, chunk): each thread of the row's quad holds 32 of the chunk's 128
+// channels (columns n8*8 + (lane%4)*2 + {0, 1} of the chunk's 16 n8 blocks) and sums
+// s = 0 + p(n8 0, col 0) + p(0, 1) + p(1, 0) + ... + p(15, 1) in that order (p = da · a, rounded);
+// then the quad adds ((s_lane0 + s_lane1) + (s_lane2 + s_lane3)) with two xor-shuffles (IEEE
+// addition is commutative, so every lane holds the same bits) and lane 0 stores it.  A chunk's
+// 16 n8 blocks sit at the same place in the fragment whatever the tile's N (128 or 256: one or
+// two chunks per tile), so this order, and the partials' bits given da's bits, do not depend on
+// the tile shape.  No division by w: exact for w = 0 and w < 0.
+//
+// Rows: tile rows r < valid_rows are read and written; the others (past the tensors' end) are
+// neither read nor written.  A padding row of the plan is an ordinary row here: with w = 0 and
+// h = 0 (the caller keeps them so) it gets dg = du = wa = ±0 and a partial of da · 0 = 0.
+#pragma once
+
+#include "cuda/gemm/tile.cuh"
+
+namespace mok::gemm {
+
+// Where the epilogue reads and writes (row-major, contiguous; 16-byte aligned rows).
+struct SwiGLUBwdArgs {
+  const __nv_bfloat16* h;  // [rows, 2I]: g at column i, u at column I + i
+  __nv_bfloat16* dh;       // [rows, 2I]: dg at column i, du at column I + i
+  __nv_bfloat16* wa;       // [rows, I] or null
+  float* dtw_partials;     // [partial rows, I / 128] or null
+  int64_t inter;           // I (a multiple of 128)
+};
+
+// The element math of the epilogue (see the header comment for the order of record).
+struct SwiGLUBwdElem {
+  float dg, du, wa, da_a;
+};
+__device__ __forceinline__ SwiGLUBwdElem swiglu_bwd_elem(float da, float g, float u, float w) {
+  const float sg = __frcp_rn(__fadd_rn(1.0f, __expf(-g)));
+  const float sl = __fmul_rn(g, sg);
+  const float a = __bfloat162float(__float2bfloat16_rn(__fmul_rn(sl, u)));
+  const float dsilu = __fmul_rn(sg, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg))));
+  const float wda = __fmul_rn(w, da);
+  return SwiGLUBwdElem{__fmul_rn(__fmul_rn(wda, u), dsilu), __fmul_rn(wda, sl), __fmul_rn(w, a), __fmul_rn(da, a)};
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// One consumer's 64 rows of a dgrad-down tile: acc holds da of tile rows
+// fragment_row(consumer, half) and channels ch0 + [0, BLOCK_N) (kRegs = BLOCK_N / 2).
+//   row0       tile row 0's row in h, dh and wa
+//   part_row0  tile row 0's row in dtw_partials (the fused kernel: plan rows, not ring rows)
+//   valid_rows tile rows [0, valid_rows) exist
+//   weight(r)  w of tile row r (called for valid rows only)
+// Every lane runs every shuffle; only loads and stores are predicated.
+template <int kRegs, typename Weight>
+__device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs], int consumer, const SwiGLUBwdArgs& e,
+                                                      int64_t row0, int64_t part_row0, int valid_rows, int64_t ch0,
+                                                      Weight weight) {
+  constexpr int kBlocks = kRegs / 4;                // n8 blocks of the tile: 32 at N = 256, 16 at N = 128
+  constexpr int kChunkGroups = kDtwChunk / 8 / 4;   // groups of four n8 blocks per chunk: 4
+  constexpr int kChunks = kBlocks / (4 * kChunkGroups);
+  static_assert(kChunks >= 1 && kBlocks == kChunks * 4 * kChunkGroups, "a tile holds whole 128-channel chunks");
+  const int t = threadIdx.x & 3;
+  const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = inter / kDtwChunk;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = fragment_row(consumer, half);
+    const bool valid = r < valid_rows;
+    const int64_t row = row0 + r;
+    const float w = valid ? weight(r) : 0.0f;
+    const __nv_bfloat16* g_row = e.h + row * ld_h + ch0;
+    const __nv_bfloat16* u_row = g_row + inter;
+    __nv_bfloat16* dg_row = e.dh + row * ld_h + ch0;
+    __nv_bfloat16* du_row = dg_row + inter;
+    __nv_bfloat16* wa_row = e.wa + row * inter + ch0;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      // The chunk's h first (lane t: 16 bytes of n8 block 4q + t of g and of u, q the group),
+      // so that its eight loads are in flight together
+      uint4 gl[kChunkGroups], ul[kChunkGroups];
+#pragma unroll
+      for (int m = 0; m < kChunkGroups; ++m) {
+        const int q = c * kChunkGroups + m;
+        gl[m] = ptx::ld_global_v4_pred(g_row + (4 * q + t) * 8, valid);
+        ul[m] = ptx::ld_global_v4_pred(u_row + (4 * q + t) * 8, valid);
+      }
+      float s = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kChunkGroups; ++m) {
+        const int q = c * kChunkGroups + m;
+        // The quad transpose is its own inverse: lane t now holds its own pairs of blocks 4q + b
+        const uint4 gp = quad_transpose(gl[m].x, gl[m].y, gl[m].z, gl[m].w);
+        const uint4 up = quad_transpose(ul[m].x, ul[m].y, ul[m].z, ul[m].w);
+        const uint32_t gw[4] = {gp.x, gp.y, gp.z, gp.w}, uw[4] = {up.x, up.y, up.z, up.w};
+        uint32_t dgp[4], dup[4], wap[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          const int n8 = 4 * q + b;
+          const SwiGLUBwdElem x0 = swiglu_bwd_elem(acc[n8 * 4 + half * 2], bf16_lo(gw[b]), bf16_lo(uw[b]), w);
+          const SwiGLUBwdElem x1 = swiglu_bwd_elem(acc[n8 * 4 + half * 2 + 1], bf16_hi(gw[b]), bf16_hi(uw[b]), w);
+          s = __fadd_rn(s, x0.da_a);
+          s = __fadd_rn(s, x1.da_a);
+          dgp[b] = pack_bf16x2(x0.dg, x1.dg);
+          dup[b] = pack_bf16x2(x0.du, x1.du);
+          wap[b] = pack_bf16x2(x0.wa, x1.wa);
+        }
+        const uint4 dgv = quad_transpose(dgp[0], dgp[1], dgp[2], dgp[3]);
+        const uint4 duv = quad_transpose(dup[0], dup[1], dup[2], dup[3]);
+        ptx::st_global_v4_pred(dg_row + (4 * q + t) * 8, dgv, valid);
+        ptx::st_global_v4_pred(du_row + (4 * q + t) * 8, duv, valid);
+        if (e.wa != nullptr) {
+          const uint4 wav = quad_transpose(wap[0], wap[1], wap[2], wap[3]);
+          ptx::st_global_v4_pred(wa_row + (4 * q + t) * 8, wav, valid);
+        }
+      }
+      // ((s0 + s1) + (s2 + s3)) over the quad, the same bits in every lane
+      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
+      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
+      if (e.dtw_partials != nullptr && valid && t == 0)
+        e.dtw_partials[(part_row0 + r) * n_chunks + ch0 / kDtwChunk + c] = s;
+    }
+  }
+}
+
+}  // namespace mok::gemm
