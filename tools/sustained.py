@@ -76,6 +76,22 @@ def gemm_kinds(args, H, I, k, E, T):
     ex_cnt = torch.full((E,), rows, device=dev, dtype=torch.int32)
     da, dx = torch.empty(M, I, **bf), torch.empty(M, H, **bf)
     gwd, gwgu = torch.empty(E, H, I, **bf), torch.empty(E, 2 * I, H, **bf)
+    h = torch.randn(M, 2 * I, device=dev, generator=g).bfloat16()
+    rw = torch.rand(M, device=dev, generator=g)
+    dh, wa = torch.empty(M, 2 * I, **bf), torch.empty(M, I, **bf)
+    parts = torch.empty(M, I // 128, device=dev, dtype=torch.float32)
+
+    def torch_dgrad_swiglu():
+        # torch._grouped_mm, then the SwiGLU backward and <da, a> in eager torch
+        da_t = torch._grouped_mm(dy, wd, offs=offs).float()
+        gg, uu = h.float().chunk(2, dim=1)
+        sg = torch.sigmoid(gg)
+        sl = gg * sg
+        a = (sl * uu).bfloat16().float()
+        dtw = (da_t * a).sum(1)
+        daw = da_t * rw[:, None]
+        return torch.cat([daw * uu * sg * (1 + gg * (1 - sg)), daw * sl], 1).bfloat16(), (rw[:, None] * a).bfloat16(), dtw
+
     mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     kinds = {
@@ -85,6 +101,10 @@ def gemm_kinds(args, H, I, k, E, T):
         "dgrad gate/up": (4 * M * H * I,
                           lambda: ops.grouped_mm(dgu, wg, block_expert, wu, out=dx, kind="dgrad_gate_up"),
                           lambda: torch._grouped_mm(dgu, wgu, offs=offs)),
+        "dgrad dn+swiglu": (2 * M * H * I,
+                            lambda: ops.grouped_mm(dy, wd, block_expert, out=dh, kind="dgrad_down_swiglu", h=h,
+                                                   row_weight=rw, wa=wa, dtw_partials=parts),
+                            torch_dgrad_swiglu),
         "wgrad down": (2 * M * H * I,
                        lambda: ops.grouped_wgrad(dy, act, ex_off, ex_cnt, out=gwd),
                        lambda: torch._grouped_mm(dy.t(), act, offs=offs)),
@@ -99,7 +119,7 @@ def gemm_kinds(args, H, I, k, E, T):
             variants[f"mok[{vname}] " + name] = with_env(env, mok_fn)
         variants["torch " + name] = torch_fn
     # Every variant's output equals the base variant's (the knobs change the schedule, not the bits)
-    outs = {"dgrad down": da, "dgrad gate/up": dx, "wgrad down": gwd, "wgrad gate/up": gwgu}
+    outs = {"dgrad down": da, "dgrad gate/up": dx, "dgrad dn+swiglu": dh, "wgrad down": gwd, "wgrad gate/up": gwgu}
     for name, (_, mok_fn, _) in kinds.items():
         ref = None
         for vname, env in knobs.items():
@@ -118,7 +138,7 @@ def gemm_kinds(args, H, I, k, E, T):
         t = ms["torch " + name]
         for vname in knobs:
             m = ms[f"mok[{vname}] " + name]
-            print(f"  {name:14} {vname:8} mok {m:.3f} ms ({flops / m / 1e9:.0f} TFLOP/s, "
+            print(f"  {name:15} {vname:8} mok {m:.3f} ms ({flops / m / 1e9:.0f} TFLOP/s, "
                   f"{flops / m / 1e9 / dense:.2f} of dense)  torch {t:.3f} ms  torch/mok {t / m:.3f}")
 
 
