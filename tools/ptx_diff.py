@@ -9,8 +9,9 @@ Each function body (.entry, and .func with --funcs) is compared after dropping .
 lines, comments, blank lines and indentation, renaming labels ($L__BB0_12 ...) in order of
 first appearance and dropping the anonymous-namespace hashes (_GLOBAL__N__6086d356_10_forward_cu_
 32c1780a), which change with the file's path.  Registers are kept: identical code has identical
-numbering.  With --loose, registers are renamed in order of first appearance too, to tell a
-reordering from a change.  --ptxas also assembles both files for the target and reports the
+numbering.  With --loose, registers are renamed in order of first appearance too (a
+renumbering alone then compares equal); with --erase-regs their numbers and the labels' are dropped,
+which leaves the instruction sequence: the smallest diff to read when the code really changed.  --ptxas also assembles both files for the target and reports the
 ptxas warnings and C75xx notes (C7517 / C7518: wgmma waits injected or wgmma serialised)
 of each.
 
@@ -58,7 +59,7 @@ def functions(text, kinds):
     return out
 
 
-def normalise(lines, loose):
+def normalise(lines, loose, erase=False):
     labels, regs, out = {}, {}, []
     for line in lines:
         s = line.strip()
@@ -68,8 +69,12 @@ def normalise(lines, loose):
         if not s:
             continue
         s = ANON.sub(r"_GLOBAL__N__\1_\2", s)
-        s = LABEL.sub(lambda m: labels.setdefault(m.group(0), f"$L{len(labels)}"), s)
-        if loose and not s.startswith(".reg"):
+        s = LABEL.sub(lambda m: "$L" if erase else labels.setdefault(m.group(0), f"$L{len(labels)}"), s)
+        if erase and s.startswith(".reg"):
+            continue
+        if erase:
+            s = REG.sub(lambda m: "%" + re.match(r"%([a-z]+)", m.group(0)).group(1), s)
+        elif loose and not s.startswith(".reg"):
             s = REG.sub(lambda m: regs.setdefault(m.group(0), f"%v{len(regs)}"), s)
         out.append(" ".join(s.split()))
     return out
@@ -119,6 +124,9 @@ def main():
     ap.add_argument("--keep", help="directory for the built PTX files (default: a temporary one)")
     ap.add_argument("--funcs", action="store_true", help="compare non-inlined .func bodies too")
     ap.add_argument("--loose", action="store_true", help="also rename registers in order of first use")
+    ap.add_argument("--erase-regs", action="store_true",
+                    help="drop register and label numbers (and .reg counts): what is left is the "
+                         "instruction sequence")
     ap.add_argument("--ptxas", action="store_true", help="assemble both and list ptxas warnings")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--context", type=int, default=3, help="diff context lines")
@@ -152,7 +160,7 @@ def main():
             print(f"ONLY IN {'NEW' if name in new else 'BASE'}: {name}")
             same = False
             continue
-        b, n = normalise(base[name], a.loose), normalise(new[name], a.loose)
+        b, n = normalise(base[name], a.loose, a.erase_regs), normalise(new[name], a.loose, a.erase_regs)
         if b == n:
             print(f"identical  {name} ({len(b)} lines)")
             continue
