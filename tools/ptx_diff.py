@@ -13,7 +13,9 @@ numbering.  With --loose, registers are renamed in order of first appearance too
 renumbering alone then compares equal); with --erase-regs their numbers and the labels' are dropped,
 which leaves the instruction sequence: the smallest diff to read when the code really changed.  --ptxas also assembles both files for the target and reports the
 ptxas warnings and C75xx notes (C7517 / C7518: wgmma waits injected or wgmma serialised)
-of each.
+of each.  --sass assembles both without line info and compares each kernel's SASS (needs
+nvdisasm on PATH or in --nvdisasm; not in every toolkit install: the PyPI package
+nvidia-cuda-nvdisasm ships it), code addresses and jump-table slots normalised.
 
 The trees are built with the command line of --source from compile_commands.json, its
 -c -o X.o replaced by -ptx -o X.ptx and its include paths pointed at each tree.
@@ -114,6 +116,36 @@ def ptxas_warnings(ptx, arch):
     return [l for l in (r.stdout + r.stderr).splitlines() if re.search(r"warning|error|C75\d\d", l, re.I)]
 
 
+def sass(ptx, arch, nvdisasm, out_dir):
+    """kernel name -> normalised SASS lines of the PTX assembled without line info."""
+    text = open(ptx).read()
+    plain = os.path.join(out_dir, os.path.basename(ptx) + ".noline.ptx")
+    with open(plain, "w") as f:
+        f.write("\n".join(l for l in text.splitlines() if not l.strip().startswith((".loc", ".file"))))
+    cubin = plain + ".cubin"
+    ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+    subprocess.run([ptxas, f"-arch={arch}", "-O3", plain, "-o", cubin], check=True, capture_output=True)
+    listing = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
+    out, name = {}, None
+    for line in listing.splitlines():
+        m = re.match(r"\s*\.text\.([\w$]+):", line)
+        if m:
+            name = ANON.sub(r"_GLOBAL__N__\1_\2", m.group(1))
+            out[name] = []
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;?\s*(/\*.*\*/)?\s*$", line)
+        if name is None or not m:
+            if name is not None and re.match(r"^\s*\.L_x_\d+:", line):
+                out[name].append("LABEL")
+            continue
+        ins = re.sub(r"\.L_x_\d+", "L", m.group(1))
+        ins = re.sub(r"MOV (R\d+), 0x[0-9a-f]+$", r"MOV \1, ADDR", ins)  # return addresses
+        ins = re.sub(r"BRX (R\d+) -?0x[0-9a-f]+", r"BRX \1 OFF", ins)
+        ins = re.sub(r"c\[0x2\]\[(R\d+)(\+0x[0-9a-f]+)?\]", r"c[0x2][\1+T]", ins)  # jump-table slots
+        out[name].append(ins)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ptx", nargs="*", help="BASE.ptx NEW.ptx (instead of building)")
@@ -128,6 +160,8 @@ def main():
                     help="drop register and label numbers (and .reg counts): what is left is the "
                          "instruction sequence")
     ap.add_argument("--ptxas", action="store_true", help="assemble both and list ptxas warnings")
+    ap.add_argument("--sass", action="store_true", help="also compare the SASS (needs nvdisasm)")
+    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"), help="the nvdisasm to use")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--context", type=int, default=3, help="diff context lines")
     ap.add_argument("--max-diff", type=int, default=200, help="diff lines shown per function")
@@ -172,6 +206,24 @@ def main():
             print("    " + line)
         if len(diff) > a.max_diff:
             print(f"    ... {len(diff) - a.max_diff} more diff lines")
+    if a.sass:
+        if not a.nvdisasm:
+            sys.exit("--sass needs nvdisasm (PATH or --nvdisasm)")
+        out_dir = tempfile.mkdtemp(prefix="ptx_diff_sass_")
+        sb, sn = sass(base_ptx, a.arch, a.nvdisasm, out_dir), sass(new_ptx, a.arch, a.nvdisasm, out_dir)
+        for name in sorted(set(sb) & set(base) | set(sn) & set(new)):
+            b, n = sb.get(name, []), sn.get(name, [])
+            if b == n:
+                print(f"SASS identical  {name} ({len(b)} lines)")
+                continue
+            same = False
+            diff = list(difflib.unified_diff(b, n, "base", "new", n=a.context, lineterm=""))
+            changed = sum(1 for l in diff if l[:1] in "+-" and not l.startswith(("+++", "---")))
+            print(f"SASS DIFFERENT  {name} ({len(b)} -> {len(n)} lines, {changed} changed)")
+            for line in diff[: a.max_diff]:
+                print("    " + line)
+            if len(diff) > a.max_diff:
+                print(f"    ... {len(diff) - a.max_diff} more diff lines")
     if a.ptxas:
         found = {}
         for label, path in (("base", base_ptx), ("new", new_ptx)):
