@@ -1,8 +1,9 @@
-// The fused forward's task list (src/cuda/fused/schedule.cuh) on the host: every tile once,
-// dependencies always on lower-numbered tasks, the processing order a permutation that
-// walks macrobatches last to first.
+// The fused forward's task list (src/cuda/fused/schedule.cuh) and its ops' waits and signals
+// (src/cuda/fused/ops/) on the host: every tile once, dependencies always on lower-numbered
+// tasks, the processing order a permutation that walks macrobatches last to first.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <random>
@@ -12,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/fused/ops/ops.cuh"
 #include "cuda/fused/schedule.cuh"
 #include "cuda/gemm/config.hpp"
 
@@ -86,6 +88,68 @@ void check(int32_t num_blocks, int32_t ring_blocks, int32_t mini_blocks, TaskCou
     for (int32_t b = 0; b < c.shared_blocks; ++b)
       ASSERT_LT(at(TaskKind::kSharedGateUp, b, c.n_shared_gate_up - 1), at(TaskKind::kSharedDown, b, 0));
   }
+  // Every op's waits and signals (the descriptions the kernel's producer and signaler use): a
+  // wait on a counter that tiles signal counts all of them, and all of them come earlier.
+  std::map<std::pair<int, int32_t>, std::vector<int32_t>> signalled_by;  // (array, index) -> tasks
+  for (const auto& [tile, t] : index) {
+    const CounterArray a = task_signals(static_cast<TaskKind>(std::get<0>(tile)));
+    if (a != CounterArray::kNone) signalled_by[{static_cast<int>(a), std::get<1>(tile)}].push_back(t);
+  }
+  std::map<int32_t, std::set<int32_t>> waited_on;  // task -> the tasks its waits cover
+  for (const auto& [tile, t] : index) {
+    Wait w[kMaxWaits];
+    const int n = task_waits(static_cast<TaskKind>(std::get<0>(tile)), std::get<1>(tile), g, c, w);
+    ASSERT_TRUE(n >= 0 && n <= kMaxWaits);
+    for (int i = 0; i < n; ++i) {
+      if (w[i].array == CounterArray::kGatherReady) {  // the comm blocks' rows
+        EXPECT_EQ(w[i].expected, 128);
+        continue;
+      }
+      const auto& by = signalled_by[{static_cast<int>(w[i].array), w[i].index}];
+      ASSERT_EQ(static_cast<int32_t>(by.size()), w[i].expected) << "task " << t << " wait " << i;
+      for (int32_t u : by) {
+        ASSERT_LT(u, t) << "task " << t << " waits on a later tile";
+        waited_on[t].insert(u);
+      }
+    }
+  }
+  // ... and they cover the inputs: a routed gate/up tile the previous occupant's down tiles
+  // (its act rows), a down tile its block's gate/up tiles, a shared down tile its block's
+  // shared gate/up tiles.
+  auto covers = [&](int32_t t, TaskKind k, int32_t b, int32_t num_n) {
+    for (int32_t nn = 0; nn < num_n; ++nn)
+      if (!waited_on[t].count(at(k, b, nn))) return false;
+    return true;
+  };
+  for (int32_t b = 0; b < num_blocks; ++b) {
+    const int32_t prev = g.previous_occupant(b);
+    for (int32_t nn = 0; nn < c.n_gate_up; ++nn) {
+      if (prev >= 0) {
+        ASSERT_TRUE(covers(at(TaskKind::kGateUp, b, nn), TaskKind::kDown, prev, c.n_down)) << b;
+      }
+      Wait w[kMaxWaits];
+      const int n = task_waits(TaskKind::kGateUp, b, g, c, w);
+      const auto rows = [&](const Wait& x) { return x.array == CounterArray::kGatherReady && x.index == b; };
+      ASSERT_TRUE(std::any_of(w, w + n, rows)) << "gate/up of block " << b << " waits for its rows";
+    }
+    for (int32_t nn = 0; nn < c.n_down; ++nn)
+      ASSERT_TRUE(covers(at(TaskKind::kDown, b, nn), TaskKind::kGateUp, b, c.n_gate_up)) << b;
+  }
+  if (shared) {
+    for (int32_t b = 0; b < c.shared_blocks; ++b)
+      for (int32_t nn = 0; nn < c.n_shared_down; ++nn)
+        ASSERT_TRUE(covers(at(TaskKind::kSharedDown, b, nn), TaskKind::kSharedGateUp, b, c.n_shared_gate_up)) << b;
+  }
+}
+
+TEST(FusedSchedule, EveryKindDispatchesToItsOp) {
+  for (TaskKind k : {TaskKind::kSharedGateUp, TaskKind::kGateUp, TaskKind::kSharedDown, TaskKind::kDown})
+    EXPECT_EQ(visit_op(k, [](auto op) { return decltype(op)::kKind; }), k);
+  const auto kind_of = [](auto op) { return static_cast<int>(decltype(op)::kKind); };
+  EXPECT_EQ(visit_op(TaskKind::kDone, kind_of, [] { return -1; }), -1);
+  EXPECT_EQ(task_signals(TaskKind::kDone), CounterArray::kNone);
+  Wait w[kMaxWaits];
+  EXPECT_EQ(task_waits(TaskKind::kDone, 0, Geometry::make(4, 2, 1), TaskCounts{1, 1, 1, 1, 1}, w), 0);
 }
 
 TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
@@ -103,7 +167,8 @@ TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
 
 // ---- a host model of the fused forward's protocol ---------------------------------------------
 // Compute blocks claim tasks in order (at most two in flight each: one computing, one being
-// loaded), wait for task_waits(), finish in order and signal; comm blocks gather their row
+// loaded), wait for task_waits(), finish in order and signal task_signals() (both the ops'
+// descriptions, as in the kernel); comm blocks gather their row
 // blocks in processing order after gather_waits(), releasing each block at once (warps
 // mode) or only after kLag more rows were stored unless they drain first (pipelined mode,
 // as the kernel does), then join the compute roles.  Random interleavings must always finish.
@@ -140,12 +205,11 @@ struct ProtocolModel {
       if (counters[static_cast<int>(w[i].array)][static_cast<size_t>(w[i].index)] < w[i].expected) return false;
     return true;
   }
+  // A finished tile adds 1 to its op's counter, as the signaler does.
   void finish(int32_t task) {
     const TaskTile t = decode_task(seg, num_segments, n_group, task);
-    const TaskKind kind = static_cast<TaskKind>(t.kind);
-    if (kind == TaskKind::kGateUp) ++counters[1][static_cast<size_t>(t.block)];
-    if (kind == TaskKind::kDown) ++counters[2][static_cast<size_t>(t.block)];
-    if (kind == TaskKind::kSharedGateUp) ++counters[3][static_cast<size_t>(t.block)];
+    const CounterArray a = task_signals(static_cast<TaskKind>(t.kind));
+    if (a != CounterArray::kNone) ++counters[static_cast<int>(a)][static_cast<size_t>(t.block)];
   }
   // One step of compute block `cb`; false when it can do nothing now.
   bool step(Compute& cb, std::mt19937_64& rng) {

@@ -4,7 +4,8 @@
 // comes before the combine (comm/ep.cuh).
 //
 // Roles (dispatched at the end of this file by block index, then warpgroup; the shared
-// parameters, storage and counters in forward_params.cuh, the comm role in ../comm/):
+// parameters, storage and counters in forward_params.cuh, the task ops they run in ops/,
+// the comm role in ../comm/):
 //   kComm       blocks [0, num_comm): gather routed rows of x into the ring (bulk copies
 //               through shared memory), block by block in processing order; then they
 //               join the compute roles below

@@ -23,6 +23,8 @@
 
 namespace mok::cuda::fused {
 
+// The kinds of the task list: each but kDone is an op (ops/: what its tiles load, compute,
+// wait on and signal).
 enum class TaskKind : int32_t {
   kSharedGateUp = 0,  // x · [ws_gate; ws_up]ᵀ -> SwiGLU -> shared_act
   kGateUp = 1,        // ring · [w_gate; w_up]ᵀ -> SwiGLU -> act ring
@@ -104,13 +106,16 @@ struct TaskCounts {
 
 // What a task (or a comm block's row block) waits for: counter arrays in global memory,
 // each wait "counter[index] >= expected".  The one description of the dependencies, used
-// by the kernel and by the host model test of the protocol (tests/cpp/test_schedule.cpp).
+// by the kernel and by the host model test of the protocol (tests/cpp/test_schedule.cpp):
+// a task's waits and the counter its tiles add to are its op's (ops/, task_waits and
+// task_signals in ops/ops.cuh), the comm blocks' are below.
 enum class CounterArray : int32_t {
   kGatherReady = 0,  // rows of block b in the ring (expected 128)
   kGateUpDone = 1,   // gate/up tiles of block b done
   kDownDone = 2,     // down tiles of block b done
   kSharedGateUpDone = 3,
   kPushDone = 4,     // rows of block b pushed to their home slots (MOK_PUSH=comm; expected 128)
+  kNone = -1,        // no counter (an op whose tiles nothing waits on)
 };
 struct Wait {
   CounterArray array;
@@ -118,27 +123,6 @@ struct Wait {
   int32_t expected;
 };
 inline constexpr int kMaxWaits = 2;
-
-MOK_HD int task_waits(TaskKind kind, int32_t block, const Geometry& g, const TaskCounts& c, Wait* out) {
-  switch (kind) {
-    case TaskKind::kSharedDown:
-      out[0] = Wait{CounterArray::kSharedGateUpDone, block, c.n_shared_gate_up};
-      return 1;
-    case TaskKind::kGateUp: {
-      // Its rows gathered; the act rows it overwrites consumed by the previous occupant's down tiles
-      out[0] = Wait{CounterArray::kGatherReady, block, 128};
-      const int32_t prev = g.previous_occupant(block);
-      if (prev < 0) return 1;
-      out[1] = Wait{CounterArray::kDownDone, prev, c.n_down};
-      return 2;
-    }
-    case TaskKind::kDown:
-      out[0] = Wait{CounterArray::kGateUpDone, block, c.n_gate_up};
-      return 1;
-    default:
-      return 0;
-  }
-}
 
 // The comm blocks' wait before gathering block b: the ring rows' previous occupant read by
 // all its gate/up tiles (MOK_PUSH=comm: its outputs, which its down tiles wrote over those

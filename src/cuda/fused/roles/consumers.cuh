@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/ops/ops.cuh"
 
 namespace mok::cuda::fused {
 
@@ -29,39 +30,10 @@ __device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardPara
     handoff.advance();
     const TaskKind kind = static_cast<TaskKind>(info.kind);
     if (kind == TaskKind::kDone) break;
-    const int32_t b = info.block;
-    const int32_t k_blocks = kind == TaskKind::kSharedDown ? p.shared_inter / 64
-                             : kind == TaskKind::kDown     ? p.inter / 64
-                                                           : p.hidden / 64;
+    // The op's K loop and epilogue
+    const int32_t k_blocks = visit_op(kind, [&](auto op) { return decltype(op)::k_blocks(p); });
     if (!gemm::consume_tile(sh.stages, stage, k_blocks, consumer, acc, wait)) break;
-    // Epilogue, then publish the tile
-    switch (kind) {
-      case TaskKind::kSharedGateUp:
-        gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{b} * 128, p.num_tokens,
-                              int64_t{info.n_block} * 128);
-        break;
-      case TaskKind::kSharedDown:
-        gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{b} * 128, p.num_tokens,
-                             int64_t{info.n_block} * 256);
-        break;
-      case TaskKind::kGateUp:
-        gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(b), int64_t{p.ring_blocks} * 128,
-                              int64_t{info.n_block} * 128);
-        break;
-      case TaskKind::kDown:
-        if (p.push_mode) {
-          // MOK_PUSH=comm: into the block's ring rows (its x rows are dead: every gate/up tile
-          // of the block is done); the comm blocks push them home
-          gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(b), int64_t{p.ring_blocks} * 128,
-                               int64_t{info.n_block} * 256);
-        } else {
-          gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                                 p.rows + int64_t{b} * 128, p.topk, int64_t{info.n_block} * 256);
-        }
-        break;
-      default:
-        break;
-    }
+    visit_op(kind, [&acc, consumer, &p, &g, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, info); });
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/ops/ops.cuh"
 
 namespace mok::cuda::fused {
 
@@ -23,30 +24,13 @@ __device__ void produce_tasks(FusedShared& sh, const Maps& maps, const ForwardPa
     ptx::mbar_arrive(&sh.task_full[handoff.index]);
     handoff.advance();
     if (info.kind == static_cast<int32_t>(TaskKind::kDone)) break;
-    // Wait for the task's inputs, then load its tiles
+    // Wait for the task's inputs, then load its tiles (what and from where: the op's)
     const int32_t b = info.block;
+    const TaskKind kind = static_cast<TaskKind>(info.kind);
     Wait waits[kMaxWaits];
-    const bool ok = wait_all(p, waits, task_waits(static_cast<TaskKind>(info.kind), b, g, counts, waits), wait);
+    const bool ok = wait_all(p, waits, task_waits(kind, b, g, counts, waits), wait);
     gemm::TileLoad load{};
-    switch (static_cast<TaskKind>(info.kind)) {
-      case TaskKind::kSharedGateUp:
-        load = gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, b * 128, info.n_block * 128, 0, p.hidden / 64};
-        break;
-      case TaskKind::kSharedDown:
-        load = gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, b * 128, info.n_block * 256, 128,
-                              p.shared_inter / 64};
-        break;
-      case TaskKind::kGateUp:
-        load = gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(b),
-                              p.block_expert[b] * p.inter + info.n_block * 128, 0, p.hidden / 64};
-        break;
-      case TaskKind::kDown:
-        load = gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(b),
-                              p.block_expert[b] * p.hidden + info.n_block * 256, 128, p.inter / 64};
-        break;
-      default:
-        break;
-    }
+    visit_op(kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, info); });
     if (!ok) break;
     ptx::fence_proxy_async_global();
     const uint64_t t_ready = ptx::globaltimer_ns();

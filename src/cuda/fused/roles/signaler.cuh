@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/ops/ops.cuh"
 
 namespace mok::cuda::fused {
 
@@ -10,9 +11,11 @@ namespace mok::cuda::fused {
 // every wgmma (C7518).  Chain: consumer stores -> named barrier -> done_full arrive
 // (release.cta) -> wait here (acquire.cta) -> fence + red.release.gpu (cumulative).
 __device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
+  // The counter arrays a tile can add to, by CounterArray (gather_ready, push_done: the comm blocks')
   int32_t* gu_done = p.counters + static_cast<int>(Counter::kHeader) + p.max_blocks;
   int32_t* dn_done = gu_done + p.max_blocks;
   int32_t* sgu_done = dn_done + p.max_blocks;
+  int32_t* const arrays[] = {nullptr, gu_done, dn_done, sgu_done};
   gemm::PipelineState<2> handoff, done_state;
   TraceWriter trace(p, 1);
   for (;;) {
@@ -30,10 +33,13 @@ __device__ void signal_tasks(FusedShared& sh, const ForwardParams& p, const gemm
     ptx::mbar_arrive(&sh.done_empty[done_state.index]);
     done_state.advance();
     trace.add(mokTraceTile, t_start, ptx::globaltimer_ns(), info.kind, info.block, info.n_block);
-    int32_t* counter = kind == TaskKind::kSharedGateUp ? &sgu_done[info.block]
-                       : kind == TaskKind::kGateUp     ? &gu_done[info.block]
-                       : kind == TaskKind::kDown       ? &dn_done[info.block]
-                                                       : nullptr;
+    // The op's counter, if its tiles have one
+    int32_t* counter = visit_op(kind, [=](auto op) -> int32_t* {
+      constexpr CounterArray array = decltype(op)::kSignals;
+      static_assert(array != CounterArray::kGatherReady && array != CounterArray::kPushDone, "comm blocks' counters");
+      if constexpr (array == CounterArray::kNone) return nullptr;
+      else return arrays[static_cast<int>(array)] + info.block;
+    });
     if (counter) {
       __threadfence();
       signal_counter(counter, 1);

@@ -1,0 +1,40 @@
+// Routed down: the block's act rows · w_down[e]ᵀ -> each row to its route slot token*k + j of
+// its home rank (MOK_PUSH=comm: into the block's ring rows, pushed home by the comm blocks).
+#pragma once
+
+#include "cuda/fused/ops/op.cuh"
+
+namespace mok::cuda::fused::ops {
+
+struct Down {
+  static constexpr TaskKind kKind = TaskKind::kDown;
+  static constexpr CounterArray kSignals = CounterArray::kDownDone;
+  // Every gate/up tile of its block (its act rows complete)
+  MOK_HD static int waits(int32_t block, const Geometry&, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kGateUpDone, block, c.n_gate_up};
+    return 1;
+  }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.inter / 64; }
+  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+                                                        const TaskInfo& t) {
+    return gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(t.block),
+                          p.block_expert[t.block] * p.hidden + t.n_block * 256, 128, k_blocks(p)};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
+                                                  const Geometry& g, const TaskInfo& t) {
+    if (p.push_mode) {
+      // MOK_PUSH=comm: into the block's ring rows (its x rows are dead: every gate/up tile
+      // of the block is done); the comm blocks push them home
+      gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(t.block), int64_t{p.ring_blocks} * 128,
+                           int64_t{t.n_block} * 256);
+    } else {
+      gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
+                             p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
+    }
+  }
+#endif
+};
+
+}  // namespace mok::cuda::fused::ops

@@ -1,0 +1,35 @@
+// Routed gate/up: ring rows · [w_gate; w_up][e]ᵀ -> SwiGLU -> the block's act rows in the ring.
+#pragma once
+
+#include "cuda/fused/ops/op.cuh"
+
+namespace mok::cuda::fused::ops {
+
+struct GateUp {
+  static constexpr TaskKind kKind = TaskKind::kGateUp;
+  static constexpr CounterArray kSignals = CounterArray::kGateUpDone;
+  // Its rows gathered; the act rows it overwrites consumed by the previous occupant's down tiles
+  MOK_HD static int waits(int32_t block, const Geometry& g, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kGatherReady, block, 128};
+    const int32_t prev = g.previous_occupant(block);
+    if (prev < 0) return 1;
+    out[1] = Wait{CounterArray::kDownDone, prev, c.n_down};
+    return 2;
+  }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.hidden / 64; }
+  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+                                                        const TaskInfo& t) {
+    return gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(t.block),
+                          p.block_expert[t.block] * p.inter + t.n_block * 128, 0, k_blocks(p)};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
+                                                  const Geometry& g, const TaskInfo& t) {
+    gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(t.block), int64_t{p.ring_blocks} * 128,
+                          int64_t{t.n_block} * 128);
+  }
+#endif
+};
+
+}  // namespace mok::cuda::fused::ops

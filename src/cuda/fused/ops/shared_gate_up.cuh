@@ -1,0 +1,28 @@
+// The shared expert's gate/up: x · [ws_gate; ws_up]ᵀ -> SwiGLU -> shared_act, over the rank's
+// own tokens (no gather: the first tasks of the list).
+#pragma once
+
+#include "cuda/fused/ops/op.cuh"
+
+namespace mok::cuda::fused::ops {
+
+struct SharedGateUp {
+  static constexpr TaskKind kKind = TaskKind::kSharedGateUp;
+  static constexpr CounterArray kSignals = CounterArray::kSharedGateUpDone;
+  MOK_HD static int waits(int32_t, const Geometry&, const TaskCounts&, Wait*) { return 0; }
+#if defined(__CUDACC__)
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.hidden / 64; }
+  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry&,
+                                                        const TaskInfo& t) {
+    return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * 128, t.n_block * 128, 0, k_blocks(p)};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
+                                                  const Geometry&, const TaskInfo& t) {
+    gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * 128, p.num_tokens,
+                          int64_t{t.n_block} * 128);
+  }
+#endif
+};
+
+}  // namespace mok::cuda::fused::ops
