@@ -5,7 +5,8 @@
 # grouped GEMMs vs torch, the fused-forward knob sweep, its timing ring, and the layer bench.
 # SANITIZER=0 skips compute-sanitizer; GEMM_VARIANTS="base,skew2:MOK_GEMM_SKEW=2" times the
 # backward's GEMM kinds against torch at the sustained clock (tools/sustained.py --gemm) on
-# dsv3 and qwen3 with those knob settings, interleaved.
+# dsv3 and qwen3 with those knob settings, interleaved; FWD_MINIBATCHES="0,1024" does the same
+# for the fused forward (tools/sustained.py --minibatches) against torch and the bare GEMMs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -44,6 +45,13 @@ if [ -n "${GEMM_VARIANTS:-}" ]; then
   for shape in dsv3 qwen3; do
     PYTHONPATH=python timeout 240 python3 tools/sustained.py $shape --gemm --variants "$GEMM_VARIANTS" 2>&1 \
       | tee -a "$OUT/sustained_gemm.log"
+  done
+fi
+if [ -n "${FWD_MINIBATCHES:-}" ]; then
+  echo "== the fused forward at the sustained clock (minibatch sizes $FWD_MINIBATCHES; 0 = mok's rule)"
+  for shape in dsv3 qwen3; do
+    PYTHONPATH=python timeout 240 python3 tools/sustained.py $shape --minibatches "$FWD_MINIBATCHES" 2>&1 \
+      | tee -a "$OUT/sustained_fwd.log"
   done
 fi
 echo "== Python tests"
