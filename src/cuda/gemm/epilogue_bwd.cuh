@@ -79,8 +79,25 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
   static_assert(kChunks >= 1 && kBlocks == kChunks * 4 * kChunkGroups, "a tile holds whole 128-channel chunks");
   const int t = threadIdx.x & 3;
   const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = inter / kDtwChunk;
+  // da of fragment element (n8 block 4m + b of chunk c, register pair half, element x): every
+  // index static, the runtime (half, c) picked with selects, so acc stays in registers
+  auto da_of = [&](int c, int half, int n8_in_chunk, int x) {
+    float v = acc[n8_in_chunk * 4 + x];
+    float v_hi = acc[n8_in_chunk * 4 + 2 + x];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+    for (int cc = 1; cc < kChunks; ++cc) {
+      v = c == cc ? acc[(cc * 4 * kChunkGroups + n8_in_chunk) * 4 + x] : v;
+      v_hi = c == cc ? acc[(cc * 4 * kChunkGroups + n8_in_chunk) * 4 + 2 + x] : v_hi;
+    }
+    return half ? v_hi : v;
+  };
+  // NOTES: one rolled loop over (half, chunk): unrolled, the epilogue was ~6,000 instructions
+  // per tile of straight-line code, more than the instruction cache holds next to the main
+  // loop (ncu: 28 % of warp cycles stalled on no_instruction, the kernel 1.9x the plain
+  // dgrad-down's time); rolled, one (half, chunk) body is resident for all four passes.
+#pragma unroll 1
+  for (int it = 0; it < 2 * kChunks; ++it) {
+    const int half = it / kChunks, c = it % kChunks;
     const int r = fragment_row(consumer, half);
     const bool valid = r < valid_rows;
     const int64_t row = row0 + r;
@@ -90,8 +107,7 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
     __nv_bfloat16* dg_row = e.dh + row * ld_h + ch0;
     __nv_bfloat16* du_row = dg_row + inter;
     __nv_bfloat16* wa_row = e.wa + row * inter + ch0;
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
+    {
       // The chunk's h first (lane t: 16 bytes of n8 block 4q + t of g and of u, q the group),
       // so that its eight loads are in flight together
       uint4 gl[kChunkGroups], ul[kChunkGroups];
@@ -112,9 +128,9 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
         uint32_t dgp[4], dup[4], wap[4];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-          const int n8 = 4 * q + b;
-          const SwiGLUBwdElem x0 = swiglu_bwd_elem(acc[n8 * 4 + half * 2], bf16_lo(gw[b]), bf16_lo(uw[b]), w);
-          const SwiGLUBwdElem x1 = swiglu_bwd_elem(acc[n8 * 4 + half * 2 + 1], bf16_hi(gw[b]), bf16_hi(uw[b]), w);
+          const int n8 = 4 * m + b;  // within the chunk
+          const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[b]), bf16_lo(uw[b]), w);
+          const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[b]), bf16_hi(uw[b]), w);
           s = __fadd_rn(s, x0.da_a);
           s = __fadd_rn(s, x1.da_a);
           dgp[b] = pack_bf16x2(x0.dg, x1.dg);
