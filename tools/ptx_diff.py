@@ -146,6 +146,22 @@ def sass(ptx, arch, nvdisasm, out_dir):
     return out
 
 
+
+def report(name, b, n, a, tag):
+    """Prints whether one kernel's normalised lines are identical and, if not, the diff; True
+    when identical."""
+    if b == n:
+        print(f"{tag}identical  {name} ({len(b)} lines)")
+        return True
+    diff = list(difflib.unified_diff(b, n, "base", "new", n=a.context, lineterm=""))
+    changed = sum(1 for l in diff if l[:1] in "+-" and not l.startswith(("+++", "---")))
+    print(f"{tag}DIFFERENT  {name} ({len(b)} -> {len(n)} lines, {changed} changed)")
+    for line in diff[: a.max_diff]:
+        print("    " + line)
+    if len(diff) > a.max_diff:
+        print(f"    ... {len(diff) - a.max_diff} more diff lines")
+    return False
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ptx", nargs="*", help="BASE.ptx NEW.ptx (instead of building)")
@@ -195,35 +211,14 @@ def main():
             same = False
             continue
         b, n = normalise(base[name], a.loose, a.erase_regs), normalise(new[name], a.loose, a.erase_regs)
-        if b == n:
-            print(f"identical  {name} ({len(b)} lines)")
-            continue
-        same = False
-        diff = list(difflib.unified_diff(b, n, "base", "new", n=a.context, lineterm=""))
-        changed = sum(1 for l in diff if l[:1] in "+-" and not l.startswith(("+++", "---")))
-        print(f"DIFFERENT  {name} ({len(b)} -> {len(n)} lines, {changed} changed)")
-        for line in diff[: a.max_diff]:
-            print("    " + line)
-        if len(diff) > a.max_diff:
-            print(f"    ... {len(diff) - a.max_diff} more diff lines")
+        same = report(name, b, n, a, "") and same
     if a.sass:
         if not a.nvdisasm:
             sys.exit("--sass needs nvdisasm (PATH or --nvdisasm)")
         out_dir = tempfile.mkdtemp(prefix="ptx_diff_sass_")
         sb, sn = sass(base_ptx, a.arch, a.nvdisasm, out_dir), sass(new_ptx, a.arch, a.nvdisasm, out_dir)
         for name in sorted(set(sb) & set(base) | set(sn) & set(new)):
-            b, n = sb.get(name, []), sn.get(name, [])
-            if b == n:
-                print(f"SASS identical  {name} ({len(b)} lines)")
-                continue
-            same = False
-            diff = list(difflib.unified_diff(b, n, "base", "new", n=a.context, lineterm=""))
-            changed = sum(1 for l in diff if l[:1] in "+-" and not l.startswith(("+++", "---")))
-            print(f"SASS DIFFERENT  {name} ({len(b)} -> {len(n)} lines, {changed} changed)")
-            for line in diff[: a.max_diff]:
-                print("    " + line)
-            if len(diff) > a.max_diff:
-                print(f"    ... {len(diff) - a.max_diff} more diff lines")
+            same = report(name, sb.get(name, []), sn.get(name, []), a, "SASS ") and same
     if a.ptxas:
         found = {}
         for label, path in (("base", base_ptx), ("new", new_ptx)):
