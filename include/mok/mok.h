@@ -238,6 +238,9 @@ typedef struct mokPlanArgs_t {
  *                           is their sum in ascending c (exact for w = 0 and w < 0: no division)
  *                       h [M, 2I] bf16 and row_weight [M] fp32 are required.  Padding rows should
  *                       have w = 0 and h = 0: they then get dh = 0, wa = 0 and partials 0.
+ *   mokGemmGateUpPreact: the gate/up pre-activations without the SwiGLU (the backward's replay):
+ *                       out [M, 2N] = [bf16(a · b0[e]ᵀ) | bf16(a · b1[e]ᵀ)], b0, b1 [E, N, K]
+ *                       (N % 128 == 0): h = [g | u] as the dgrad-down SwiGLU kind reads it
  * K % 64 == 0 for every kind.  num_blocks: grid size, 0 = one block per SM.  CUDA tensors only.
  * The fields after num_blocks are read for mokGemmDgradDownSwiGLU only (callers compiled before
  * they existed keep working for the other kinds).
@@ -247,7 +250,8 @@ typedef enum mokGemmKind_t {
   mokGemmGateUp = 1,
   mokGemmDgradDown = 2,
   mokGemmDgradGateUp = 3,
-  mokGemmDgradDownSwiGLU = 4
+  mokGemmDgradDownSwiGLU = 4,
+  mokGemmGateUpPreact = 5
 } mokGemmKind_t;
 typedef struct mokGroupedGemmArgs_t {
   mokTensor_t a, b0, b1, block_expert, out;

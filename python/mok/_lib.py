@@ -153,7 +153,7 @@ class mokGroupedWgradArgs(ctypes.Structure):
 
 
 # mokGemmKind_t
-GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3, "dgrad_down_swiglu": 4}
+GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3, "dgrad_down_swiglu": 4, "gate_up_preact": 5}
 
 
 class mokTraceEvent(ctypes.Structure):

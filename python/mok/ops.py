@@ -157,6 +157,8 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
       "dgrad_down":    out = a @ b0[e], b0 = w_down [E, K, N] as stored (da = dy @ W_down);
       "dgrad_gate_up": out = a @ cat(b0[e], b1[e]), b0 = w_gate, b1 = w_up [E, K/2, N] as
                        stored (dx = [dg | du] @ [W_gate; W_up]);
+      "gate_up_preact": out = [a @ b0[e].T | a @ b1[e].T] [M, 2N] bf16, b0, b1 [E, N, K]: the
+                       pre-activations h = [g | u] the backward replays (N % 128 == 0);
       "dgrad_down_swiglu": the SwiGLU backward in the epilogue of da = a @ b0[e] (a = dy rows
                        [M, H], b0 = w_down [E, H, I] as stored, I % 256 == 0).  h [M, 2I] bf16
                        (= [g | u], required), row_weight [M] fp32 (required); returns
@@ -171,7 +173,7 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
     _lib.expect_tensor(a, "a", _lib.BF16, ndim=2)
     _lib.expect_tensor(b0, "b0", _lib.BF16, ndim=3)
     _lib.expect_tensor(block_expert, "block_expert", _lib.INT32, ndim=1)
-    two_b = kind in ("gate_up", "dgrad_gate_up")
+    two_b = kind in ("gate_up", "dgrad_gate_up", "gate_up_preact")
     if two_b and b1 is None:
         raise ValueError(f"kind {kind!r} needs b1")
     if b1 is not None:
@@ -193,7 +195,8 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
     _lib.device_index(a.device, "a")
     n = b0.shape[2] if kind.startswith("dgrad") else b0.shape[1]
     if out is None:
-        out = torch.empty(a.shape[0], 2 * n if swiglu_bwd else n, dtype=torch.bfloat16, device=a.device)
+        wide = swiglu_bwd or kind == "gate_up_preact"
+        out = torch.empty(a.shape[0], 2 * n if wide else n, dtype=torch.bfloat16, device=a.device)
     views = _lib.Views()
     args = _lib.mokGroupedGemmArgs(views(a, "a", _lib.BF16), views(b0, "b0", _lib.BF16),
                                    views(b1 if b1 is not None else b0, "b1", _lib.BF16),

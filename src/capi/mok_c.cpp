@@ -266,10 +266,10 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   return guarded("mokGroupedGemm", [&] {
     MOK_CHECK_ARG(args != nullptr, "args is NULL");
     const int64_t kind = args->kind;
-    MOK_CHECK_ARG(kind >= mokGemmDown && kind <= mokGemmDgradDownSwiGLU,
+    MOK_CHECK_ARG(kind >= mokGemmDown && kind <= mokGemmGateUpPreact,
                   "kind = " << kind
                             << " is not a mokGemmKind_t (0 down, 1 gate/up, 2 dgrad down, 3 dgrad gate/up, "
-                               "4 dgrad down SwiGLU)");
+                               "4 dgrad down SwiGLU, 5 gate/up pre-activations)");
     // Every check below runs on the views alone, before the CPU is rejected: shapes, dtypes and
     // the kind's inputs are reported the same way wherever the tensors live.
     const int32_t dev = args->a.device;
@@ -284,10 +284,11 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
     mok::check_tensor(args->a, "a", {mokBFloat16}, {M, K}, dev);
     const std::vector<int64_t> b_shape = dgrad ? std::vector<int64_t>{E, b_k, N} : std::vector<int64_t>{E, N, K};
     mok::check_tensor(args->b0, "b0", {mokBFloat16}, b_shape, dev);
-    const bool two_b = kind == mokGemmGateUp || kind == mokGemmDgradGateUp;
+    const bool preact = kind == mokGemmGateUpPreact;
+    const bool two_b = kind == mokGemmGateUp || kind == mokGemmDgradGateUp || preact;
     if (two_b) mok::check_tensor(args->b1, "b1", {mokBFloat16}, b_shape, dev);
     mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
-    const int64_t n_multiple = kind == mokGemmGateUp ? 128 : 256;
+    const int64_t n_multiple = kind == mokGemmGateUp || preact ? 128 : 256;
     MOK_CHECK_ARG(N % n_multiple == 0, (swiglu_bwd ? "I = b0.shape[2] = " : "N = ")
                                            << N << " must be a multiple of " << n_multiple
                                            << (swiglu_bwd ? " (the C ABI launches 128 x 256 tiles)" : ""));
@@ -305,7 +306,7 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
       if (mok::present(args->dtw_partials))
         mok::check_tensor(args->dtw_partials, "dtw_partials", {mokFloat32}, {M, N / 128}, dev);
     } else {
-      mok::check_tensor(args->out, "out", {mokBFloat16}, {M, N}, dev);
+      mok::check_tensor(args->out, preact ? "out (h)" : "out", {mokBFloat16}, {M, preact ? 2 * N : N}, dev);
     }
     MOK_CHECK_ARG(K % 64 == 0 && (kind != mokGemmDgradGateUp || K % 128 == 0),
                   "K = " << K << " must be a multiple of " << (kind == mokGemmDgradGateUp ? 128 : 64));
@@ -430,9 +431,19 @@ mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, v
   });
 }
 
-mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* /*stream*/) {
+mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream) {
   return guarded("mokBackward", [&] {
-    const mok::Workspace& ws = workspace_of(workspace);
+    mok::Workspace& ws = workspace_of(workspace);
+    if (args != nullptr && args->fwd.x.device >= 0) {
+      // On the workspace's GPU: every check before any launch
+      const mok::ref::RankInputs in = check_forward_cuda(ws, &args->fwd, std::string());
+      const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
+      if (!why.empty()) MOK_FAIL(mokNotSupported, why);
+      const mok::ref::RankGrads grads =
+          mok::check_backward_args(ws.config, *args, static_cast<int32_t>(ws.config.device), std::string());
+      mok::cuda::backward(*ws.device, ws.config, in, grads, args->dy.data, stream);
+      return;
+    }
     MOK_CHECK_ARG(args == nullptr || args->fwd.x.device >= 0 || ws.config.device < 0,
                   "x is on the cpu but the workspace was created for "
                       << mok::device_str(static_cast<int32_t>(ws.config.device)));

@@ -33,6 +33,11 @@ void forward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInpu
 enum class ForwardPhase { kStart, kPlan, kLayer };
 void forward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream,
                    ForwardPhase phase);
+// The gradients of this rank's layer on device pointers (checked by the caller), dy [T, H]
+// bf16; EP = 1 (unsupported_backward_shape says what else it needs).
+void backward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, const ref::RankGrads& grads,
+              const void* dy, void* stream);
+std::string unsupported_backward_shape(const mokConfig_t& config);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);
 

@@ -319,6 +319,7 @@ void destroy_workspace(DeviceWorkspace* ws) {
   // The block holds every layout pointer (slots at EP >= 2 are in the caller's region).
   for (void* p : {static_cast<void*>(ws->block), ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->trace)})
     if (p) cudaFree(p);
+  destroy_backward_buffers(ws->bwd);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
   if (ws->errors_ready) cudaEventDestroy(ws->errors_ready);
   cudaSetDevice(previous);
@@ -421,6 +422,10 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
       g = gemm::gate_up_args(call.a, call.a_rows, call.k, call.b0, call.b1, call.num_experts, call.n,
                              call.block_expert, call.num_m_blocks, call.out);
       break;
+    case mokGemmGateUpPreact:
+      g = gemm::gate_up_preact_args(call.a, call.a_rows, call.k, call.b0, call.b1, call.num_experts, call.n,
+                                    call.block_expert, call.num_m_blocks, call.out);
+      break;
     case mokGemmDown:
       g = gemm::down_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n, call.block_expert,
                           call.num_m_blocks, call.out);
@@ -464,7 +469,6 @@ void grouped_wgrad(const GroupedWgradCall& call, void* stream) {
   gemm::launch_grouped_wgrad(g, static_cast<cudaStream_t>(stream));
 }
 
-namespace {
 // The routing the plan build and the combine read: this call's ids at EP = 1; at EP >= 2 the
 // whole group's, as exchanged into the own region.
 plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in) {
@@ -478,7 +482,6 @@ plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, co
   v.num_tokens[0] = in.num_tokens;
   return v;
 }
-}  // namespace
 
 void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr,
                    ForwardPhase phase) {

@@ -16,6 +16,8 @@
 
 namespace mok::cuda {
 
+struct BackwardBuffers;
+
 // Device buffers of one workspace.  The byte map is code: common/workspace_layout.hpp
 // (WorkspaceLayout: every buffer with its formula, offset and bytes; docs/design.md,
 // "Workspace byte map (CUDA)").  create_workspace makes ONE allocation of
@@ -58,6 +60,11 @@ struct DeviceWorkspace {
   bool pending = false;            // a call's error copy is in flight
   bool captured = false;           // a call was captured into a graph (its copies carry no event)
   size_t bytes = 0;
+  BackwardBuffers* bwd = nullptr;  // the backward's buffers, at its first call (backward.cu)
 };
+
+// The routing of this call (EP = 1: its ids; EP >= 2: the group's, in the own region).
+plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in);
+void destroy_backward_buffers(BackwardBuffers* b);
 
 }  // namespace mok::cuda

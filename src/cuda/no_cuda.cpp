@@ -29,6 +29,10 @@ void forward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&,
   no_cuda();
 }
 std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
+void backward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, const ref::RankGrads&, const void*, void*) {
+  no_cuda();
+}
+std::string unsupported_backward_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
 void grouped_wgrad(const GroupedWgradCall&, void*) { no_cuda(); }
 

@@ -45,7 +45,11 @@ enum class Epilogue : int32_t {
   kSwiGLU = 1,   // out[row, ch] = bf16(silu(gate) * up), ch = n_block*BLOCK_N/2 + col (col < BLOCK_N/2)
   kScatter = 2,  // out[token*k + j, col] = bf16(acc) for the plan row's (token, j); padding skipped
   kDgradSwiGLU = 3,  // dgrad down: out = dh = [dg | du] from da = acc and h (epilogue_bwd.cuh); wa, partials
+  kGateUpPreact = 4,  // gate/up without the SwiGLU: out = h = [bf16(g) | bf16(u)], g at ch, u at out_ld/2 + ch
 };
+
+// Bits of the wgrad kind's per-expert mode (gemm/wgrad.cuh; < 0: the expert is skipped)
+inline constexpr int32_t kWgradAccumulate = 1, kWgradStoreAcc = 2, kWgradFinal = 4;
 
 // Raster of a (num_m x num_n) tile grid: groups of `group` N-blocks, m-major inside a group,
 // so one group's weight tiles stay in L2 while the row blocks pass over them.

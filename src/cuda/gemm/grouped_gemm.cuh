@@ -159,6 +159,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         case Epilogue::kSwiGLU:
           epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
           break;
+        case Epilogue::kGateUpPreact:
+          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
+          break;
         case Epilogue::kStore:
           epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
           break;
@@ -288,6 +291,9 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads
       switch (p.epilogue) {
         case Epilogue::kSwiGLU:
           epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
+          break;
+        case Epilogue::kGateUpPreact:
+          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
           break;
         case Epilogue::kStore:
           epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN);

@@ -65,6 +65,15 @@ GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, cons
   return g;
 }
 
+GroupedGemmArgs gate_up_preact_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate,
+                                    const void* w_up, int64_t num_experts, int64_t inter, const int32_t* block_expert,
+                                    int32_t max_m_blocks, void* out) {
+  GroupedGemmArgs g = gate_up_args(a, a_rows, hidden, w_gate, w_up, num_experts, inter, block_expert, max_m_blocks, out);
+  g.epilogue = static_cast<int32_t>(Epilogue::kGateUpPreact);
+  g.out_ld = 2 * inter;
+  return g;
+}
+
 GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
                           int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out) {
   // B halves: rows n*256 and n*256 + 128 of w_down
@@ -273,6 +282,10 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   MOK_CHECK_ARG(g.no > 0 && g.no % C::kBlockN == 0, "grouped wgrad: No = " << g.no << " must be a multiple of " << C::kBlockN);
   MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad: accumulate needs acc");
   MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad: store_acc needs acc");
+  MOK_CHECK_ARG(g.out_split >= 0 && g.out_split % C::kBlockM == 0 && g.out_split < g.mo,
+                "grouped wgrad: out_split = " << g.out_split << " must be a multiple of " << C::kBlockM << " below Mo");
+  MOK_CHECK_ARG(g.expert_mode == nullptr || g.acc != nullptr || g.acc_slot == nullptr,
+                "grouped wgrad: acc_slot without acc");
   if (g.num_experts == 0) return;
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
@@ -301,6 +314,12 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
+  p.expert_mode = g.expert_mode;
+  p.expert_range = g.expert_range;
+  p.acc_slot = g.acc_slot;
+  p.out_split = g.out_split;
+  p.out1 = static_cast<__nv_bfloat16*>(g.out1);
+  p.main_grad1 = g.main_grad1;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

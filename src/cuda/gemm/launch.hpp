@@ -50,6 +50,10 @@ struct GroupedGemmArgs {
 GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate, const void* w_up,
                              int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
                              void* out);
+// Gate/up without the SwiGLU (the backward's replay): out = h [rows, 2I] = [bf16(g) | bf16(u)].
+GroupedGemmArgs gate_up_preact_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_gate,
+                                    const void* w_up, int64_t num_experts, int64_t inter, const int32_t* block_expert,
+                                    int32_t max_m_blocks, void* out);
 // Down: out rows [*, H] from w_down [E, H, I]; epilogue kStore or kScatter.
 GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const void* w_down, int64_t num_experts,
                           int64_t hidden, const int32_t* block_expert, int32_t max_m_blocks, void* out);
@@ -92,6 +96,17 @@ struct GroupedWgradArgs {
   double timeout_s = 60.0;
   int64_t* timeout_record = nullptr;
   int32_t num_blocks = 0;
+  // Per expert (gemm/wgrad.cuh): mode (< 0 skip; kWgradAccumulate | kWgradStoreAcc |
+  // kWgradFinal) and fp32 slot in acc; null: the flags above for every expert, slot = expert.
+  const int32_t* expert_mode = nullptr;
+  const int32_t* acc_slot = nullptr;
+  // [2] on the device: only experts [range[0], range[1]) take part (the grid is sized for all)
+  const int32_t* expert_range = nullptr;
+  // Rows [0, out_split) of each expert's Mo to out / main_grad ([E, out_split, No]), the rest
+  // to out1 / main_grad1 ([E, Mo - out_split, No]); 0: one output.  A multiple of 128.
+  int64_t out_split = 0;
+  void* out1 = nullptr;
+  float* main_grad1 = nullptr;
 };
 void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 

@@ -292,6 +292,26 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
   }
 }
 
+// The gate/up pre-activations (the backward's replay): out[row0 + r, ch0 + c] = bf16(gate) and
+// out[row0 + r, ld/2 + ch0 + c] = bf16(up), for r < rows_limit - row0, c < BLOCK_N / 2: the
+// rows of h = [g | u], 2I wide (ld = 2I).
+template <int kRegs>
+__device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs], int consumer,
+                                                        __nv_bfloat16* out, int64_t ld, int64_t row0,
+                                                        int64_t rows_limit, int64_t ch0) {
+  constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + fragment_row(consumer, half);
+#pragma unroll
+    for (int part = 0; part < 2; ++part)
+      store_row_16b<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, [&](int n8) {
+        const int r = (n8 + part * kHalfBlocks) * 4 + half * 2;
+        return pack_bf16x2(acc[r], acc[r + 1]);
+      });
+  }
+}
+
 // out[row0 + r, col0 + c] = bf16(acc) for r < rows_limit - row0, c < BLOCK_N.
 template <int kRegs>
 __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int consumer,

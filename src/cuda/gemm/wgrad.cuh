@@ -16,6 +16,15 @@
 // walked expert-major, each expert's (m, n) grid in the N-grouped raster; every tile is owned
 // by one block, so the fp32 read-add-write of `acc` and `main_grad` needs no atomics and is
 // deterministic.
+//
+// Per expert (optional arrays, for a macrobatch loop whose experts are at different steps):
+// expert_mode[e] < 0 skips the expert's tiles (nothing read or written), else its bits say
+// what the tile does (kWgradAccumulate: total = acc + sum; kWgradStoreAcc: acc = total;
+// kWgradFinal: out = bf16(total), main_grad += total); without the array every expert takes
+// the call's accumulate / store_acc and is final.  acc_slot[e] is the expert's fp32 slot in
+// acc (without it: e).  out_split > 0 splits the output rows: rows [0, out_split) of expert e
+// go to out / main_grad [E, out_split, No], rows [out_split, Mo) to out1 / main_grad1
+// [E, Mo - out_split, No] ([dW_gate; dW_up] into the two weights' gradients).
 #pragma once
 
 #include "cuda/gemm/tile.cuh"
@@ -38,18 +47,36 @@ struct WgradParams {
   uint64_t timeout_ns;
   int64_t* timeout_record;
   int32_t skew_k_blocks;       // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
+  const int32_t* expert_range; // [2] or null: only experts [range[0], range[1]) (a macrobatch's)
+  const int32_t* expert_mode;  // [E] or null (above)
+  const int32_t* acc_slot;     // [E] or null
+  int64_t out_split;           // 0: one output; else rows of out / main_grad per expert
+  __nv_bfloat16* out1;         // [E, Mo - out_split, No] (out_split > 0)
+  float* main_grad1;
 };
+
 
 struct WgradTile {
-  int32_t expert, m_block, n_block, num_k_blocks, row0;
+  int32_t expert, m_block, n_block, num_k_blocks, row0, mode;
 };
 
-__device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int tile) {
+// The call's first expert and its tile count (experts [first, first + n) of expert_range).
+__device__ __forceinline__ int wgrad_first_expert(const WgradParams& p) { return p.expert_range ? p.expert_range[0] : 0; }
+__device__ __forceinline__ int wgrad_num_tiles(const WgradParams& p) {
+  const int n = p.expert_range ? p.expert_range[1] - p.expert_range[0] : p.num_experts;
+  return n * p.num_m_blocks * p.num_n_blocks;
+}
+
+__device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int first_expert, int tile) {
   const int per_expert = p.num_m_blocks * p.num_n_blocks;
-  const int e = tile / per_expert;
-  const TileCoord tc = raster(tile - e * per_expert, p.num_m_blocks, p.num_n_blocks, p.n_group);
-  const int32_t count = p.expert_count[e];
-  return WgradTile{e, tc.m, tc.n, (count + TileConfig::kBlockK - 1) / TileConfig::kBlockK, p.expert_offset[e]};
+  const int e_local = tile / per_expert;
+  const int e = first_expert + e_local;
+  const TileCoord tc = raster(tile - e_local * per_expert, p.num_m_blocks, p.num_n_blocks, p.n_group);
+  const int32_t mode = p.expert_mode ? p.expert_mode[e]
+                                     : (p.accumulate ? kWgradAccumulate : 0) | (p.store_acc ? kWgradStoreAcc : 0) |
+                                           kWgradFinal;
+  const int32_t count = mode < 0 ? 0 : p.expert_count[e];
+  return WgradTile{e, tc.m, tc.n, (count + TileConfig::kBlockK - 1) / TileConfig::kBlockK, p.expert_offset[e], mode};
 }
 
 // Producer: one stage per k-block, A's two boxes and B's four at the k-block's rows.
@@ -78,13 +105,23 @@ template <bool kZero>
 __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                const WgradParams& p, const WgradTile& t) {
   using C = TileConfig;
-  const bool accumulate = p.accumulate != 0, store_acc = p.store_acc != 0;
+  const bool accumulate = (t.mode & kWgradAccumulate) != 0, store_acc = (t.mode & kWgradStoreAcc) != 0;
+  const bool final_ = (t.mode & kWgradFinal) != 0;
+  const int64_t slot = p.acc_slot ? p.acc_slot[t.expert] : t.expert;
+  // The output half of this tile (all its rows are on one side of out_split, a multiple of 128)
+  const int64_t tile_row = int64_t{t.m_block} * C::kBlockM;
+  const bool second = p.out_split > 0 && tile_row >= p.out_split;
+  const int64_t out_rows = p.out_split > 0 ? (second ? p.mo - p.out_split : p.out_split) : p.mo;
+  __nv_bfloat16* const out = final_ ? (second ? p.out1 : p.out) : nullptr;
+  float* const main_grad = final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
-    const int64_t row_off = (int64_t{t.expert} * p.mo + row) * p.no + int64_t{t.n_block} * C::kBlockN;
-    const int64_t off = row_off + (threadIdx.x % 4) * 2;  // this thread's first column
-    const float* prior_row = accumulate ? p.acc + off : nullptr;
+    const int64_t row = tile_row + fragment_row(consumer, half);
+    const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
+    const int64_t acc_row_off = (slot * p.mo + row) * p.no + col0;
+    const int64_t out_row_off = (int64_t{t.expert} * out_rows + row - (second ? p.out_split : 0)) * p.no + col0;
+    const int64_t lane_col = (threadIdx.x % 4) * 2;  // this thread's first column
+    const float* prior_row = accumulate ? p.acc + acc_row_off + lane_col : nullptr;
     auto total = [&](int n8) {
       float2 v = kZero ? make_float2(0.0f, 0.0f) : make_float2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
       if (accumulate) {
@@ -95,19 +132,19 @@ __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kA
       return v;
     };
     // bf16 out: every lane takes part in the shuffles
-    if (p.out)
-      store_row_16b<C::kBlockN / 8>(p.out + row_off, true, [&](int n8) {
+    if (out)
+      store_row_16b<C::kBlockN / 8>(out + out_row_off, true, [&](int n8) {
         const float2 v = total(n8);
         return pack_bf16x2(v.x, v.y);
       });
     // fp32: the accumulator and main_grad
-    if (store_acc || p.main_grad) {
-      float* acc_row = p.acc ? p.acc + off : nullptr;
-      float* mg_row = p.main_grad ? p.main_grad + off : nullptr;
+    if (store_acc || main_grad) {
+      float* acc_row = store_acc ? p.acc + acc_row_off + lane_col : nullptr;
+      float* mg_row = main_grad ? main_grad + out_row_off + lane_col : nullptr;
 #pragma unroll
       for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
         const float2 v = total(n8);
-        if (store_acc) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
+        if (acc_row) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
         if (mg_row) {
           float2 m = *reinterpret_cast<const float2*>(mg_row + n8 * 8);
           m.x += v.x;
@@ -129,7 +166,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // 0 producer, 1 and 2 consumers
   const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
-  const int num_tiles = p.num_experts * p.num_m_blocks * p.num_n_blocks;
+  const int num_tiles = wgrad_num_tiles(p);
+  const int e0 = wgrad_first_expert(p);
 
   // Initialise barriers
   if (threadIdx.x == 0) {
@@ -145,8 +183,10 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     ptx::setmaxnreg_dec<C::kProducerRegs>();
     if (threadIdx.x != 0) return;
     PipelineState<C::kStages> stage;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
-      if (!produce_tile_wgrad(s, stage, &map_a, &map_b, wgrad_tile(p, tile), wait)) return;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const WgradTile t = wgrad_tile(p, e0, tile);
+      if (t.mode >= 0 && !produce_tile_wgrad(s, stage, &map_a, &map_b, t, wait)) return;
+    }
     return;
   }
 
@@ -158,10 +198,14 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   float acc[C::kAccRegs];
   // NOTES: each tile's fields (two dependent global loads) are read one tile ahead, so their
   // latency passes under the previous tile's MMAs instead of stalling both warpgroups.
-  WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile(p, blockIdx.x) : WgradTile{};
+  WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile(p, e0, blockIdx.x) : WgradTile{};
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int next = tile + static_cast<int>(gridDim.x);
-    const WgradTile next_t = next < num_tiles ? wgrad_tile(p, next) : t;
+    const WgradTile next_t = next < num_tiles ? wgrad_tile(p, e0, next) : t;
+    if (t.mode < 0) {  // not this call's: untouched
+      t = next_t;
+      continue;
+    }
     if (t.num_k_blocks == 0) {
       // An expert with no rows: its gradient is zero (plus what acc already holds)
       // NOTES: zeroing the accumulator registers here instead makes ptxas spill them.

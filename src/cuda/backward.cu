@@ -1,0 +1,423 @@
+// The backward on the GPU at EP = 1, as a sequence of stream-ordered launches with no host
+// synchronisation (the unfused backward: the bitwise reference of the fused backward kernel,
+// and the CUDA backward until that kernel lands).  The math and its roundings are the CPU
+// reference's (src/ref/reference.hpp); the tiles are the engine's kinds:
+//
+//   plan build (the forward's plan, from the same ids)
+//   gather: x rows, dy rows and each row's route weight, in plan order (padding rows 0)
+//   replay   h = [g | u] = x_rows · [W_gate; W_up][e]ᵀ              (gate/up, kGateUpPreact)
+//   dgrad down with the SwiGLU backward: dh = [dg | du], wa = bf16(w·a), ⟨da, a⟩ partials
+//   dgrad gate/up: dx row of route (t, j) = dh · [W_gate; W_up][e] into slot t·k + j
+//   wgrad per macrobatch, ascending: dW_down[e] += dyᵀ · wa, [dW_gate; dW_up][e] += dhᵀ · x
+//     (an expert whose rows span macrobatches keeps its fp32 partial sum in a slot of
+//     `wgrad_acc` between them; the others go straight from registers to bf16 / main_grad)
+//   the shared expert over the tokens themselves (weight 1), the same kinds
+//   d topk_weights[t, j] = Σ_c partials[row, c], ascending c;  dx[t] = bf16(Σ_j↑ slot + shared)
+//
+// The macrobatch split of the wgrad sums is the fused backward's (its ring holds one
+// macrobatch), so that the two give the same bits.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <sstream>
+#include <cstdint>
+
+#include "cuda/comm/combine.cuh"
+#include "cuda/cuda_api.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/forward.hpp"
+#include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/config.hpp"
+#include "plan/plan.hpp"
+#include "runtime/errors.hpp"
+#include "runtime/layer.hpp"
+
+namespace mok::cuda {
+
+// The backward's buffers (one allocation, made at the first backward call of a workspace).
+struct BackwardBuffers {
+  void* block = nullptr;
+  size_t bytes = 0;
+  // routed, per plan row: x, dy rows (bf16 [max_rows, H]); h, dh [max_rows, 2I]; wa [max_rows, I]
+  void* x_rows = nullptr;
+  void* dy_rows = nullptr;
+  void* h = nullptr;
+  void* dh = nullptr;
+  void* wa = nullptr;
+  float* row_weight = nullptr;    // [max_rows]
+  float* dtw_partials = nullptr;  // [max_rows, I / 128]
+  // the shared expert, per token: h_s, dh_s [T_max, 2I_s], a_s [T_max, I_s]
+  void* sh_h = nullptr;
+  void* sh_dh = nullptr;
+  void* sh_a = nullptr;
+  float* ones = nullptr;          // [max(T_max, k)] 1.0f: the shared expert's row weights
+  // wgrad tables: per macrobatch m, kTableWords(E) int32 (below); the shared expert's 2 + 2
+  int32_t* tables = nullptr;
+  int32_t* shared_table = nullptr;
+  // fp32 partial sums of the experts spanning macrobatches: [n_acc, 2I, H] and [n_acc, H, I]
+  float* acc_gu = nullptr;
+  float* acc_dn = nullptr;
+  int64_t num_macro = 0, n_acc = 0;
+};
+
+namespace {
+
+// Per macrobatch: range [2] (first expert, end), then offset, count, mode, slot [E] each.
+int64_t table_words(int64_t E) { return 2 + 4 * E; }
+
+// ---- gather: x and dy rows and the route weight of every plan row (padding: zeros) ----------
+__global__ void bwd_gather_kernel(const uint4* __restrict__ x, const uint4* __restrict__ dy,
+                                  const float* __restrict__ topk_weights, const uint32_t* __restrict__ rows,
+                                  const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
+                                  int64_t row_vecs, uint4* __restrict__ x_rows, uint4* __restrict__ dy_rows,
+                                  float* __restrict__ row_weight) {
+  const int64_t total = expert_offset[num_local];
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < total; i += warps) {
+    const uint32_t rec = rows[i];
+    uint4* xd = x_rows + i * row_vecs;
+    uint4* dd = dy_rows + i * row_vecs;
+    if (row_is_pad(rec)) {
+      for (int64_t v = lane; v < row_vecs; v += 32) xd[v] = dd[v] = make_uint4(0, 0, 0, 0);
+      if (lane == 0) row_weight[i] = 0.0f;
+    } else {
+      const int64_t t = row_token(rec);
+      const uint4* xs = x + t * row_vecs;
+      const uint4* ds = dy + t * row_vecs;
+      for (int64_t v = lane; v < row_vecs; v += 32) {
+        xd[v] = __ldg(xs + v);
+        dd[v] = __ldg(ds + v);
+      }
+      if (lane == 0) row_weight[i] = topk_weights[t * topk + row_slot(rec)];
+    }
+  }
+}
+
+// ---- the wgrad tables of every macrobatch (one thread per macrobatch) and the shared one -----
+// Expert e's real rows are [offset[e], offset[e] + count[e]), its blocks end at offset[e + 1].
+// first(e) / last(e): the macrobatches of its first and last block (an expert without rows:
+// the macrobatch where its empty range sits, clipped to the last one that exists), so that
+// every expert, empty ones included, is in a contiguous range of experts of each macrobatch.
+__global__ void bwd_tables_kernel(const int32_t* __restrict__ expert_offset, const int32_t* __restrict__ expert_count,
+                                  int32_t num_experts, int32_t ring_rows, int32_t num_macro, int32_t slot_by_expert,
+                                  int32_t* __restrict__ tables, int64_t words, int32_t* __restrict__ shared_table,
+                                  int32_t shared_rows, float* __restrict__ ones, int64_t num_ones) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = tid; i < num_ones; i += static_cast<int64_t>(gridDim.x) * blockDim.x) ones[i] = 1.0f;
+  if (tid == 0) {
+    shared_table[0] = 0;            // offset [0, rows]
+    shared_table[1] = shared_rows;
+    shared_table[2] = shared_rows;  // count
+  }
+  if (tid >= num_macro) return;
+  const int32_t m = static_cast<int32_t>(tid);
+  const int32_t total = expert_offset[num_experts];
+  const int32_t live = total > 0 ? (total + ring_rows - 1) / ring_rows : 1;  // macrobatches with rows
+  auto first_of = [&](int32_t e) { return min(expert_offset[e] / ring_rows, live - 1); };
+  auto last_of = [&](int32_t e) {
+    return expert_offset[e + 1] > expert_offset[e] ? (expert_offset[e + 1] - 1) / ring_rows : first_of(e);
+  };
+  int32_t* t = tables + m * words;
+  int32_t* offset = t + 2;
+  int32_t* count = offset + num_experts;
+  int32_t* mode = count + num_experts;
+  int32_t* slot = mode + num_experts;
+  int32_t begin = num_experts, end = 0;
+  for (int32_t e = 0; e < num_experts; ++e) {
+    const int32_t f = first_of(e), l = last_of(e);
+    const bool in = f <= m && m <= l;
+    const int32_t lo = max(expert_offset[e], m * ring_rows);
+    const int32_t hi = min(expert_offset[e] + expert_count[e], (m + 1) * ring_rows);
+    offset[e] = lo;
+    count[e] = in ? max(0, hi - lo) : 0;
+    mode[e] = in ? (m > f ? gemm::kWgradAccumulate : 0) | (m < l ? gemm::kWgradStoreAcc : 0) |
+                       (m == l ? gemm::kWgradFinal : 0)
+                 : -1;
+    slot[e] = f < l ? (slot_by_expert ? e : f) : 0;
+    if (in) {
+      begin = min(begin, e);
+      end = max(end, e + 1);
+    }
+  }
+  t[0] = begin < end ? begin : 0;
+  t[1] = begin < end ? end : 0;
+}
+
+// ---- d topk_weights: the fixed-order sum of each routed row's partials ------------------------
+__global__ void bwd_dtw_kernel(const uint32_t* __restrict__ rows, const int32_t* __restrict__ expert_offset,
+                               int32_t num_local, const float* __restrict__ partials, int32_t chunks, int32_t topk,
+                               float* __restrict__ d_topk_weights) {
+  const int64_t total = expert_offset[num_local];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t rec = rows[i];
+    if (row_is_pad(rec)) continue;
+    float s = 0.0f;
+    for (int c = 0; c < chunks; ++c) s = s + partials[i * chunks + c];
+    d_topk_weights[row_token(rec) * topk + row_slot(rec)] = s;
+  }
+}
+
+// ---- dx: one warp per token, Σ_j↑ of its valid routes' rows (weight 1: exact) + the shared -----
+__global__ void bwd_dx_kernel(plan::RoutingView v, const float* __restrict__ ones, const uint4* __restrict__ slots,
+                              const uint4* __restrict__ shared_dx, int64_t row_vecs, uint4* __restrict__ dx) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (t >= v.num_tokens[0]) return;  // warp-uniform
+  const int k = v.topk;
+  combine_token_warp(slots + t * k * row_vecs, row_vecs, k, ones, shared_dx ? shared_dx + t * row_vecs : nullptr,
+                     dx + t * row_vecs, [&](int j) {
+                       int64_t id;
+                       return plan::check_route(v, 0, t, j, &id) == RouteCheck::kOk;
+                     });
+}
+
+template <typename T>
+T* carve(uint8_t*& cursor, int64_t count) {
+  T* p = reinterpret_cast<T*>(cursor);
+  cursor += ws_align_up(std::max<int64_t>(count, 1) * static_cast<int64_t>(sizeof(T)), kWsTmaAlign);
+  return p;
+}
+
+BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokConfig_t& c) {
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, R = ws.max_rows, T = c.max_tokens;
+  const int64_t El = plan_dims(c).local_experts();
+  auto* b = new BackwardBuffers();
+  b->num_macro = std::max<int64_t>(1, plan::ceil_div(R, c.macrobatch_size));
+  b->n_acc = std::min<int64_t>(El, b->num_macro - 1);
+  const int64_t sizes[] = {
+      R * H * 2, R * H * 2, R * 2 * I * 2, R * 2 * I * 2, R * I * 2, R * 4, R * (I / gemm::kDtwChunk) * 4,
+      T * 2 * Is * 2, T * 2 * Is * 2, T * Is * 2, std::max<int64_t>(T, c.topk) * 4,
+      b->num_macro * table_words(El) * 4, 4 * 4, b->n_acc * 2 * I * H * 4, b->n_acc * H * I * 4};
+  int64_t total = 0;
+  for (int64_t s : sizes) total += ws_align_up(std::max<int64_t>(s, 1), kWsTmaAlign);
+  void* block = nullptr;
+  const size_t bytes = static_cast<size_t>(total + kWsTmaAlign);
+  const cudaError_t err = cudaMalloc(&block, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    delete b;
+    MOK_FAIL(mokOutOfMemory, "backward buffers: cudaMalloc of " << bytes << " bytes failed (out of device memory)");
+  }
+  if (err != cudaSuccess) delete b;
+  MOK_CUDA_CHECK(err);
+  b->block = block;
+  b->bytes = bytes;
+  uint8_t* cur = reinterpret_cast<uint8_t*>(
+      static_cast<uintptr_t>(ws_align_up(static_cast<int64_t>(reinterpret_cast<uintptr_t>(block)), kWsTmaAlign)));
+  b->x_rows = carve<uint16_t>(cur, R * H);
+  b->dy_rows = carve<uint16_t>(cur, R * H);
+  b->h = carve<uint16_t>(cur, R * 2 * I);
+  b->dh = carve<uint16_t>(cur, R * 2 * I);
+  b->wa = carve<uint16_t>(cur, R * I);
+  b->row_weight = carve<float>(cur, R);
+  b->dtw_partials = carve<float>(cur, R * (I / gemm::kDtwChunk));
+  b->sh_h = carve<uint16_t>(cur, T * 2 * Is);
+  b->sh_dh = carve<uint16_t>(cur, T * 2 * Is);
+  b->sh_a = carve<uint16_t>(cur, T * Is);
+  b->ones = carve<float>(cur, std::max<int64_t>(T, c.topk));
+  b->tables = carve<int32_t>(cur, b->num_macro * table_words(El));
+  b->shared_table = carve<int32_t>(cur, 4);
+  b->acc_gu = carve<float>(cur, b->n_acc * 2 * I * H);
+  b->acc_dn = carve<float>(cur, b->n_acc * H * I);
+  return b;
+}
+
+gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& c, int64_t* timeout) {
+  g.timeout_s = c.timeout_s;
+  g.timeout_record = timeout;
+  return g;
+}
+
+}  // namespace
+
+void destroy_backward_buffers(BackwardBuffers* b) {
+  if (b == nullptr) return;
+  if (b->block) cudaFree(b->block);
+  delete b;
+}
+
+std::string unsupported_backward_shape(const mokConfig_t& c) {
+  std::ostringstream why;
+  if (c.ep_size != 1)
+    why << "ep_size = " << c.ep_size << ": the CUDA backward runs at EP = 1 in this version of mok";
+  else if (c.intermediate % 256 != 0)
+    why << "intermediate = " << c.intermediate
+        << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
+  else if (c.shared_intermediate % 256 != 0)
+    why << "shared_intermediate = " << c.shared_intermediate
+        << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
+  return why.str();
+}
+
+void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+              const void* dy, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const DeviceGuard guard(ws.device);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  if (ws.bwd == nullptr) {
+    MOK_CHECK_ARG(!capturing, "the first backward call of a workspace allocates its backward buffers and cannot be "
+                              "captured into a CUDA graph: run one backward before capturing");
+    ws.bwd = create_backward_buffers(ws, c);
+  }
+  BackwardBuffers& b = *ws.bwd;
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
+  const plan::PlanDims d = plan_dims(c);
+  const int64_t El = d.local_experts();
+  constexpr int kErr = kErrorWords;  // route error words, then the timeout record
+  if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
+  MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kErr, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));
+  int64_t* timeout = ws.errors + kErr;
+
+  // The forward's plan, from the same ids
+  const plan::RoutingView v = routing_of(ws, c, in);
+  const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
+  build_plan(d, v, pv, ws.errors, ws.device, stream_ptr);
+
+  const int64_t row_vecs = H * 2 / 16;
+  const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
+  const int64_t R = ws.max_rows;
+  // Tables, ones; rows, weights
+  const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
+  const int64_t num_ones = std::max<int64_t>(c.max_tokens, k);
+  bwd_tables_kernel<<<static_cast<unsigned>(std::min<int64_t>(plan::ceil_div(num_ones, 256), 1024)) + 1, 256, 0,
+                      stream>>>(ws.expert_offset, ws.expert_count, static_cast<int32_t>(El), ring_rows,
+                                static_cast<int32_t>(b.num_macro), El <= b.num_macro - 1 ? 1 : 0, b.tables,
+                                table_words(El), b.shared_table, static_cast<int32_t>(T), b.ones, num_ones);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (T > 0) {
+    bwd_gather_kernel<<<528, 256, 0, stream>>>(static_cast<const uint4*>(static_cast<const void*>(in.x)),
+                                               static_cast<const uint4*>(dy), in.topk_weights, ws.rows,
+                                               ws.expert_offset, static_cast<int32_t>(El), static_cast<int32_t>(k),
+                                               row_vecs, static_cast<uint4*>(b.x_rows), static_cast<uint4*>(b.dy_rows),
+                                               b.row_weight);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // Routed experts: replay, dgrad down + SwiGLU backward, dgrad gate/up into the route slots
+  gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(b.x_rows, R, H, in.w_gate, in.w_up, El, I,
+                                                                    ws.block_expert, max_blocks, b.h),
+                                          c, timeout),
+                            stream);
+  gemm::launch_grouped_gemm(
+      with_deadline(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert, max_blocks, b.h,
+                                                 b.row_weight, b.dh, b.wa, b.dtw_partials),
+                    c, timeout),
+      stream);
+  gemm::GroupedGemmArgs dx_rows =
+      gemm::dgrad_gate_up_args(b.dh, R, I, in.w_gate, in.w_up, El, H, ws.block_expert, max_blocks, ws.slots);
+  dx_rows.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
+  dx_rows.plan_rows = ws.rows;
+  dx_rows.topk = static_cast<int32_t>(k);
+  gemm::launch_grouped_gemm(with_deadline(dx_rows, c, timeout), stream);
+
+  // Routed wgrad, macrobatch by macrobatch (ascending: the fp32 partial sums fold in order)
+  for (int64_t m = 0; m < b.num_macro; ++m) {
+    const int32_t* t = b.tables + m * table_words(El);
+    gemm::GroupedWgradArgs w;
+    w.rows = R;
+    w.num_experts = El;
+    w.expert_range = t;
+    w.expert_offset = t + 2;
+    w.expert_count = t + 2 + El;
+    w.expert_mode = t + 2 + 2 * El;
+    w.acc_slot = t + 2 + 3 * El;
+    w.timeout_s = c.timeout_s;
+    w.timeout_record = timeout;
+    // dW_down[e] = dyᵀ · wa  ([H, I])
+    gemm::GroupedWgradArgs dn = w;
+    dn.a = b.dy_rows;
+    dn.b = b.wa;
+    dn.mo = H;
+    dn.no = I;
+    dn.out = g.dw_down;
+    dn.main_grad = g.main_down;
+    dn.acc = b.n_acc > 0 ? b.acc_dn : nullptr;
+    gemm::launch_grouped_wgrad(dn, stream);
+    // [dW_gate; dW_up][e] = dhᵀ · x  ([2I, H], split at I into the two gradients)
+    gemm::GroupedWgradArgs gu = w;
+    gu.a = b.dh;
+    gu.b = b.x_rows;
+    gu.mo = 2 * I;
+    gu.no = H;
+    gu.out = g.dw_gate;
+    gu.out1 = g.dw_up;
+    gu.main_grad = g.main_gate;
+    gu.main_grad1 = g.main_up;
+    gu.out_split = I;
+    gu.acc = b.n_acc > 0 ? b.acc_gu : nullptr;
+    gemm::launch_grouped_wgrad(gu, stream);
+  }
+
+  // The shared expert over the tokens themselves (weight 1)
+  if (Is > 0) {
+    const int32_t sblocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
+    if (T > 0) {
+      gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is,
+                                                                        ws.shared_block, sblocks, b.sh_h),
+                                              c, timeout),
+                                stream);
+      gemm::launch_grouped_gemm(with_deadline(gemm::dgrad_down_swiglu_args(dy, T, H, in.ws_down, 1, Is, ws.shared_block,
+                                                                           sblocks, b.sh_h, b.ones, b.sh_dh, b.sh_a,
+                                                                           nullptr),
+                                              c, timeout),
+                                stream);
+      gemm::launch_grouped_gemm(with_deadline(gemm::dgrad_gate_up_args(b.sh_dh, T, Is, in.ws_gate, in.ws_up, 1, H,
+                                                                       ws.shared_block, sblocks, ws.shared_out),
+                                              c, timeout),
+                                stream);
+    }
+    gemm::GroupedWgradArgs w;
+    w.rows = T;
+    w.num_experts = 1;
+    w.expert_offset = b.shared_table;
+    w.expert_count = b.shared_table + 2;
+    w.timeout_s = c.timeout_s;
+    w.timeout_record = timeout;
+    gemm::GroupedWgradArgs dn = w;
+    dn.a = T > 0 ? dy : nullptr;
+    dn.b = b.sh_a;
+    dn.mo = H;
+    dn.no = Is;
+    dn.out = g.dws_down;
+    dn.main_grad = g.main_s_down;
+    gemm::launch_grouped_wgrad(dn, stream);
+    gemm::GroupedWgradArgs gu = w;
+    gu.a = b.sh_dh;
+    gu.b = T > 0 ? in.x : nullptr;
+    gu.mo = 2 * Is;
+    gu.no = H;
+    gu.out = g.dws_gate;
+    gu.out1 = g.dws_up;
+    gu.main_grad = g.main_s_gate;
+    gu.main_grad1 = g.main_s_up;
+    gu.out_split = Is;
+    gemm::launch_grouped_wgrad(gu, stream);
+  }
+
+  // d topk_weights (0 for masked routes) and dx
+  if (T > 0) {
+    MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
+    bwd_dtw_kernel<<<264, 256, 0, stream>>>(ws.rows, ws.expert_offset, static_cast<int32_t>(El), b.dtw_partials,
+                                            static_cast<int32_t>(I / gemm::kDtwChunk), static_cast<int32_t>(k),
+                                            g.d_topk_weights);
+    MOK_CUDA_CHECK(cudaGetLastError());
+    bwd_dx_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
+        v, b.ones, static_cast<const uint4*>(ws.slots), Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr,
+        row_vecs, static_cast<uint4*>(static_cast<void*>(g.dx)));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // Error words to pinned memory; read at the next call or at check_errors(wait)
+  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, (kErr + (kWsErrorWords - kErrorWords)) * sizeof(int64_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  if (capturing) {
+    ws.captured = true;
+  } else {
+    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
+    ws.pending = true;
+  }
+}
+
+}  // namespace mok::cuda

@@ -1,0 +1,229 @@
+"""The CUDA backward (EP = 1) against the float64 oracle and the CPU reference: odd routings,
+weights 0 and negative, a ring that wraps (experts whose rows span macrobatches, fp32 partial
+sums in between), main_grad accumulation, bitwise repeatability, graph replay, autograd, and
+the BENCH.md shapes at full size (sampled against float64 on the GPU).  Outputs start as NaN
+(conftest: poison_outputs)."""
+import pytest
+import torch
+
+import mok
+from mok import functional as F
+from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference, route_term_norms
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not mok.has_cuda(), reason="libmok was built without its CUDA part"),
+]
+
+GRADS = ("dx", "d_topk_weights") + WEIGHTS
+
+
+def _layer(gen, H, I, E, k, T, I_s=0, masked=0.15):
+    w = make_weights(gen, H, I, E, I_s)
+    ids, tw = make_routing(gen, T, E, k, masked=masked)
+    return make_x(gen, T, H), ids, tw, w, make_x(gen, T, H)
+
+
+def _cuda(w):
+    return {n: (t.cuda() if t is not None else None) for n, t in w.items()}
+
+
+def _backward(x, ids, tw, w, dy, config=None, main_grads=None, workspace=None):
+    ctx = F.recompute_forward_context(x.cuda(), ids.cuda(), tw.cuda(), **_cuda(w), config=config, workspace=workspace)
+    return F.backward(ctx, dy.cuda(), main_grads=main_grads)
+
+
+def _grad(g, name):
+    return getattr(g, name)
+
+
+def _check_against_oracle(tag, g, x, ids, tw, w, dy):
+    _, ref = reference(x, ids, tw, w, dy)
+    assert_close(f"{tag}: dx", g.dx.cpu(), ref["dx"])
+    assert_close(f"{tag}: d_topk_weights", g.d_topk_weights.cpu(), ref["d_topk_weights"],
+                 floor=route_term_norms(x, ids, w, dy))
+    assert torch.all(g.d_topk_weights.cpu()[ids.long() == -1] == 0), f"{tag}: masked routes need d topk_weights = 0"
+    for name in WEIGHTS:
+        if w[name] is None:
+            assert _grad(g, name) is None
+        else:
+            assert_close(f"{tag}: grad {name}", _grad(g, name).cpu(), ref[name])
+
+
+def _assert_bitwise(tag, a, b):
+    for name in GRADS:
+        ga, gb = _grad(a, name), _grad(b, name)
+        if ga is None:
+            assert gb is None
+            continue
+        assert torch.equal(ga.view(torch.int16) if ga.dtype == torch.bfloat16 else ga.view(torch.int32),
+                           gb.view(torch.int16) if gb.dtype == torch.bfloat16 else gb.view(torch.int32)), \
+            f"{tag}: {name} differs bitwise"
+
+
+@pytest.mark.parametrize("H,I,E,k,T,I_s,masked", [
+    (256, 256, 8, 2, 300, 0, 0.15),      # T not a multiple of 128, -1 routes, fully masked tokens
+    (512, 256, 16, 4, 257, 256, 0.0),    # shared expert
+    (256, 512, 4, 1, 129, 256, 0.0),     # k = 1
+    (256, 256, 8, 2, 0, 256, 0.0),       # T = 0: zeros for every weight gradient
+    (768, 256, 32, 8, 64, 0, 0.3),       # experts with 0 rows and 1 row
+])
+def test_cuda_backward_matches_oracle_and_cpu(gen, H, I, E, k, T, I_s, masked):
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, I_s, masked)
+    g = _backward(x, ids, tw, w, dy)
+    _check_against_oracle("CUDA backward", g, x, ids, tw, w, dy)
+    # The CPU reference backend rounds the same way (its sums run in another order)
+    _, ctx = F.forward(x, ids, tw, **w)
+    c = F.backward(ctx, dy)
+    for name in GRADS:
+        if _grad(c, name) is not None:
+            assert_close(f"CUDA vs CPU reference: {name}", _grad(g, name).cpu(), _grad(c, name).double(), tol=1e-2)
+    if T == 0:
+        for name in WEIGHTS:
+            if w[name] is not None:
+                assert (_grad(g, name) == 0).all(), f"T = 0: grad {name} must be zero"
+    for _ in range(3):
+        _assert_bitwise("run again", g, _backward(x, ids, tw, w, dy))
+
+
+def test_cuda_backward_weights_zero_negative_and_a_hot_expert(gen):
+    # d topk_weights is <da, a> for every weight (0 and < 0 included: no division by w); every
+    # token routes to expert 0 first (one hot expert with all rows, spanning row blocks)
+    H, I, E, k, T = 256, 256, 8, 3, 400
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, 256, masked=0.0)
+    others = torch.rand(T, E - 1, generator=gen).argsort(dim=1)[:, :k - 1] + 1
+    ids = torch.cat([torch.zeros(T, 1, dtype=torch.int64), others], 1).int().contiguous()
+    tw[:, 0] = 0.0
+    tw[:, 1] = -tw[:, 1].abs() - 0.1
+    ids[::7] = -1  # tokens with every route masked
+    g = _backward(x, ids, tw, w, dy)
+    _check_against_oracle("w = 0, w < 0, hot expert", g, x, ids, tw, w, dy)
+    assert g.d_topk_weights[:, 0].abs().sum() > 0, "w = 0 must still get its router gradient"
+
+
+def test_cuda_backward_ring_wraps_with_fp32_partial_sums_and_main_grads(gen):
+    # A ring of 256 rows: experts span macrobatches, their fp32 sums fold in ascending order
+    H, I, E, k, T = 256, 256, 4, 2, 700
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, 256, masked=0.05)
+    small = F.MoKConfig(minibatch_size=128, macrobatch_size=256)
+    g = _backward(x, ids, tw, w, dy, config=small)
+    _check_against_oracle("ring of 256 rows", g, x, ids, tw, w, dy)
+    big = _backward(x, ids, tw, w, dy)
+    for name in ("dx", "d_topk_weights"):  # rows are independent of the ring
+        assert torch.equal(_grad(g, name), _grad(big, name)), f"{name} depends on the ring size"
+    # main_grad += the fp32 gradient (whose bf16 rounding is the returned gradient)
+    start = {n: torch.randn(w[n].shape, generator=gen).cuda() for n in WEIGHTS}
+    mg = {n: t.clone() for n, t in start.items()}
+    g2 = _backward(x, ids, tw, w, dy, config=small, main_grads=mg)
+    _assert_bitwise("with main_grads", g, g2)
+    for n in WEIGHTS:
+        added = mg[n] - start[n]
+        assert_close(f"main_grad {n} increment", added.cpu(), _grad(g, n).double().cpu(), tol=1e-2)
+        assert (added.bfloat16() == _grad(g, n)).float().mean() > 0.99, f"main_grad {n}: not the fp32 gradient"
+
+
+def test_cuda_backward_in_graph_replays_with_new_inputs(gen):
+    H, I, E, k, T = 512, 256, 16, 4, 300
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, 256)
+    cw = _cuda(w)
+    sx, sids, stw, sdy = x.cuda(), ids.cuda(), tw.cuda(), dy.cuda()
+    ws = F.get_workspace(H, I, E, k, max_tokens=512, shared_intermediate=256, device="cuda")
+    ctx = F.recompute_forward_context(sx, sids, stw, **cw, workspace=ws)
+    F.backward(ctx, sdy)  # warm-up outside capture (allocates the backward's buffers)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static, ctx_static = F.forward(sx, sids, stw, **cw, workspace=ws)
+        g_static = F.backward(ctx_static, sdy)
+    for _ in range(5):
+        nx, (nids, ntw), ndy = make_x(gen, T, H), make_routing(gen, T, E, k), make_x(gen, T, H)
+        sx.copy_(nx.cuda())
+        sids.copy_(nids.cuda())
+        stw.copy_(ntw.cuda())
+        sdy.copy_(ndy.cuda())
+        graph.replay()
+        y, c = F.forward(sx, sids, stw, **cw, workspace=ws)
+        assert torch.equal(y_static, y), "graph replay of the forward differs from eager"
+        _assert_bitwise("graph replay", g_static, F.backward(c, sdy))
+
+
+def test_cuda_backward_through_autograd_and_torch_library(gen):
+    H, I, E, k, T = 256, 256, 8, 2, 200
+    moe = mok.nn.MoE(H, I, E, k, shared_intermediate=256, device="cuda")
+    x = make_x(gen, T, H).cuda().requires_grad_()
+    y = moe(x)
+    dy = make_x(gen, T, H).cuda()
+    (y.float() * dy.float()).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    for name, p in moe.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad.float()).all(), f"{name} got no finite gradient"
+    # torch.compile of forward + backward through the library op's fake implementation
+    x2 = x.detach().clone().requires_grad_()
+
+    def step(v):
+        return (moe(v).float() * dy.float()).sum()
+
+    torch.compile(step, backend="aot_eager")(x2).backward()
+    assert torch.equal(x2.grad, x.grad), "compiled forward + backward differs from eager"
+
+
+def test_cuda_backward_rejects_what_it_cannot_run(gen):
+    x, ids, tw, w, dy = _layer(gen, 256, 128, 8, 2, 10)  # I = 128: the wgrad tile is 256 wide
+    with pytest.raises(NotImplementedError, match="multiple of 256"):
+        _backward(x, ids, tw, w, dy)
+    x, ids, tw, w, dy = _layer(gen, 256, 256, 8, 2, 10)
+    ctx = F.recompute_forward_context(x.cuda(), ids.cuda(), tw.cuda(), **_cuda(w))
+    with pytest.raises(ValueError, match="dy"):
+        F.backward(ctx, dy[:-1].cuda())
+
+
+@pytest.mark.parametrize("name", ["dsv3", "qwen3", "fg30b", "fg120b"])
+def test_cuda_backward_bench_shapes(gen, name):
+    # Full size with the default config; sampled tokens and one expert's weight gradients
+    # against float64 on the GPU, and two runs bitwise equal.
+    H, I, k, E, T = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096),
+                     "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}[name]
+    dev = "cuda"
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    dy = (torch.randn(T, H, generator=gen) * 0.1).to(torch.bfloat16).to(dev)
+    logits = torch.randn(T, E, generator=gen)
+    tw, ids = logits.softmax(-1).topk(k, dim=-1)
+    ids, tw = ids.int().to(dev), (tw / tw.sum(-1, keepdim=True)).to(dev)
+    w = {"w_gate": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
+         "w_up": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
+         "w_down": (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()}
+    ctx = F.recompute_forward_context(x, ids, tw, **w)
+    g = F.backward(ctx, dy)
+    _assert_bitwise(name, g, F.backward(ctx, dy))
+    # Per-route float64 quantities of the sampled tokens
+    sample = torch.randperm(T, generator=gen)[:16].tolist()
+    dx_ref = torch.zeros(16, H, dtype=torch.float64, device=dev)
+    dtw_ref = torch.zeros(16, k, dtype=torch.float64, device=dev)
+    for r, t in enumerate(sample):
+        v, d = x[t].double(), dy[t].double()
+        for j in range(k):
+            e = int(ids[t, j])
+            wg, wu, wd = w["w_gate"][e].double(), w["w_up"][e].double(), w["w_down"][e].double()
+            gg, uu = wg @ v, wu @ v
+            sg = torch.sigmoid(gg)
+            da = wd.T @ d
+            dtw_ref[r, j] = (da * (gg * sg * uu)).sum()
+            wda = tw[t, j].double() * da
+            dg = wda * uu * sg * (1 + gg * (1 - sg))
+            du = wda * gg * sg
+            dx_ref[r] += wg.T @ dg + wu.T @ du
+    assert_close(f"{name}: dx of 16 sampled tokens", g.dx[sample].cpu(), dx_ref.cpu())
+    assert_close(f"{name}: d topk_weights of 16 sampled tokens", g.d_topk_weights[sample].cpu(), dtw_ref.cpu())
+    # Expert 0's weight gradients over all its rows
+    tok, j = (ids.long() == 0).nonzero(as_tuple=True)
+    v, d, wt = x[tok].double(), dy[tok].double(), tw[tok, j].double().unsqueeze(1)
+    wg, wu, wd = w["w_gate"][0].double(), w["w_up"][0].double(), w["w_down"][0].double()
+    gg, uu = v @ wg.T, v @ wu.T
+    sg = torch.sigmoid(gg)
+    a = gg * sg * uu
+    da = d @ wd
+    dg = wt * da * uu * sg * (1 + gg * (1 - sg))
+    du = wt * da * gg * sg
+    assert_close(f"{name}: grad w_down[0]", g.w_down[0].cpu(), (d.T @ (wt * a)).cpu())
+    assert_close(f"{name}: grad w_gate[0]", g.w_gate[0].cpu(), (dg.T @ v).cpu())
+    assert_close(f"{name}: grad w_up[0]", g.w_up[0].cpu(), (du.T @ v).cpu())
