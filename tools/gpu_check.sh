@@ -6,7 +6,8 @@
 # SANITIZER=0 skips compute-sanitizer; GEMM_VARIANTS="base,skew2:MOK_GEMM_SKEW=2" times the
 # backward's GEMM kinds against torch at the sustained clock (tools/sustained.py --gemm) on
 # dsv3 and qwen3 with those knob settings, interleaved; FWD_MINIBATCHES="0,1024" does the same
-# for the fused forward (tools/sustained.py --minibatches) against torch and the bare GEMMs.
+# for the fused forward (tools/sustained.py --minibatches) against torch and the bare GEMMs;
+# BACKWARD=1 times the layer's backward (tools/sustained.py --backward) on dsv3 and qwen3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -52,6 +53,12 @@ if [ -n "${FWD_MINIBATCHES:-}" ]; then
   for shape in dsv3 qwen3; do
     PYTHONPATH=python timeout 240 python3 tools/sustained.py $shape --minibatches "$FWD_MINIBATCHES" 2>&1 \
       | tee -a "$OUT/sustained_fwd.log"
+  done
+fi
+if [ "${BACKWARD:-0}" = 1 ]; then
+  echo "== the layer's backward at the sustained clock (mok vs the torch autograd pipeline)"
+  for shape in dsv3 qwen3; do
+    PYTHONPATH=python timeout 240 python3 tools/sustained.py $shape --backward 2>&1 | tee -a "$OUT/sustained_bwd.log"
   done
 fi
 echo "== Python tests"

@@ -3,6 +3,7 @@ under load for a while, so all of them see the same (power-capped) clock.
 
     python3 tools/sustained.py [shape] [--heat-s 3] [--rounds 20]
     python3 tools/sustained.py [shape] --gemm     # the backward's GEMM kinds, mok vs torch._grouped_mm
+    python3 tools/sustained.py [shape] --backward # the layer's backward, mok vs the torch autograd pipeline
     python3 tools/sustained.py [shape] --gemm --variants base,skew2:MOK_GEMM_SKEW=2,n128:MOK_GEMM_TILE_N=128
                                                   # mok under several knob settings, all interleaved
 
@@ -142,6 +143,84 @@ def gemm_kinds(args, H, I, k, E, T):
                   f"{flops / m / 1e9 / dense:.2f} of dense)  torch {t:.3f} ms  torch/mok {t / m:.3f}")
 
 
+def backward_rows(args, H, I, k, E, T):
+    """The layer's backward at the sustained clock: the torch EP=1 autograd backward (its graph
+    kept, retain_graph) and forward+backward, torch's bare backward GEMMs (dgrad and wgrad of
+    both, _grouped_mm), and mok's backward and forward+backward, interleaved."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    dy = (torch.randn(T, H, device=dev, generator=g) * 0.1).bfloat16()
+    tw, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(k, dim=-1)
+    ids = ids.int()
+    tw = tw / tw.sum(-1, keepdim=True)
+    wg = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
+    wu = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
+    wd = (torch.randn(E, H, I, device=dev, generator=g) / I ** 0.5).bfloat16()
+    wgu = torch.cat([wg, wu], dim=1).contiguous()
+    leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
+
+    def torch_forward():
+        xl, twl, wgul, wdl = leaves
+        return bl.torch_ep1_forward(xl, ids, twl, None, None, wdl, w_gateup=wgul)
+
+    with torch.enable_grad():
+        y_graph = torch_forward()
+
+    def torch_bwd():
+        with torch.enable_grad():
+            return torch.autograd.grad(y_graph, leaves, dy, retain_graph=True)
+
+    def torch_fb():
+        with torch.enable_grad():
+            return torch.autograd.grad(torch_forward(), leaves, dy)
+
+    perm, token, offs, _ = bl.route_plan(ids, E)
+    M = token.numel()
+    dgu = (torch.randn(M, 2 * I, device=dev, generator=g) / (2 * I) ** 0.5).bfloat16()
+    dy_rows, x_rows = dy.index_select(0, token), x.index_select(0, token)
+    act = torch.randn(M, I, device=dev, generator=g).bfloat16()
+
+    def torch_gemms():
+        torch._grouped_mm(dy_rows, wd, offs=offs)
+        torch._grouped_mm(dgu, wgu, offs=offs)
+        torch._grouped_mm(dy_rows.t(), act, offs=offs)
+        torch._grouped_mm(dgu.t(), x_rows, offs=offs)
+
+    ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda")
+    ctx = F.recompute_forward_context(x, ids, tw, wg, wu, wd, workspace=ws)
+
+    def mok_fb():
+        _, c = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)
+        return F.backward(c, dy)
+
+    mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    variants = {
+        "dense mm 8192^3": lambda: torch.mm(mm_a, mm_b),
+        "torch EP=1 bwd": torch_bwd,
+        "torch EP=1 fwd+bwd": torch_fb,
+        "torch bwd GEMMs": torch_gemms,
+        "mok bwd": lambda: F.backward(ctx, dy),
+        "mok fwd+bwd": mok_fb,
+    }
+    a, b = F.backward(ctx, dy), F.backward(ctx, dy)
+    for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
+        if not torch.equal(getattr(a, name), getattr(b, name)):
+            raise SystemExit(f"mok backward: {name} differs between two runs")
+    ms = interleaved(variants, args.heat_s, args.rounds)
+    dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
+    flops = 12 * T * k * H * I  # dgrad + wgrad of the three projections
+    floor = flops / (dense * 1e9)
+    print(f"{args.shape} backward, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved rounds); "
+          f"dense mm {dense:.0f} TFLOP/s -> backward floor {floor:.3f} ms (replay +{floor / 2:.3f})")
+    for name in list(variants)[1:]:
+        print(f"  {name:20} {ms[name]:.3f} ms")
+    print(f"  torch / mok backward {ms['torch EP=1 bwd'] / ms['mok bwd']:.3f}   fwd+bwd "
+          f"{ms['torch EP=1 fwd+bwd'] / ms['mok fwd+bwd']:.3f}   mok bwd / torch GEMMs "
+          f"{ms['mok bwd'] / ms['torch bwd GEMMs']:.3f}")
+
+
 def parse_variants(text):
     """'base,skew2:MOK_GEMM_SKEW=2' -> {"base": {}, "skew2": {"MOK_GEMM_SKEW": "2"}}; ';' joins knobs."""
     out = {}
@@ -176,6 +255,7 @@ def main():
     ap.add_argument("--heat-s", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
+    ap.add_argument("--backward", action="store_true", help="the layer's backward and forward+backward")
     ap.add_argument("--minibatches", default="0",
                     help="forward: minibatch sizes of mok's workspaces timed side by side (0 = mok's choice)")
     ap.add_argument("--variants", default="base",
@@ -184,6 +264,8 @@ def main():
     H, I, k, E, T = SHAPES[args.shape]
     if args.gemm:
         return gemm_kinds(args, H, I, k, E, T)
+    if args.backward:
+        return backward_rows(args, H, I, k, E, T)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g).bfloat16()
