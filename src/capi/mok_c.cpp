@@ -54,7 +54,8 @@ void reject_cuda_layer(int32_t device, const char* what) {
 }
 
 // The checks of a forward on the workspace's GPU, before anything is launched.
-mok::ref::RankInputs check_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, const std::string& tag) {
+mok::ref::RankInputs check_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, const std::string& tag,
+                                        bool need_y = true) {
   const mokConfig_t& c = ws.config;
   MOK_CHECK_ARG(args != nullptr, tag << "forward args is NULL");
   if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
@@ -62,7 +63,7 @@ mok::ref::RankInputs check_forward_cuda(mok::Workspace& ws, const mokForwardArgs
                                           << " but the workspace was created for the CPU (config.device = -1)");
   const std::string why = mok::cuda::unsupported_shape(c);
   if (!why.empty()) MOK_FAIL(mokNotSupported, tag << why);
-  return mok::check_forward_args(c, *args, static_cast<int32_t>(c.device), tag, true);
+  return mok::check_forward_args(c, *args, static_cast<int32_t>(c.device), tag, need_y);
 }
 
 // Forward on the workspace's GPU: checks, then launches with no host synchronisation.
@@ -436,7 +437,7 @@ mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args,
     mok::Workspace& ws = workspace_of(workspace);
     if (args != nullptr && args->fwd.x.device >= 0) {
       // On the workspace's GPU: every check before any launch
-      const mok::ref::RankInputs in = check_forward_cuda(ws, &args->fwd, std::string());
+      const mok::ref::RankInputs in = check_forward_cuda(ws, &args->fwd, std::string(), false);
       const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
       if (!why.empty()) MOK_FAIL(mokNotSupported, why);
       const mok::ref::RankGrads grads =
