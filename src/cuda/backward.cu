@@ -322,7 +322,7 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
     w.expert_offset = t + 2;
     w.expert_count = t + 2 + El;
     w.expert_mode = t + 2 + 2 * El;
-    w.acc_slot = t + 2 + 3 * El;
+    w.acc_slot = b.n_acc > 0 ? t + 2 + 3 * El : nullptr;  // no expert spans a macrobatch otherwise
     w.timeout_s = c.timeout_s;
     w.timeout_record = timeout;
     // dW_down[e] = dyᵀ · wa  ([H, I])

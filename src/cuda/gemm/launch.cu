@@ -284,8 +284,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad: store_acc needs acc");
   MOK_CHECK_ARG(g.out_split >= 0 && g.out_split % C::kBlockM == 0 && g.out_split < g.mo,
                 "grouped wgrad: out_split = " << g.out_split << " must be a multiple of " << C::kBlockM << " below Mo");
-  MOK_CHECK_ARG(g.expert_mode == nullptr || g.acc != nullptr || g.acc_slot == nullptr,
-                "grouped wgrad: acc_slot without acc");
+  MOK_CHECK_ARG(g.acc_slot == nullptr || g.acc != nullptr, "grouped wgrad: acc_slot without acc");
   if (g.num_experts == 0) return;
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
