@@ -189,6 +189,7 @@ def backward_rows(args, H, I, k, E, T):
 
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda")
     ctx = F.recompute_forward_context(x, ids, tw, wg, wu, wd, workspace=ws)
+    _, saved_ctx = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)  # the training forward's saved h
 
     def mok_fb():
         _, c = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)
@@ -201,13 +202,14 @@ def backward_rows(args, H, I, k, E, T):
         "torch EP=1 bwd": torch_bwd,
         "torch EP=1 fwd+bwd": torch_fb,
         "torch bwd GEMMs": torch_gemms,
-        "mok bwd": lambda: F.backward(ctx, dy),
+        "mok bwd": lambda: F.backward(saved_ctx, dy),
+        "mok bwd (recompute h)": lambda: F.backward(ctx, dy),
         "mok fwd+bwd": mok_fb,
     }
-    a, b = F.backward(ctx, dy), F.backward(ctx, dy)
+    a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
-        if not torch.equal(getattr(a, name), getattr(b, name)):
-            raise SystemExit(f"mok backward: {name} differs between two runs")
+        if not (torch.equal(getattr(a, name), getattr(b, name)) and torch.equal(getattr(a, name), getattr(c, name))):
+            raise SystemExit(f"mok backward: {name} differs between two runs or with the saved h")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 12 * T * k * H * I  # dgrad + wgrad of the three projections
@@ -216,6 +218,9 @@ def backward_rows(args, H, I, k, E, T):
           f"dense mm {dense:.0f} TFLOP/s -> backward floor {floor:.3f} ms (replay +{floor / 2:.3f})")
     for name in list(variants)[1:]:
         print(f"  {name:20} {ms[name]:.3f} ms")
+    saved = saved_ctx.saved[0].numel() * 2 / T
+    print(f"  activation memory kept per token: mok {saved / 1024:.1f} KiB (h = [g | u] of its routed rows, "
+          f"worst case)")
     print(f"  torch / mok backward {ms['torch EP=1 bwd'] / ms['mok bwd']:.3f}   fwd+bwd "
           f"{ms['torch EP=1 fwd+bwd'] / ms['mok fwd+bwd']:.3f}   mok bwd / torch GEMMs "
           f"{ms['mok bwd'] / ms['torch bwd GEMMs']:.3f}")

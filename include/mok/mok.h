@@ -174,6 +174,16 @@ typedef struct mokBackwardArgs_t {
   mokWeights_t main_grads;
 } mokBackwardArgs_t;
 
+/* What a training forward saves for its backward (CUDA): the gate/up pre-activations, so that
+ * the backward reads them instead of recomputing them (one gate/up GEMM less).
+ *   h [max_rows, 2I] bf16: [bf16(x·w_gateᵀ) | bf16(x·w_upᵀ)] of every row of the rank's plan
+ *     (max_rows: mokPlanGetCapacity; rows past the plan's last block are not written);
+ *   shared_h [T, 2I_s] bf16: the shared expert's, per token (absent when I_s == 0).
+ * The backward that reads them must get the same inputs as the forward that wrote them. */
+typedef struct mokSaved_t {
+  mokTensor_t h, shared_h;
+} mokSaved_t;
+
 typedef struct mokWorkspace* mokWorkspace_t;
 
 /* Timing ring of the fused kernels (MOK_TRACE=1 when the workspace is created): one event
@@ -341,6 +351,12 @@ MOK_API mokResult_t mokWorkspaceReadTrace(mokWorkspace_t workspace, void* buffer
  * EP >= 2 with a mokWorkspaceCreateSymmetric one (every rank of the group calls it). */
 MOK_API mokResult_t mokForward(mokWorkspace_t workspace, const mokForwardArgs_t* args, void* stream);
 MOK_API mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args, void* stream);
+/* mokForward that also writes `saved` (CUDA tensors), and mokBackward that reads it instead of
+ * recomputing the pre-activations: the same gradients, bit for bit. */
+MOK_API mokResult_t mokForwardSave(mokWorkspace_t workspace, const mokForwardArgs_t* args, const mokSaved_t* saved,
+                                   void* stream);
+MOK_API mokResult_t mokBackwardSaved(mokWorkspace_t workspace, const mokBackwardArgs_t* args,
+                                     const mokSaved_t* saved, void* stream);
 
 /* One call of every rank of an EP group driven from this process (virtual ranks on one GPU, or
  * several GPUs of one process): rank r = workspaces[r] (its config.ep_rank == r) on streams[r].

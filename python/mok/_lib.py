@@ -112,6 +112,10 @@ class mokForwardArgs(ctypes.Structure):
     ]
 
 
+class mokSaved(ctypes.Structure):
+    _fields_ = [("h", mokTensor), ("shared_h", mokTensor)]
+
+
 class mokBackwardArgs(ctypes.Structure):
     _fields_ = [
         ("fwd", mokForwardArgs),
@@ -192,6 +196,8 @@ def _load() -> ctypes.CDLL:
 
 # Entry points of the EP >= 2 symmetric-memory path (C ABI 0.3), name -> (restype, argtypes).
 OPTIONAL_SIGNATURES = {
+    "mokForwardSave": (c_int, [c_void_p, POINTER(mokForwardArgs), POINTER(mokSaved), c_void_p]),
+    "mokBackwardSaved": (c_int, [c_void_p, POINTER(mokBackwardArgs), POINTER(mokSaved), c_void_p]),
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),
     "mokWorkspaceCreateSymmetric": (c_int, [POINTER(mokConfig), POINTER(c_void_p), c_int64, POINTER(c_void_p)]),
     "mokForwardGroup": (c_int, [POINTER(c_void_p), POINTER(mokForwardArgs), c_int64, POINTER(c_void_p)]),

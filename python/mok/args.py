@@ -13,6 +13,7 @@ import torch
 
 from . import _lib
 from .config import Workspace, _alloc
+from .schedule import plan_capacity
 
 
 WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
@@ -21,13 +22,16 @@ ROUTED_NAMES = WEIGHT_NAMES[:3]
 
 @dataclasses.dataclass
 class ForwardContext:
-    """What backward needs: the forward inputs and the workspace."""
+    """What backward needs: the forward inputs and the workspace, and on CUDA what a training
+    forward saved (`saved`: h [max_rows, 2I] and the shared expert's shared_h [T, 2I_s], the
+    gate/up pre-activations the backward reads instead of recomputing; None: recomputed)."""
 
     x: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     weights: Dict[str, Optional[torch.Tensor]]
     workspace: Workspace
+    saved: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
 
 @dataclasses.dataclass
@@ -89,6 +93,22 @@ def _check_main_grads(main_grads: Optional[Mapping[str, torch.Tensor]]) -> Dict[
     if unknown:
         raise ValueError(f"main_grads has unknown names {sorted(unknown)}; expected some of {WEIGHT_NAMES}")
     return main_grads
+
+
+def _saved_buffers(ctx: ForwardContext) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The pre-activation buffers a training forward on CUDA writes (mokSaved_t)."""
+    d = ctx.workspace.dims
+    max_rows, _, _ = plan_capacity(d.num_experts, d.topk, d.max_tokens, d.ep_size, ctx.workspace.config)
+    h = torch.empty((max_rows, 2 * d.intermediate), dtype=torch.bfloat16, device=ctx.x.device)
+    shared_h = None
+    if d.shared_intermediate > 0:
+        shared_h = torch.empty((ctx.x.shape[0], 2 * d.shared_intermediate), dtype=torch.bfloat16, device=ctx.x.device)
+    return h, shared_h
+
+
+def _saved_args(views: _lib.Views, saved) -> _lib.mokSaved:
+    h, shared_h = saved
+    return _lib.mokSaved(h=views(h, "saved h", _lib.BF16), shared_h=views(shared_h, "saved shared_h", _lib.BF16))
 
 
 def _backward_args(views: _lib.Views, ctx: ForwardContext, dy, dx, d_topk_weights, grads, main_grads,

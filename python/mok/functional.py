@@ -27,7 +27,8 @@ import torch
 
 from . import _lib
 from .args import (ROUTED_NAMES, WEIGHT_NAMES, ForwardContext, Gradients, _backward_args,  # noqa: F401
-                   _check_main_grads, _forward_args, _grad_buffers, _shape_of, _weights_dict)
+                   _check_main_grads, _forward_args, _grad_buffers, _saved_args, _saved_buffers, _shape_of,
+                   _weights_dict)
 from .config import LayerDims, MoKConfig, Workspace, _alloc, _c_config, _canonical_device, _check_regions  # noqa: F401
 from .emulated import (RankInputs, _emulated_config, _rank_context, _rank_inputs, backward_emulated,  # noqa: F401
                        forward_emulated)
@@ -87,17 +88,27 @@ def recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, w
 
 
 def forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None, *,
-            workspace: Optional[Workspace] = None,
-            config: Optional[MoKConfig] = None) -> Tuple[torch.Tensor, ForwardContext]:
-    """y [T, H] bf16 of one rank's MoE layer, and the context for backward."""
+            workspace: Optional[Workspace] = None, config: Optional[MoKConfig] = None,
+            save_for_backward: bool = True) -> Tuple[torch.Tensor, ForwardContext]:
+    """y [T, H] bf16 of one rank's MoE layer, and the context for backward.
+
+    On CUDA, save_for_backward (default) keeps the gate/up pre-activations in the context
+    (ctx.saved: 2I bf16 per plan row, and 2I_s per token for the shared expert), so that
+    backward reads them instead of recomputing them: one gate/up GEMM less, the same bits.
+    False: nothing is kept and backward recomputes them (as after recompute_forward_context)."""
     ctx = recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                     workspace=workspace, config=config)
     num_tokens, hidden = _shape_of(x, "x", 2)
     y = _alloc((num_tokens, hidden), torch.bfloat16, x.device)
     views = _lib.Views()
     args = _forward_args(views, ctx, y)
-    _lib.check(_lib.lib.mokForward(ctx.workspace.handle, byref(args),
-                                   _lib.stream_of(_lib.device_index(x.device))))
+    stream = _lib.stream_of(_lib.device_index(x.device))
+    if save_for_backward and x.device.type == "cuda":
+        ctx.saved = _saved_buffers(ctx)
+        saved = _saved_args(views, ctx.saved)
+        _lib.check(_lib.symbol("mokForwardSave")(ctx.workspace.handle, byref(args), byref(saved), stream))
+    else:
+        _lib.check(_lib.lib.mokForward(ctx.workspace.handle, byref(args), stream))
     return y, ctx
 
 
@@ -112,6 +123,10 @@ def backward(ctx: ForwardContext, dy: torch.Tensor,
     dx, d_topk_weights, grads = _grad_buffers(ctx.x, ctx.topk_ids, ctx.weights)
     views = _lib.Views()
     args = _backward_args(views, ctx, dy, dx, d_topk_weights, grads, main_grads)
-    _lib.check(_lib.lib.mokBackward(ctx.workspace.handle, byref(args),
-                                    _lib.stream_of(_lib.device_index(ctx.x.device))))
+    stream = _lib.stream_of(_lib.device_index(ctx.x.device))
+    if ctx.saved is not None:
+        saved = _saved_args(views, ctx.saved)
+        _lib.check(_lib.symbol("mokBackwardSaved")(ctx.workspace.handle, byref(args), byref(saved), stream))
+    else:
+        _lib.check(_lib.lib.mokBackward(ctx.workspace.handle, byref(args), stream))
     return Gradients(dx, d_topk_weights, **grads)

@@ -94,8 +94,14 @@ class MoE(nn.Module):
             self._check_input(topk_weights, "topk_weights", self.topk, "topk", None)
         topk_ids = topk_ids.reshape(-1, self.topk).contiguous()
         topk_weights = topk_weights.reshape(-1, self.topk).float().contiguous()
-        y = ops.forward(x2, topk_ids, topk_weights, self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up,
-                        self.ws_down, **self._op_config)
+        weights = (self.w_gate, self.w_up, self.w_down, self.ws_gate, self.ws_up, self.ws_down)
+        training = torch.is_grad_enabled() and x2.is_cuda and (
+            x2.requires_grad or topk_weights.requires_grad or any(w is not None and w.requires_grad for w in weights))
+        if training:
+            # CUDA training forward: the pre-activations kept for the backward (not recomputed)
+            y, _, _ = ops.forward_saving(x2, topk_ids, topk_weights, *weights, **self._op_config)
+        else:
+            y = ops.forward(x2, topk_ids, topk_weights, *weights, **self._op_config)
         return y.reshape(shape)
 
     def _check_input(self, t, name: str, last: int, what: str, dtypes) -> None:

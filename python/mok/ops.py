@@ -76,15 +76,20 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_ga
              minibatch_size: int = _D["minibatch_size"], macrobatch_size: int = _D["macrobatch_size"],
              block_m: int = _D["block_m"], schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
              precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
-             num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"]
+             num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"],
+             saved_h: Optional[Tensor] = None, saved_shared_h: Optional[Tensor] = None
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, d w_gate, d w_up, d w_down, d ws_gate, d ws_up, d ws_down); the
-    shared-expert gradients are empty tensors when there is no shared expert."""
+    shared-expert gradients are empty tensors when there is no shared expert.  saved_h (and
+    saved_shared_h with a shared expert): what mok::forward_saving returned for the same inputs
+    (the pre-activations are then read, not recomputed)."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
                      schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
     ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
     ctx = F.recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                       workspace=ws, config=None if ws is not None else config)
+    if saved_h is not None:
+        ctx.saved = (saved_h, saved_shared_h if ws_gate is not None else None)
     g = F.backward(ctx, dy)
     absent = x.new_empty((0,), dtype=torch.bfloat16)
     shared = [t if t is not None else absent.clone() for t in (g.ws_gate, g.ws_up, g.ws_down)]
@@ -98,6 +103,59 @@ def _(dy, x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=N
 
     return (x.new_empty(x.shape, dtype=torch.bfloat16), topk_weights.new_empty(topk_ids.shape, dtype=torch.float32),
             like(w_gate), like(w_up), like(w_down), like(ws_gate), like(ws_up), like(ws_down))
+
+
+@torch.library.custom_op("mok::forward_saving", mutates_args=())
+def forward_saving(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                   ws_gate: Optional[Tensor] = None, ws_up: Optional[Tensor] = None, ws_down: Optional[Tensor] = None,
+                   max_tokens: int = 0, fwd_num_comm_sms: int = _D["fwd_num_comm_sms"],
+                   bwd_num_comm_sms: int = _D["bwd_num_comm_sms"], minibatch_size: int = _D["minibatch_size"],
+                   macrobatch_size: int = _D["macrobatch_size"], block_m: int = _D["block_m"],
+                   schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
+                   precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
+                   num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"]
+                   ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, saved_h, saved_shared_h): the training forward on CUDA, with the gate/up
+    pre-activations kept for mok::backward (saved_shared_h is empty without a shared expert)."""
+    config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
+    ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
+    y, ctx = F.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, workspace=ws,
+                       config=None if ws is not None else config, save_for_backward=True)
+    h, shared_h = ctx.saved
+    return y, h, shared_h if shared_h is not None else x.new_empty((0,), dtype=torch.bfloat16)
+
+
+@forward_saving.register_fake
+def _(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None, max_tokens=0,
+      fwd_num_comm_sms=_D["fwd_num_comm_sms"], bwd_num_comm_sms=_D["bwd_num_comm_sms"],
+      minibatch_size=_D["minibatch_size"], macrobatch_size=_D["macrobatch_size"], block_m=_D["block_m"], *args):
+    T, E, k = int(x.shape[0]), int(w_gate.shape[0]), int(topk_ids.shape[1])
+    config = F.MoKConfig(block_m=block_m, minibatch_size=minibatch_size, macrobatch_size=macrobatch_size)
+    max_rows, _, _ = F.plan_capacity(E, k, max_tokens if max_tokens > 0 else F.token_bucket(T), 1, config)
+    shared = x.new_empty((T, 2 * ws_gate.shape[0]) if ws_gate is not None else (0,), dtype=torch.bfloat16)
+    return (x.new_empty((T, w_down.shape[1]), dtype=torch.bfloat16),
+            x.new_empty((max_rows, 2 * w_gate.shape[1]), dtype=torch.bfloat16), shared)
+
+
+def _setup_saving(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, *config = inputs
+    _, h, shared_h = output
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, h, shared_h)
+    ctx.config = config
+    ctx.mark_non_differentiable(h, shared_h)
+
+
+def _backward_saving(ctx, dy, _dh, _dsh):
+    *saved, h, shared_h = ctx.saved_tensors
+    has_shared = saved[6] is not None
+    grads = torch.ops.mok.backward(dy.contiguous(), *saved, *ctx.config, h, shared_h if has_shared else None)
+    dx, d_topk_weights, d_gate, d_up, d_down, ds_gate, ds_up, ds_down = grads
+    shared = (ds_gate, ds_up, ds_down) if has_shared else (None, None, None)
+    return (dx, None, d_topk_weights, d_gate, d_up, d_down, *shared) + (None,) * len(ctx.config)
+
+
+forward_saving.register_autograd(_backward_saving, setup_context=_setup_saving)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -66,10 +66,38 @@ mok::ref::RankInputs check_forward_cuda(mok::Workspace& ws, const mokForwardArgs
   return mok::check_forward_args(c, *args, static_cast<int32_t>(c.device), tag, need_y);
 }
 
+// The saved pre-activations of a training forward (mokSaved_t), checked against the workspace.
+mok::cuda::Saved check_saved(const mok::Workspace& ws, const mokSaved_t* saved, int64_t num_tokens) {
+  MOK_CHECK_ARG(saved != nullptr, "saved is NULL");
+  const mokConfig_t& c = ws.config;
+  const int32_t dev = static_cast<int32_t>(c.device);
+  const int64_t max_rows = mok::plan::max_rows(mok::plan_dims(c));
+  mok::check_tensor(saved->h, "saved h", {mokBFloat16}, {max_rows, 2 * c.intermediate}, dev);
+  mok::cuda::Saved s;
+  s.h = saved->h.data;
+  if (c.shared_intermediate > 0) {
+    mok::check_tensor(saved->shared_h, "saved shared_h", {mokBFloat16}, {num_tokens, 2 * c.shared_intermediate}, dev);
+    s.shared_h = saved->shared_h.data;
+  }
+  return s;
+}
+
 // Forward on the workspace's GPU: checks, then launches with no host synchronisation.
-void run_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, void* stream) {
+void run_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, void* stream, const mokSaved_t* saved = nullptr) {
   const mok::ref::RankInputs in = check_forward_cuda(ws, args, std::string());
-  mok::cuda::forward(*ws.device, ws.config, in, args->y.data, stream);
+  const mok::cuda::Saved s = saved ? check_saved(ws, saved, in.num_tokens) : mok::cuda::Saved{};
+  mok::cuda::forward(*ws.device, ws.config, in, args->y.data, stream, s);
+}
+
+// Backward on the workspace's GPU (saved: the forward's pre-activations, or null).
+void run_backward_cuda(mok::Workspace& ws, const mokBackwardArgs_t* args, void* stream, const mokSaved_t* saved) {
+  const mok::ref::RankInputs in = check_forward_cuda(ws, &args->fwd, std::string(), false);
+  const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
+  if (!why.empty()) MOK_FAIL(mokNotSupported, why);
+  const mok::ref::RankGrads grads =
+      mok::check_backward_args(ws.config, *args, static_cast<int32_t>(ws.config.device), std::string());
+  const mok::cuda::Saved s = saved ? check_saved(ws, saved, in.num_tokens) : mok::cuda::Saved{};
+  mok::cuda::backward(*ws.device, ws.config, in, grads, args->dy.data, stream, s);
 }
 
 mok::plan::RoutingView routing_from(const mokConfig_t& c, const std::vector<mok::ref::RankInputs>& ranks) {
@@ -436,13 +464,7 @@ mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args,
   return guarded("mokBackward", [&] {
     mok::Workspace& ws = workspace_of(workspace);
     if (args != nullptr && args->fwd.x.device >= 0) {
-      // On the workspace's GPU: every check before any launch
-      const mok::ref::RankInputs in = check_forward_cuda(ws, &args->fwd, std::string(), false);
-      const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
-      if (!why.empty()) MOK_FAIL(mokNotSupported, why);
-      const mok::ref::RankGrads grads =
-          mok::check_backward_args(ws.config, *args, static_cast<int32_t>(ws.config.device), std::string());
-      mok::cuda::backward(*ws.device, ws.config, in, grads, args->dy.data, stream);
+      run_backward_cuda(ws, args, stream, nullptr);  // every check before any launch
       return;
     }
     MOK_CHECK_ARG(args == nullptr || args->fwd.x.device >= 0 || ws.config.device < 0,
@@ -452,6 +474,27 @@ mokResult_t mokBackward(mokWorkspace_t workspace, const mokBackwardArgs_t* args,
                   "the workspace has ep_size = " << ws.config.ep_size
                                                  << "; EP > 1 on the CPU runs through mokBackwardEmulated");
     run_backward(ws.config, args, 1, "mokBackward");
+  });
+}
+
+mokResult_t mokForwardSave(mokWorkspace_t workspace, const mokForwardArgs_t* args, const mokSaved_t* saved,
+                           void* stream) {
+  return guarded("mokForwardSave", [&] {
+    mok::Workspace& ws = workspace_of(workspace);
+    MOK_CHECK_ARG(args != nullptr && args->x.device >= 0 && ws.config.device >= 0,
+                  "mokForwardSave runs on CUDA tensors with a CUDA workspace (the CPU backend saves nothing: "
+                  "use mokForward)");
+    run_forward_cuda(ws, args, stream, saved);
+  });
+}
+
+mokResult_t mokBackwardSaved(mokWorkspace_t workspace, const mokBackwardArgs_t* args, const mokSaved_t* saved,
+                             void* stream) {
+  return guarded("mokBackwardSaved", [&] {
+    mok::Workspace& ws = workspace_of(workspace);
+    MOK_CHECK_ARG(args != nullptr && args->fwd.x.device >= 0 && ws.config.device >= 0,
+                  "mokBackwardSaved runs on CUDA tensors with a CUDA workspace (use mokBackward on the CPU)");
+    run_backward_cuda(ws, args, stream, saved);
   });
 }
 

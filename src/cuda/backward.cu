@@ -250,7 +250,7 @@ std::string unsupported_backward_shape(const mokConfig_t& c) {
 }
 
 void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
-              const void* dy, void* stream_ptr) {
+              const void* dy, void* stream_ptr, const Saved& saved) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -295,13 +295,16 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 
-  // Routed experts: replay, dgrad down + SwiGLU backward, dgrad gate/up into the route slots
-  gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(b.x_rows, R, H, in.w_gate, in.w_up, El, I,
-                                                                    ws.block_expert, max_blocks, b.h),
-                                          c, timeout),
-                            stream);
+  // Routed experts: replay (unless the forward saved h), dgrad down + SwiGLU backward, dgrad
+  // gate/up into the route slots
+  void* const h = saved.h ? saved.h : b.h;
+  if (!saved.h)
+    gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(b.x_rows, R, H, in.w_gate, in.w_up, El, I,
+                                                                      ws.block_expert, max_blocks, b.h),
+                                            c, timeout),
+                              stream);
   gemm::launch_grouped_gemm(
-      with_deadline(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert, max_blocks, b.h,
+      with_deadline(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert, max_blocks, h,
                                                  b.row_weight, b.dh, b.wa, b.dtw_partials),
                     c, timeout),
       stream);
@@ -353,13 +356,15 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
   // The shared expert over the tokens themselves (weight 1)
   if (Is > 0) {
     const int32_t sblocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
+    void* const sh_h = saved.shared_h ? saved.shared_h : b.sh_h;
     if (T > 0) {
-      gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is,
-                                                                        ws.shared_block, sblocks, b.sh_h),
-                                              c, timeout),
-                                stream);
+      if (!saved.shared_h)
+        gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is,
+                                                                          ws.shared_block, sblocks, b.sh_h),
+                                                c, timeout),
+                                  stream);
       gemm::launch_grouped_gemm(with_deadline(gemm::dgrad_down_swiglu_args(dy, T, H, in.ws_down, 1, Is, ws.shared_block,
-                                                                           sblocks, b.sh_h, b.ones, b.sh_dh, b.sh_a,
+                                                                           sblocks, sh_h, b.ones, b.sh_dh, b.sh_a,
                                                                            nullptr),
                                               c, timeout),
                                 stream);

@@ -27,16 +27,24 @@ size_t read_trace(DeviceWorkspace& ws, void* buffer, size_t buffer_size, int64_t
 void check_errors(DeviceWorkspace& ws, int rank, bool wait);
 // y = layer(x) of this rank on device pointers (already checked by the caller); at EP >= 2
 // every rank of the group makes the same sequence of calls.
-void forward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream);
+// The forward's saved pre-activations (mokSaved_t): h [max_rows, 2I] per plan row and the
+// shared expert's [T, 2I_s], bf16; null: not saved.
+struct Saved {
+  void* h = nullptr;
+  void* shared_h = nullptr;
+};
+void forward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream,
+             const Saved& save = Saved{});
 // forward() in three phases, for issuing the ranks of a virtual group phase by phase: start
 // (error check, EP routing exchange + start barrier), plan build, the layer kernels.
 enum class ForwardPhase { kStart, kPlan, kLayer };
 void forward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream,
-                   ForwardPhase phase);
+                   ForwardPhase phase, const Saved& save = Saved{});
 // The gradients of this rank's layer on device pointers (checked by the caller), dy [T, H]
 // bf16; EP = 1 (unsupported_backward_shape says what else it needs).
+// saved: the forward's pre-activations of the same inputs (the replay is skipped), or empty.
 void backward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, const ref::RankGrads& grads,
-              const void* dy, void* stream);
+              const void* dy, void* stream, const Saved& saved = Saved{});
 std::string unsupported_backward_shape(const mokConfig_t& config);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);

@@ -82,7 +82,7 @@ T* device_alloc(size_t count, size_t* total) {
 bool use_unfused_path() { return env::get(env::kForwardPath) == "unfused"; }
 
 void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
-                     void* y, cudaStream_t stream) {
+                     void* y, cudaStream_t stream, const Saved& save) {
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
   const int64_t El = plan_dims(c).local_experts();
   size_t unused = 0;
@@ -108,6 +108,13 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
   gu.timeout_s = c.timeout_s;
   gu.timeout_record = timeout;
   gemm::launch_grouped_gemm(gu, stream);
+  if (save.h) {  // the same tiles without the SwiGLU: the pre-activations at the plan rows
+    gemm::GroupedGemmArgs pre = gemm::gate_up_preact_args(ws.unfused_ring, ws.max_rows, H, in.w_gate, in.w_up, El, I,
+                                                          ws.block_expert, max_blocks, save.h);
+    pre.timeout_s = c.timeout_s;
+    pre.timeout_record = timeout;
+    gemm::launch_grouped_gemm(pre, stream);
+  }
   gemm::GroupedGemmArgs dn = gemm::down_args(ws.unfused_act, ws.max_rows, I, in.w_down, El, H, ws.block_expert, max_blocks,
                                              ws.slots);
   dn.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
@@ -125,6 +132,13 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
     sg.timeout_s = c.timeout_s;
     sg.timeout_record = timeout;
     gemm::launch_grouped_gemm(sg, stream);
+    if (save.shared_h) {
+      gemm::GroupedGemmArgs pre = gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is, ws.shared_block,
+                                                            blocks, save.shared_h);
+      pre.timeout_s = c.timeout_s;
+      pre.timeout_record = timeout;
+      gemm::launch_grouped_gemm(pre, stream);
+    }
     gemm::GroupedGemmArgs sd = gemm::down_args(ws.shared_act, T, Is, in.ws_down, 1, H, ws.shared_block, blocks,
                                                ws.shared_out);
     sd.timeout_s = c.timeout_s;
@@ -143,7 +157,7 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
 }
 
 void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
-                   void* y, cudaStream_t stream) {
+                   void* y, cudaStream_t stream, const Saved& save) {
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
   const int32_t num_comm = static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.grid - 1));
@@ -182,6 +196,8 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.shared_act = static_cast<__nv_bfloat16*>(ws.shared_act);
   p.shared_out = static_cast<__nv_bfloat16*>(ws.shared_out);
   p.y = static_cast<__nv_bfloat16*>(y);
+  p.saved_h = static_cast<__nv_bfloat16*>(save.h);
+  p.saved_shared_h = Is > 0 ? static_cast<__nv_bfloat16*>(save.shared_h) : nullptr;
   p.group = ep_group(ws);
   p.counters = ws.counters;
   p.trace = ws.trace;
@@ -484,7 +500,7 @@ plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, co
 }
 
 void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr,
-                   ForwardPhase phase) {
+                   ForwardPhase phase, const Saved& save) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -510,9 +526,9 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
       if (use_unfused_path()) {
         MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "
                                            << ws.ep_size << ")");
-        forward_unfused(ws, c, in, routing_of(ws, c, in), y, stream);
+        forward_unfused(ws, c, in, routing_of(ws, c, in), y, stream, save);
       } else {
-        forward_fused(ws, c, in, routing_of(ws, c, in), y, stream);
+        forward_fused(ws, c, in, routing_of(ws, c, in), y, stream, save);
       }
       // Error words to pinned memory; read at the next call or at check_errors(wait)
       MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, kAllErrorWords * sizeof(int64_t),
@@ -527,9 +543,10 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   }
 }
 
-void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream) {
+void forward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream,
+             const Saved& save) {
   for (ForwardPhase phase : {ForwardPhase::kStart, ForwardPhase::kPlan, ForwardPhase::kLayer})
-    forward_phase(ws, c, in, y, stream, phase);
+    forward_phase(ws, c, in, y, stream, phase, save);
 }
 
 }  // namespace mok::cuda

@@ -24,12 +24,14 @@ size_t read_trace(DeviceWorkspace&, void*, size_t, int64_t* events_per_recorder)
   return 0;
 }
 void check_errors(DeviceWorkspace&, int, bool) {}
-void forward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*) { no_cuda(); }
-void forward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*, ForwardPhase) {
+void forward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*, const Saved&) { no_cuda(); }
+void forward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, void*, void*, ForwardPhase,
+                   const Saved&) {
   no_cuda();
 }
 std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
-void backward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, const ref::RankGrads&, const void*, void*) {
+void backward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, const ref::RankGrads&, const void*, void*,
+              const Saved&) {
   no_cuda();
 }
 std::string unsupported_backward_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }

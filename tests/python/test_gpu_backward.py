@@ -86,6 +86,25 @@ def test_cuda_backward_matches_oracle_and_cpu(gen, H, I, E, k, T, I_s, masked):
         _assert_bitwise("run again", g, _backward(x, ids, tw, w, dy))
 
 
+@pytest.mark.parametrize("H,I,E,k,T,I_s", [(512, 256, 16, 4, 257, 256), (256, 256, 8, 2, 300, 0), (256, 256, 8, 2, 0, 256)])
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_cuda_backward_reads_the_saved_pre_activations_bitwise(gen, monkeypatch, H, I, E, k, T, I_s, path):
+    # A training forward keeps h = [g | u]: the backward reads it instead of recomputing it, and
+    # gets the same bits (the forward's gate/up tiles are the replay's); y does not change.
+    if path == "unfused":
+        monkeypatch.setenv("MOK_FORWARD_PATH", "unfused")
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, I_s)
+    args = (x.cuda(), ids.cuda(), tw.cuda())
+    y_plain, ctx_plain = F.forward(*args, **_cuda(w), save_for_backward=False)
+    y, ctx = F.forward(*args, **_cuda(w))
+    assert ctx_plain.saved is None and ctx.saved is not None
+    assert torch.equal(y, y_plain), "saving the pre-activations changed y"
+    g_saved = F.backward(ctx, dy.cuda())
+    g_replay = F.backward(ctx_plain, dy.cuda())
+    _assert_bitwise(f"saved vs recomputed ({path} forward)", g_saved, g_replay)
+    _check_against_oracle("saved pre-activations", g_saved, x, ids, tw, w, dy)
+
+
 def test_cuda_backward_weights_zero_negative_and_a_hot_expert(gen):
     # d topk_weights is <da, a> for every weight (0 and < 0 included: no division by w); every
     # token routes to expert 0 first (one hot expert with all rows, spanning row blocks)
@@ -195,6 +214,9 @@ def test_cuda_backward_bench_shapes(gen, name):
     ctx = F.recompute_forward_context(x, ids, tw, **w)
     g = F.backward(ctx, dy)
     _assert_bitwise(name, g, F.backward(ctx, dy))
+    _, saved_ctx = F.forward(x, ids, tw, **w)  # the training forward's saved pre-activations
+    _assert_bitwise(f"{name}: saved vs recomputed", g, F.backward(saved_ctx, dy))
+    del saved_ctx
     # Per-route float64 quantities of the sampled tokens
     sample = torch.randperm(T, generator=gen)[:16].tolist()
     dx_ref = torch.zeros(16, H, dtype=torch.float64, device=dev)

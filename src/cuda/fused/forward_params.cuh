@@ -49,6 +49,8 @@ struct ForwardParams {
   __nv_bfloat16* shared_act;  // [T_max, I_s]
   __nv_bfloat16* shared_out;  // [T_max, H]
   __nv_bfloat16* y;           // [T, H]
+  __nv_bfloat16* saved_h;     // [max_rows, 2I] or null: [bf16(g) | bf16(u)] per plan row, for the backward
+  __nv_bfloat16* saved_shared_h;  // [T, 2I_s] or null: the shared expert's
   // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
   ep::Group group;
   // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block

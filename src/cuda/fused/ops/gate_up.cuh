@@ -28,6 +28,10 @@ struct GateUp {
                                                   const Geometry& g, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(t.block), int64_t{p.ring_blocks} * 128,
                           int64_t{t.n_block} * 128);
+    // Training: the pre-activations too, at the block's plan rows (the backward's h)
+    if (p.saved_h)
+      gemm::epilogue_gate_up_preact(acc, consumer, p.saved_h, 2 * int64_t{p.inter}, int64_t{t.block} * 128,
+                                    int64_t{t.block + 1} * 128, int64_t{t.n_block} * 128);
   }
 #endif
 };

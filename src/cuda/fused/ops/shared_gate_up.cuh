@@ -21,6 +21,9 @@ struct SharedGateUp {
                                                   const Geometry&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * 128, p.num_tokens,
                           int64_t{t.n_block} * 128);
+    if (p.saved_shared_h)
+      gemm::epilogue_gate_up_preact(acc, consumer, p.saved_shared_h, 2 * int64_t{p.shared_inter},
+                                    int64_t{t.block} * 128, p.num_tokens, int64_t{t.n_block} * 128);
   }
 #endif
 };
