@@ -164,8 +164,12 @@ def backward_rows(args, H, I, k, E, T):
         xl, twl, wgul, wdl = leaves
         return bl.torch_ep1_forward(xl, ids, twl, None, None, wdl, w_gateup=wgul)
 
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     with torch.enable_grad():
         y_graph = torch_forward()
+    torch.cuda.synchronize()
+    torch_kept = torch.cuda.memory_allocated() - before - y_graph.numel() * y_graph.element_size()
 
     def torch_bwd():
         with torch.enable_grad():
@@ -219,8 +223,8 @@ def backward_rows(args, H, I, k, E, T):
     for name in list(variants)[1:]:
         print(f"  {name:20} {ms[name]:.3f} ms")
     saved = saved_ctx.saved[0].numel() * 2 / T
-    print(f"  activation memory kept per token: mok {saved / 1024:.1f} KiB (h = [g | u] of its routed rows, "
-          f"worst case)")
+    print(f"  activation memory kept between forward and backward, per token: mok {saved / 1024:.1f} KiB "
+          f"(h = [g | u] of its routed rows, worst-case rows), torch autograd {torch_kept / T / 1024:.1f} KiB")
     print(f"  torch / mok backward {ms['torch EP=1 bwd'] / ms['mok bwd']:.3f}   fwd+bwd "
           f"{ms['torch EP=1 fwd+bwd'] / ms['mok fwd+bwd']:.3f}   mok bwd / torch GEMMs "
           f"{ms['mok bwd'] / ms['torch bwd GEMMs']:.3f}")
