@@ -195,9 +195,16 @@ def backward_rows(args, H, I, k, E, T):
     ctx = F.recompute_forward_context(x, ids, tw, wg, wu, wd, workspace=ws)
     _, saved_ctx = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)  # the training forward's saved h
 
-    def mok_fb():
-        _, c = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)
+    def mok_fb(w=ws):
+        _, c = F.forward(x, ids, tw, wg, wu, wd, workspace=w)
         return F.backward(c, dy)
+
+    # The ring holding every routed row (one macrobatch: no fp32 partial sums between them)
+    max_rows = F.plan_capacity(E, k, T)[0]
+    ring = -(-max_rows // 2048) * 2048
+    ws_all = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda",
+                                config=F.MoKConfig(minibatch_size=2048, macrobatch_size=ring))
+    _, saved_all = F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)
 
     mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
@@ -209,6 +216,8 @@ def backward_rows(args, H, I, k, E, T):
         "mok bwd": lambda: F.backward(saved_ctx, dy),
         "mok bwd (recompute h)": lambda: F.backward(ctx, dy),
         "mok fwd+bwd": mok_fb,
+        f"mok bwd ring={ring}": lambda: F.backward(saved_all, dy),
+        f"mok fwd+bwd ring={ring}": lambda: mok_fb(ws_all),
     }
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
@@ -225,9 +234,10 @@ def backward_rows(args, H, I, k, E, T):
     saved = saved_ctx.saved[0].numel() * 2 / T
     print(f"  activation memory kept between forward and backward, per token: mok {saved / 1024:.1f} KiB "
           f"(h = [g | u] of its routed rows, worst-case rows), torch autograd {torch_kept / T / 1024:.1f} KiB")
-    print(f"  torch / mok backward {ms['torch EP=1 bwd'] / ms['mok bwd']:.3f}   fwd+bwd "
-          f"{ms['torch EP=1 fwd+bwd'] / ms['mok fwd+bwd']:.3f}   mok bwd / torch GEMMs "
-          f"{ms['mok bwd'] / ms['torch bwd GEMMs']:.3f}")
+    for tag in ("", f" ring={ring}"):
+        print(f"  torch / mok{tag}: backward {ms['torch EP=1 bwd'] / ms['mok bwd' + tag]:.3f}   fwd+bwd "
+              f"{ms['torch EP=1 fwd+bwd'] / ms['mok fwd+bwd' + tag]:.3f}   mok bwd / torch GEMMs "
+              f"{ms['mok bwd' + tag] / ms['torch bwd GEMMs']:.3f}")
 
 
 def parse_variants(text):
@@ -298,13 +308,17 @@ def main():
     for mb in (int(v) for v in args.minibatches.split(",")):
         ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(minibatch_size=mb))
         name = f"mok fused fwd mb={ws.c_config().minibatch_size}" + (" (mok's)" if mb == 0 else "")
-        y = F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]
+        y = F.forward(x, ids, tw, wg, wu, wd, workspace=ws, save_for_backward=False)[0]
         if first_y is None:
             first_y = y.clone()
         elif not torch.equal(y, first_y):
             raise SystemExit(f"{name}: output differs from {mok_names[0]}")
-        variants[name] = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0])(ws)
+        variants[name] = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w,
+                                                      save_for_backward=False)[0])(ws)
         mok_names.append(name)
+        if mb == 0:  # the training forward: h = [g | u] kept for the backward
+            variants[name + " +save h"] = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0])(ws)
+            mok_names.append(name + " +save h")
     ms = interleaved(variants, args.heat_s, args.rounds)
     mm_tflops = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 6 * T * k * H * I
