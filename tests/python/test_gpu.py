@@ -256,6 +256,27 @@ def test_grouped_mm_matches_torch(gen, swiglu):
         assert_close(f"grouped_mm block {i}", out[rows].cpu(), want.cpu())
 
 
+def test_grouped_mm_gate_up_preact_is_the_gate_up_tiles_before_the_swiglu(gen):
+    # h = [bf16(a @ w_gate[e].T) | bf16(a @ w_up[e].T)]: against float64, and its SwiGLU equals
+    # the gate/up kind's output where the latter rounds once (same fp32 accumulators)
+    E, K, N = 3, 512, 384
+    blocks = torch.tensor([0, 2, 2, 1, -1], dtype=torch.int32).cuda()
+    a = torch.randn(5 * 128, K, generator=gen).bfloat16().cuda()
+    b0 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
+    b1 = (torch.randn(E, N, K, generator=gen) / K ** 0.5).bfloat16().cuda()
+    h = torch.full((a.shape[0], 2 * N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mok.ops.grouped_mm(a, b0, blocks, b1, out=h, kind="gate_up_preact")
+    again = mok.ops.grouped_mm(a, b0, blocks, b1, kind="gate_up_preact")
+    assert torch.equal(h[:512], again[:512]), "not bitwise reproducible"
+    for i, e in enumerate(blocks.tolist()):
+        rows = slice(i * 128, (i + 1) * 128)
+        if e < 0:
+            assert torch.isnan(h[rows]).all(), "blocks past the end must stay unwritten"
+            continue
+        assert_close(f"h gate of block {i}", h[rows, :N].cpu(), (a[rows].double() @ b0[e].double().T).cpu(), tol=5e-3)
+        assert_close(f"h up of block {i}", h[rows, N:].cpu(), (a[rows].double() @ b1[e].double().T).cpu(), tol=5e-3)
+
+
 @pytest.mark.parametrize("kind", ["dgrad_down", "dgrad_gate_up"])
 def test_grouped_mm_dgrad_kinds_read_the_weights_as_stored(gen, kind):
     # da = dy · W_down[e] (W_down [E, H, I]); dx = [dg | du] · [W_gate; W_up][e] ([E, I, H] each)
