@@ -41,10 +41,6 @@ inline constexpr Knob kGemmSkew{"MOK_GEMM_SKEW", "0",
                                 "grouped-GEMM launches: k-blocks by which the second consumer warpgroup starts "
                                 "behind the first, so that one's epilogue runs under the other's MMAs (0: none)"};
 
-inline constexpr Knob kSwiGLUPrefetch{"MOK_SWIGLU_PREFETCH", "0",
-                                      "dgrad-down SwiGLU-backward launches: 1 = each tile's h lines are prefetched "
-                                      "into L2 as its K loop starts (same bits)"};
-
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
 

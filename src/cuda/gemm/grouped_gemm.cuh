@@ -68,7 +68,6 @@ struct GroupedGemmSwiGLUBwdParams : GroupedGemmParams {
   __nv_bfloat16* wa;         // [rows, I] bf16 or null
   float* dtw_partials;       // [rows, I / 128] fp32 or null
   int64_t inter;             // I
-  int32_t prefetch_h;        // MOK_SWIGLU_PREFETCH: each tile's h lines into L2 as its K loop starts
 };
 template <bool kSwiGLUBwd>
 using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdParams, GroupedGemmParams>;
@@ -140,24 +139,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     expert = expert_of(tile + static_cast<int>(gridDim.x));
     if (this_expert < 0) continue;
     constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
-    if constexpr (kSwiGLUBwd) {
-      // The h the epilogue reads, brought into L2 while the K loop runs (lane t of each quad:
-      // line t of its row's g and u channels; rows past the tensors' end skipped)
-      if (p.prefetch_h) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int64_t row = int64_t{m_block} * C::kBlockM + fragment_row(consumer, half);
-          if (row < p.out_rows) {
-            const __nv_bfloat16* g = p.h + row * 2 * p.inter + int64_t{n_block} * C::kBlockN;
-#pragma unroll
-            for (int line = static_cast<int>(threadIdx.x % 4); line < C::kBlockN / 64; line += 4) {
-              ptx::prefetch_l2(g + line * 64);
-              ptx::prefetch_l2(g + p.inter + line * 64);
-            }
-          }
-        }
-      }
-    }
     if (!skew.wait_turn(consumer, wait)) return;
     if (!consume_tile<false, kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, nullptr, 0,
                                    skew.hook(consumer, p.num_k_blocks)))

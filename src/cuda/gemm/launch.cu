@@ -153,7 +153,6 @@ GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
   p.wa = static_cast<__nv_bfloat16*>(g.wa);
   p.dtw_partials = g.dtw_partials;
   p.inter = g.n;
-  p.prefetch_h = env::get_int(env::kSwiGLUPrefetch) != 0 ? 1 : 0;
   return p;
 }
 
