@@ -321,10 +321,14 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.main_grad1 = g.main_grad1;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  // The per-expert tables (the backward's macrobatch loop) in a kernel of their own: the plain
+  // launch keeps the code it had
+  const bool tables = g.expert_mode || g.expert_range || g.acc_slot || g.out_split > 0;
+  auto* kernel = tables ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kWgradSmemBytes)));
   const int grid = static_cast<int>(std::min<int64_t>(g.num_blocks > 0 ? g.num_blocks : sms, tiles));
-  grouped_wgrad_kernel<<<grid, C::kThreads, kWgradSmemBytes, stream>>>(map_a, map_b, p);
+  kernel<<<grid, C::kThreads, kWgradSmemBytes, stream>>>(map_a, map_b, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

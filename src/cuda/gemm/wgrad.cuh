@@ -67,15 +67,22 @@ __device__ __forceinline__ int wgrad_num_tiles(const WgradParams& p) {
   return n * p.num_m_blocks * p.num_n_blocks;
 }
 
+// kTables: the per-expert arrays of the params are read (the backward's macrobatch loop);
+// without them the kernel is the plain K-grouped GEMM of the C ABI (mode unused).
+template <bool kTables>
 __device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int first_expert, int tile) {
   const int per_expert = p.num_m_blocks * p.num_n_blocks;
   const int e_local = tile / per_expert;
   const int e = first_expert + e_local;
   const TileCoord tc = raster(tile - e_local * per_expert, p.num_m_blocks, p.num_n_blocks, p.n_group);
-  const int32_t mode = p.expert_mode ? p.expert_mode[e]
-                                     : (p.accumulate ? kWgradAccumulate : 0) | (p.store_acc ? kWgradStoreAcc : 0) |
-                                           kWgradFinal;
-  const int32_t count = mode < 0 ? 0 : p.expert_count[e];
+  int32_t mode = 0, count;
+  if constexpr (kTables) {
+    mode = p.expert_mode ? p.expert_mode[e]
+                         : (p.accumulate ? kWgradAccumulate : 0) | (p.store_acc ? kWgradStoreAcc : 0) | kWgradFinal;
+    count = mode < 0 ? 0 : p.expert_count[e];
+  } else {
+    count = p.expert_count[e];
+  }
   return WgradTile{e, tc.m, tc.n, (count + TileConfig::kBlockK - 1) / TileConfig::kBlockK, p.expert_offset[e], mode};
 }
 
@@ -101,17 +108,19 @@ __device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineStat
 // tile.cuh: per n8 block, columns n8*8 + (lane%4)*2 + {0,1} of two rows), so acc is read for
 // the bf16 total before it is overwritten.
 // kZero: a tile of an expert with no rows (its sum is zero; the registers are not read).
-template <bool kZero>
+template <bool kZero, bool kTables>
 __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                const WgradParams& p, const WgradTile& t) {
   using C = TileConfig;
-  const bool accumulate = (t.mode & kWgradAccumulate) != 0, store_acc = (t.mode & kWgradStoreAcc) != 0;
-  const bool final_ = (t.mode & kWgradFinal) != 0;
-  const int64_t slot = p.acc_slot ? p.acc_slot[t.expert] : t.expert;
+  const bool accumulate = kTables ? (t.mode & kWgradAccumulate) != 0 : p.accumulate != 0;
+  const bool store_acc = kTables ? (t.mode & kWgradStoreAcc) != 0 : p.store_acc != 0;
+  const bool final_ = kTables ? (t.mode & kWgradFinal) != 0 : true;
+  const int64_t slot = kTables && p.acc_slot ? p.acc_slot[t.expert] : t.expert;
   // The output half of this tile (all its rows are on one side of out_split, a multiple of 128)
   const int64_t tile_row = int64_t{t.m_block} * C::kBlockM;
-  const bool second = p.out_split > 0 && tile_row >= p.out_split;
-  const int64_t out_rows = p.out_split > 0 ? (second ? p.mo - p.out_split : p.out_split) : p.mo;
+  const bool split = kTables && p.out_split > 0;
+  const bool second = split && tile_row >= p.out_split;
+  const int64_t out_rows = split ? (second ? p.mo - p.out_split : p.out_split) : p.mo;
   __nv_bfloat16* const out = final_ ? (second ? p.out1 : p.out) : nullptr;
   float* const main_grad = final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr;
 #pragma unroll
@@ -156,6 +165,7 @@ __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kA
   }
 }
 
+template <bool kTables>
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     grouped_wgrad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                          const WgradParams p) {
@@ -166,8 +176,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // 0 producer, 1 and 2 consumers
   const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
-  const int num_tiles = wgrad_num_tiles(p);
-  const int e0 = wgrad_first_expert(p);
+  const int num_tiles = kTables ? wgrad_num_tiles(p) : p.num_experts * p.num_m_blocks * p.num_n_blocks;
+  const int e0 = kTables ? wgrad_first_expert(p) : 0;
 
   // Initialise barriers
   if (threadIdx.x == 0) {
@@ -184,8 +194,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     if (threadIdx.x != 0) return;
     PipelineState<C::kStages> stage;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const WgradTile t = wgrad_tile(p, e0, tile);
-      if (t.mode >= 0 && !produce_tile_wgrad(s, stage, &map_a, &map_b, t, wait)) return;
+      const WgradTile t = wgrad_tile<kTables>(p, e0, tile);
+      if ((!kTables || t.mode >= 0) && !produce_tile_wgrad(s, stage, &map_a, &map_b, t, wait)) return;
     }
     return;
   }
@@ -198,18 +208,18 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   float acc[C::kAccRegs];
   // NOTES: each tile's fields (two dependent global loads) are read one tile ahead, so their
   // latency passes under the previous tile's MMAs instead of stalling both warpgroups.
-  WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile(p, e0, blockIdx.x) : WgradTile{};
+  WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile<kTables>(p, e0, blockIdx.x) : WgradTile{};
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int next = tile + static_cast<int>(gridDim.x);
-    const WgradTile next_t = next < num_tiles ? wgrad_tile(p, e0, next) : t;
-    if (t.mode < 0) {  // not this call's: untouched
+    const WgradTile next_t = next < num_tiles ? wgrad_tile<kTables>(p, e0, next) : t;
+    if (kTables && t.mode < 0) {  // not this call's: untouched
       t = next_t;
       continue;
     }
     if (t.num_k_blocks == 0) {
       // An expert with no rows: its gradient is zero (plus what acc already holds)
       // NOTES: zeroing the accumulator registers here instead makes ptxas spill them.
-      epilogue_wgrad<true>(acc, consumer, p, t);
+      epilogue_wgrad<true, kTables>(acc, consumer, p, t);
       t = next_t;
       continue;
     }
@@ -218,7 +228,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
                                                  skew.hook(consumer, t.num_k_blocks)))
       return;
     skew.pending = false;
-    epilogue_wgrad<false>(acc, consumer, p, t);
+    epilogue_wgrad<false, kTables>(acc, consumer, p, t);
     t = next_t;
   }
 }
