@@ -8,32 +8,37 @@
 
 namespace mok::gemm {
 
-// One tile shape of the engine: BLOCK_M x BLOCK_N outputs, K-steps of 64 (one 128-byte
-// swizzle row of bf16), two consumer warpgroups of 64 rows each.  The stage ring is as deep as
-// ~192 KB of shared memory allows.  The shape is a parameter of every building block in
-// tile.cuh; the kernels name the one they run (TileConfig, 128 x 256, unless a launch asks
-// for another: the dgrad-down epilogue and the fp8 path want 128 x 128).
-template <int kBlockM_, int kBlockN_>
+// One tile shape of the engine: BLOCK_M x BLOCK_N outputs, two consumer warpgroups of 64 rows
+// each, operands of kElemBytes (2: bf16, 1: fp8 e4m3), K-steps of one 128-byte swizzle row of
+// them (64 bf16, 128 e4m3).  The stage ring is as deep as ~192 KB of shared memory allows.  The
+// shape is a parameter of every building block in tile.cuh; the kernels name the one they run
+// (TileConfig, 128 x 256 bf16, unless a launch asks for another: the dgrad-down epilogue and
+// the fp8 path want 128 x 128).  What the consumers issue per stage is the MMA policy
+// (tile.cuh: MmaBf16, MmaE4m3), chosen by the operand bytes.
+template <int kBlockM_, int kBlockN_, int kElemBytes_ = 2>
 struct TileShape {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockK = 64;
+  static constexpr int kElemBytes = kElemBytes_;
+  static constexpr int kBlockK = 128 / kElemBytes;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static constexpr int kATileBytes = kBlockM * kBlockK * 2;         // 16 KB
-  static constexpr int kBHalfBytes = (kBlockN / 2) * kBlockK * 2;   // 16 KB at N = 256
+  static constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;        // 16 KB
+  static constexpr int kBHalfBytes = (kBlockN / 2) * kBlockK * kElemBytes;  // 16 KB at N = 256
   static constexpr int kStageBytes = kATileBytes + 2 * kBHalfBytes; // 48 KB at N = 256
   static constexpr int kStages = (192 * 1024) / kStageBytes;        // 4 at N = 256, 6 at N = 128
   static constexpr int kAccRegs = kBlockN / 2;                      // fp32 per thread (64 x N / 128)
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
   static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the generated wrappers");
+  static_assert(kElemBytes == 1 || kElemBytes == 2, "operands: bf16 (2 bytes) or fp8 e4m3 (1 byte)");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register budgets exceed the register file");
 };
 using TileConfig = TileShape<128, 256>;
 using TileConfigN128 = TileShape<128, 128>;
+using TileConfigE4m3 = TileShape<128, 128, 1>;  // fp8 operands: the seam of the fp8 recipes
 static_assert(TileConfig::kStages == 4, "the forward's measured configuration");
 
 // Channels of I per router-gradient partial of the dgrad-down SwiGLU epilogue (epilogue_bwd.cuh):

@@ -19,8 +19,10 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/defs.hpp"
 #include "cuda/gemm/config.hpp"
@@ -29,12 +31,23 @@
 
 namespace mok::gemm {
 
+// The operand element of a tile shape's bytes.
+template <int kBytes>
+struct OperandElem {
+  using type = __nv_bfloat16;
+};
+template <>
+struct OperandElem<1> {
+  using type = __nv_fp8_e4m3;
+};
+
 // The stage ring of one tile shape T (config.hpp).
 template <class T>
 struct StageStorageT {
   using Tile = T;
-  alignas(1024) __nv_bfloat16 a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
-  alignas(1024) __nv_bfloat16 b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
+  using Elem = typename OperandElem<T::kElemBytes>::type;
+  alignas(1024) Elem a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
+  alignas(1024) Elem b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
   Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
 
   __device__ void init_barriers() { pipe.init(1, T::kConsumers); }
@@ -130,31 +143,31 @@ struct NoIssueHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
 
-// Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
-// least one), the operands in the stage as `kOps` says.  kPair (2-CTA clusters): each freed
-// stage is also reported to the peer CTA's pair_empty, whose producer multicasts into this
-// CTA's stages.
-template <bool kPair = false, Operands kOps = Operands::kKMajor, class T, class Hook = NoIssueHook>
-__device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
-                                             int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
-                                             const WaitContext& wait, uint64_t* pair_empty = nullptr,
-                                             uint32_t peer = 0, Hook issued = {}) {
-  using C = T;
-  const bool leader = threadIdx.x % 128 == 0;
-  int prev_index = 0;
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    // Wait for the stage, then issue four k16 MMAs on it
-    if (!s.pipe.consumer_wait(stage, wait)) return false;
+// The MMA step of the engine: what a consumer warpgroup issues on one stage (one k-block) for
+// its 64 rows, by operand orientation; consume_tile runs the pipeline around it.  A policy per
+// operand type, chosen by the tile shape's operand bytes (MmaOf):
+//   MmaBf16   bf16 x bf16 -> fp32, every orientation (the wgmma transpose bits)
+//   MmaE4m3   e4m3 x e4m3 -> fp32, K-major only (Hopper's fp8 wgmma has no transpose bits: an
+//             fp8 dgrad or wgrad reads transposed fp8 copies).  No scales: the block-scaled
+//             recipes (a scale per 128 of K, promoted into the fp32 sum once per k-block) add
+//             them around this step.
+struct MmaBf16 {
+  template <Operands kOps>
+  static constexpr bool kSupports = true;
+  template <Operands kOps, class T>
+  __device__ __forceinline__ static void issue(float (&acc)[T::kAccRegs], StageStorageT<T>& s, int index,
+                                               int consumer, int kb) {
+    using C = T;
     if constexpr (kOps == Operands::kKMajor) {
-      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
-      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index]);
+      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
+      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[index]);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
         ptx::mma_bf16<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
     } else if constexpr (kOps == Operands::kBNMajor) {
-      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * C::kBlockK);
-      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
+      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
+      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[index], kNChunkElems * 2);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
@@ -162,13 +175,52 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
     } else {
       // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row
       // chunks) is never used; B's boxes are 8 KB apart.
-      const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[stage.index] + consumer * kNChunkElems, kNChunkElems * 2);
-      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[stage.index], kNChunkElems * 2);
+      const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[index] + consumer * kNChunkElems, kNChunkElems * 2);
+      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[index], kNChunkElems * 2);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < C::kBlockK / 16; ++k)
         ptx::mma_bf16_tatb<C::kBlockN>(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
     }
+  }
+};
+struct MmaE4m3 {
+  template <Operands kOps>
+  static constexpr bool kSupports = kOps == Operands::kKMajor;
+  template <Operands kOps, class T>
+  __device__ __forceinline__ static void issue(float (&acc)[T::kAccRegs], StageStorageT<T>& s, int index,
+                                               int consumer, int kb) {
+    using C = T;
+    static_assert(kSupports<kOps>, "fp8 wgmma reads K-major operands only");
+    static_assert(C::kElemBytes == 1, "e4m3 operands are one byte");
+    // One 128-byte row holds 128 e4m3: a k32 step is 32 bytes along K, +2 in the descriptor
+    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
+    const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[index]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::kBlockK / 32; ++k)
+      ptx::mma_e4m3<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+  }
+};
+template <class T>
+using MmaOf = std::conditional_t<T::kElemBytes == 1, MmaE4m3, MmaBf16>;
+
+// Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
+// least one), the operands in the stage as `kOps` says, each k-block issued by the MMA policy.
+// kPair (2-CTA clusters): each freed stage is also reported to the peer CTA's pair_empty,
+// whose producer multicasts into this CTA's stages.
+template <bool kPair = false, Operands kOps = Operands::kKMajor, class T, class Hook = NoIssueHook,
+          class Mma = MmaOf<T>>
+__device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+                                             int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
+                                             const WaitContext& wait, uint64_t* pair_empty = nullptr,
+                                             uint32_t peer = 0, Hook issued = {}) {
+  const bool leader = threadIdx.x % 128 == 0;
+  int prev_index = 0;
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    // Wait for the stage, then issue its MMAs
+    if (!s.pipe.consumer_wait(stage, wait)) return false;
+    Mma::template issue<kOps, T>(acc, s, stage.index, consumer, kb);
     ptx::wgmma_commit();
     issued(kb);
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas

@@ -55,4 +55,12 @@ __device__ __forceinline__ void mma_bf16_tatb(float (&d)[N / 2], uint64_t a, uin
   else mma_m64n128k16_bf16_tatb(d, a, b, accumulate);
 }
 
+// The m64nNk32 e4m3 x e4m3 MMA of a tile N (128 or 256), both operands K-major.
+template <int N>
+__device__ __forceinline__ void mma_e4m3(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
+  static_assert(N == 128 || N == 256, "generated wrappers: N = 128 or 256");
+  if constexpr (N == 256) mma_m64n256k32_e4m3(d, a, b, accumulate);
+  else mma_m64n128k32_e4m3(d, a, b, accumulate);
+}
+
 }  // namespace mok::ptx
