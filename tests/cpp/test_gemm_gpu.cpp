@@ -1,10 +1,12 @@
 // The grouped-GEMM engine alone (TMA + mbarrier pipeline + wgmma tiles) against a double
 // reference on the host, and the EP=1 CUDA forward against the CPU reference backend.
 // Skips cleanly without a GPU.
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -306,6 +308,63 @@ TEST(GemmGpu, ConsumerSkewEveryKind) {
     check_wgrad();
   }
   unsetenv("MOK_GEMM_SKEW");
+}
+
+// The fp8 seam: e4m3 operands through the engine's e4m3 MMA policy (MmaE4m3, TileConfigE4m3:
+// 128 x 128 tiles, 128-element k-blocks, one-byte TMA maps), no scales.  Operands are
+// multiples of 1/4 in [-4, 4] (exact in e4m3), so every product and the fp32 sum over K are
+// exact and out must be bf16(the float64 sum) bit for bit; a -1 block stays unwritten; twice
+// bitwise.
+TEST(GemmGpu, E4m3OperandsThroughTheMmaPolicy) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t E = 2, K = 384, N = 256;
+  const std::vector<int32_t> blk = {1, 0, 1, -1};
+  const int64_t M = static_cast<int64_t>(blk.size()) * 128;
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_int_distribution<int> quarter(-16, 16);
+  auto fill = [&](size_t count, std::vector<uint8_t>* bytes, std::vector<double>* values) {
+    bytes->resize(count);
+    values->resize(count);
+    for (size_t i = 0; i < count; ++i) {
+      const __nv_fp8_e4m3 v(static_cast<float>(quarter(rng)) * 0.25f);
+      (*bytes)[i] = v.__x;
+      (*values)[i] = static_cast<double>(static_cast<float>(v));
+    }
+  };
+  std::vector<uint8_t> a, b;
+  std::vector<double> av, bv;
+  fill(static_cast<size_t>(M * K), &a, &av);
+  fill(static_cast<size_t>(E * N * K), &b, &bv);
+  DeviceBuffer da(a), db(b), dblk(blk), dout(static_cast<size_t>(M * N) * 2), dout2(static_cast<size_t>(M * N) * 2);
+  for (DeviceBuffer* out : {&dout, &dout2}) {
+    gemm::GroupedGemmArgs g = gemm::with_tile_n(
+        gemm::down_args(da.ptr, M, K, db.ptr, E, N, static_cast<const int32_t*>(dblk.ptr), 4, out->ptr), 128);
+    g.operand_bytes = 1;
+    try {
+      gemm::launch_grouped_gemm(g, nullptr);
+    } catch (const std::exception& e) {
+      FAIL() << e.what();
+    }
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto got = dout.get<bf16_t>(), again = dout2.get<bf16_t>();
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    const int e = blk[static_cast<size_t>(r / 128)];
+    for (int64_t n = 0; n < N; ++n) {
+      const bf16_t o = got[static_cast<size_t>(r * N + n)];
+      if (e < 0) {
+        wrong += o != 0xFFFF;
+        continue;
+      }
+      double want = 0;
+      for (int64_t k = 0; k < K; ++k)
+        want += av[static_cast<size_t>(r * K + k)] * bv[static_cast<size_t>((e * N + n) * K + k)];
+      wrong += o != float_to_bf16(static_cast<float>(want));
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "elements differing from bf16(the exact sum) (or written in the -1 block)";
+  EXPECT_EQ(got, again) << "not bitwise reproducible";
 }
 
 // The engine at its second tile shape, 128 x 128 (six stages; the dgrad-down epilogue and

@@ -161,11 +161,14 @@ GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
 template <class T, bool kBNMajor, bool kSwiGLUBwd = false>
 void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   const int64_t n = int64_t{g.num_n_blocks} * T::kBlockN;
-  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM);
+  constexpr int kBytes = T::kElemBytes;
+  const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM, kBytes);
   // B: N-major as stored, 64 (N) x 64 (K) boxes; or K-major halves of BLOCK_N/2 rows
   const int64_t b_rows = g.num_experts * g.b_rows_per_expert;
-  const CUtensorMap map_b0 = kBNMajor ? tensor_map_2d(g.b0, b_rows, n, T::kBlockK) : tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2);
-  const CUtensorMap map_b1 = kBNMajor ? tensor_map_2d(g.b1, b_rows, n, T::kBlockK) : tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2);
+  const CUtensorMap map_b0 = kBNMajor ? tensor_map_2d(g.b0, b_rows, n, T::kBlockK)
+                                      : tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2, kBytes);
+  const CUtensorMap map_b1 = kBNMajor ? tensor_map_2d(g.b1, b_rows, n, T::kBlockK)
+                                      : tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2, kBytes);
   GroupedGemmParamsOf<kSwiGLUBwd> p;
   if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g);
   else p = common_params(g);
@@ -245,6 +248,18 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   }
   const bool swiglu_bwd = g.epilogue == static_cast<int32_t>(Epilogue::kDgradSwiGLU);
   if (swiglu_bwd) check_swiglu_bwd(g);
+  MOK_CHECK_ARG(g.operand_bytes == 2 || g.operand_bytes == 1, "grouped GEMM: operands of " << g.operand_bytes << " bytes");
+  if (g.operand_bytes == 1) {
+    // e4m3 operands: K-major only (fp8 wgmma has no transpose bits), 128 x 128 tiles
+    MOK_CHECK_ARG(!g.b_n_major && !swiglu_bwd, "grouped GEMM (e4m3): the forward kinds only (K-major operands)");
+    MOK_CHECK_ARG(g.tile_n == 128, "grouped GEMM (e4m3): tile N = " << g.tile_n << "; e4m3 runs 128 x 128 tiles (with_tile_n)");
+    MOK_CHECK_ARG(g.k % TileConfigE4m3::kBlockK == 0, "grouped GEMM (e4m3): K = " << g.k << " must be a multiple of 128");
+    if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
+    int device = 0, sms = 0;
+    MOK_CUDA_CHECK(cudaGetDevice(&device));
+    MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return launch_tiles<TileConfigE4m3, false>(g, sms, stream);
+  }
   if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));

@@ -38,6 +38,9 @@ struct GroupedGemmArgs {
   int64_t n = 0;                 // dgrad kinds: the output's columns (with_tile_n re-tiles them)
   // Tile N of the launch (config.hpp): 256, or 128 (TileConfigN128) through with_tile_n.
   int32_t tile_n = 256;
+  // Operand bytes: 2 (bf16), or 1: a and b e4m3 (K-major kinds only, 128 x 128 tiles of
+  // TileConfigE4m3, K % 128 == 0, no scales: the seam of the fp8 recipes).
+  int32_t operand_bytes = 2;
   // Epilogue::kDgradSwiGLU (dgrad_down_swiglu_args): out is dh [a_rows, 2I]; these as in
   // gemm/epilogue_bwd.cuh, row r of each at row r of a.
   const void* h = nullptr;             // [a_rows, 2I] bf16

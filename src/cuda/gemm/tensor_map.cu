@@ -32,18 +32,21 @@ EncodeTiled encode_tiled() {
 
 }  // namespace
 
-CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows) {
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, int elem_bytes) {
+  MOK_CHECK_ARG(elem_bytes == 1 || elem_bytes == 2, "tensor map: elements of " << elem_bytes << " bytes");
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 2)};
-  const cuuint32_t box[2] = {TileConfig::kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * elem_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides,
+  const CUtensorMapDataType dtype = elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  const CUresult r = encode_tiled()(&map, dtype, 2, const_cast<void*>(base), dims, strides,
                                     box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ") for a [" << rows << ", "
-                                                             << cols << "] bf16 tensor at " << base);
+                                                             << cols << "] " << (elem_bytes == 2 ? "bf16" : "fp8")
+                                                             << " tensor at " << base);
   return map;
 }
 
