@@ -108,27 +108,46 @@ __device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineStat
 // tile.cuh: per n8 block, columns n8*8 + (lane%4)*2 + {0,1} of two rows), so acc is read for
 // the bf16 total before it is overwritten.
 // kZero: a tile of an expert with no rows (its sum is zero; the registers are not read).
+// The tile's fp32 slot in acc and its output rows (kTables: per expert; else acc and the
+// output indexed by the expert, one output tensor).
+struct WgradTarget {
+  bool accumulate, store_acc;
+  int64_t slot;             // expert index in acc
+  int64_t row_base;         // subtracted from the tile's rows in the output
+  int64_t out_rows;         // rows per expert of the output
+  __nv_bfloat16* out;       // null: no bf16 output for this tile
+  float* main_grad;         // null: none
+};
+template <bool kTables>
+__device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const WgradTile& t) {
+  if constexpr (!kTables) {
+    return WgradTarget{p.accumulate != 0, p.store_acc != 0, t.expert, 0, p.mo, p.out, p.main_grad};
+  } else {
+    const bool final_ = (t.mode & kWgradFinal) != 0;
+    // All of a tile's rows are on one side of out_split (a multiple of 128)
+    const bool second = p.out_split > 0 && int64_t{t.m_block} * TileConfig::kBlockM >= p.out_split;
+    return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0,
+                       p.acc_slot ? p.acc_slot[t.expert] : t.expert, second ? p.out_split : 0,
+                       p.out_split > 0 ? (second ? p.mo - p.out_split : p.out_split) : p.mo,
+                       final_ ? (second ? p.out1 : p.out) : nullptr,
+                       final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr};
+  }
+}
+
 template <bool kZero, bool kTables>
 __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                const WgradParams& p, const WgradTile& t) {
   using C = TileConfig;
-  const bool accumulate = kTables ? (t.mode & kWgradAccumulate) != 0 : p.accumulate != 0;
-  const bool store_acc = kTables ? (t.mode & kWgradStoreAcc) != 0 : p.store_acc != 0;
-  const bool final_ = kTables ? (t.mode & kWgradFinal) != 0 : true;
-  const int64_t slot = kTables && p.acc_slot ? p.acc_slot[t.expert] : t.expert;
-  // The output half of this tile (all its rows are on one side of out_split, a multiple of 128)
-  const int64_t tile_row = int64_t{t.m_block} * C::kBlockM;
-  const bool split = kTables && p.out_split > 0;
-  const bool second = split && tile_row >= p.out_split;
-  const int64_t out_rows = split ? (second ? p.mo - p.out_split : p.out_split) : p.mo;
-  __nv_bfloat16* const out = final_ ? (second ? p.out1 : p.out) : nullptr;
-  float* const main_grad = final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr;
+  const WgradTarget w = wgrad_target<kTables>(p, t);
+  const bool accumulate = w.accumulate, store_acc = w.store_acc;
+  __nv_bfloat16* const out = w.out;
+  float* const main_grad = w.main_grad;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t row = tile_row + fragment_row(consumer, half);
+    const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
     const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
-    const int64_t acc_row_off = (slot * p.mo + row) * p.no + col0;
-    const int64_t out_row_off = (int64_t{t.expert} * out_rows + row - (second ? p.out_split : 0)) * p.no + col0;
+    const int64_t acc_row_off = (w.slot * p.mo + row) * p.no + col0;
+    const int64_t out_row_off = kTables ? (int64_t{t.expert} * w.out_rows + row - w.row_base) * p.no + col0 : acc_row_off;
     const int64_t lane_col = (threadIdx.x % 4) * 2;  // this thread's first column
     const float* prior_row = accumulate ? p.acc + acc_row_off + lane_col : nullptr;
     auto total = [&](int n8) {
@@ -148,12 +167,12 @@ __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kA
       });
     // fp32: the accumulator and main_grad
     if (store_acc || main_grad) {
-      float* acc_row = store_acc ? p.acc + acc_row_off + lane_col : nullptr;
+      float* acc_row = p.acc ? p.acc + acc_row_off + lane_col : nullptr;
       float* mg_row = main_grad ? main_grad + out_row_off + lane_col : nullptr;
 #pragma unroll
       for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
         const float2 v = total(n8);
-        if (acc_row) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
+        if (store_acc) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
         if (mg_row) {
           float2 m = *reinterpret_cast<const float2*>(mg_row + n8 * 8);
           m.x += v.x;
