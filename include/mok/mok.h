@@ -367,6 +367,12 @@ MOK_API mokResult_t mokBackwardSaved(mokWorkspace_t workspace, const mokBackward
 MOK_API mokResult_t mokForwardGroup(const mokWorkspace_t* workspaces, const mokForwardArgs_t* args,
                                     int64_t num_ranks, void* const* streams);
 
+/* The backward of every rank of an EP group driven from this process, as mokForwardGroup:
+ * every rank checked before any launch, then issued phase by phase across the ranks.  saved:
+ * NULL (the pre-activations are recomputed), or num_ranks entries from mokForwardSave. */
+MOK_API mokResult_t mokBackwardGroup(const mokWorkspace_t* workspaces, const mokBackwardArgs_t* args,
+                                     const mokSaved_t* saved, int64_t num_ranks, void* const* streams);
+
 /* The whole EP group emulated in one process on the CPU reference backend:
  * args[r] holds rank r's inputs, its local weights and its outputs, for r in [0, ep_size).
  * ep_size must equal config->ep_size (it is the length of args). */

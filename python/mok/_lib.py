@@ -201,6 +201,8 @@ OPTIONAL_SIGNATURES = {
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),
     "mokWorkspaceCreateSymmetric": (c_int, [POINTER(mokConfig), POINTER(c_void_p), c_int64, POINTER(c_void_p)]),
     "mokForwardGroup": (c_int, [POINTER(c_void_p), POINTER(mokForwardArgs), c_int64, POINTER(c_void_p)]),
+    "mokBackwardGroup": (c_int, [POINTER(c_void_p), POINTER(mokBackwardArgs), POINTER(mokSaved), c_int64,
+                                 POINTER(c_void_p)]),
 }
 
 

@@ -10,12 +10,13 @@ import dataclasses
 import os
 import warnings
 from ctypes import byref
-from typing import List, Optional, Sequence, Union
+from typing import Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from . import _lib
-from .args import _forward_args, _rank_tag, _shape_of
+from .args import (Gradients, _backward_args, _check_main_grads, _forward_args, _grad_buffers, _rank_tag,
+                   _shape_of)
 from .config import LayerDims, MoKConfig, Workspace, _alloc, _canonical_device, _config_or_default
 from .emulated import RankInputs, _rank_context, _rank_inputs
 from .symmetric import symmetric_bytes
@@ -115,6 +116,14 @@ class VirtualGroup:
                              f"num_experts / ep_size = {self.dims.num_experts // self.ep_size}")
 
     def _issue(self, rank_ids: Sequence[int], args: Sequence[_lib.mokForwardArgs]) -> None:
+        def group_call(handles, streams):
+            arg_array = (_lib.mokForwardArgs * self.ep_size)(*args)
+            return _lib.symbol("mokForwardGroup")(handles, arg_array, self.ep_size, streams)
+
+        self._issue_calls(rank_ids, group_call,
+                          lambda s, a, stream: _lib.lib.mokForward(self.workspaces[s].handle, byref(a), stream), args)
+
+    def _issue_calls(self, rank_ids: Sequence[int], group_call: Callable, rank_call: Callable, args) -> None:
         current = torch.cuda.current_stream(self.device)
         streams = [self.streams[s] for s in rank_ids]
         # Fork: every rank's stream after the work already on the current stream
@@ -126,12 +135,11 @@ class VirtualGroup:
                 # Every rank at once: mokForwardGroup checks them all, then issues phase by phase
                 # across the ranks, so that streams sharing a hardware queue cannot deadlock.
                 handles = (ctypes.c_void_p * self.ep_size)(*[ws.handle.value for ws in self.workspaces])
-                arg_array = (_lib.mokForwardArgs * self.ep_size)(*args)
                 stream_ptrs = (ctypes.c_void_p * self.ep_size)(*[st.cuda_stream for st in streams])
-                _lib.check(_lib.symbol("mokForwardGroup")(handles, arg_array, self.ep_size, stream_ptrs))
+                _lib.check(group_call(handles, stream_ptrs))
                 return
             for s, stream, a in zip(rank_ids, streams, args):
-                _lib.check(_lib.lib.mokForward(self.workspaces[s].handle, byref(a), stream.cuda_stream))
+                _lib.check(rank_call(s, a, stream.cuda_stream))
                 issued.append(s)
         except Exception as exc:
             if issued:
@@ -160,6 +168,37 @@ class VirtualGroup:
             args.append(_forward_args(views, _rank_context(rank), ys[-1], _rank_tag(self.ep_size, s)))
         self._issue(list(range(self.ep_size)), args)
         return ys
+
+    def backward(self, ranks, dys: Sequence[torch.Tensor],
+                 main_grads: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None) -> List[Gradients]:
+        """Gradients of every rank given the same P RankInputs as forward and each rank's dy
+        [T_r, H] bf16 (mokBackwardGroup: every rank checked, then issued phase by phase; the
+        pre-activations are recomputed).  Routed-expert gradients cover every row routed to the
+        rank's experts; shared-expert ones the rank's own tokens.  Ordered on the current stream."""
+        ranks = _rank_inputs(ranks)
+        if len(ranks) != self.ep_size or len(dys) != self.ep_size:
+            raise ValueError(f"{len(ranks)} rank inputs and {len(dys)} dy tensors for a virtual group of "
+                             f"{self.ep_size} ranks")
+        main_grads = list(main_grads) if main_grads is not None else [None] * self.ep_size
+        if len(main_grads) != self.ep_size:
+            raise ValueError(f"{len(main_grads)} main_grads entries for a virtual group of {self.ep_size} ranks")
+        for s, rank in enumerate(ranks):
+            self._precheck(s, rank)
+        views = _lib.Views()
+        out, args = [], []
+        for s, rank in enumerate(ranks):
+            ctx = _rank_context(rank)
+            dx, d_topk_weights, grads = _grad_buffers(rank.x, rank.topk_ids, ctx.weights)
+            args.append(_backward_args(views, ctx, dys[s], dx, d_topk_weights, grads,
+                                       _check_main_grads(main_grads[s]), _rank_tag(self.ep_size, s)))
+            out.append(Gradients(dx, d_topk_weights, **grads))
+
+        def group_call(handles, streams):
+            arg_array = (_lib.mokBackwardArgs * self.ep_size)(*args)
+            return _lib.symbol("mokBackwardGroup")(handles, arg_array, None, self.ep_size, streams)
+
+        self._issue_calls(list(range(self.ep_size)), group_call, None, args)
+        return out
 
     def forward_rank(self, rank: int, inputs) -> torch.Tensor:
         """Issues one rank's call alone, on its stream (ordered after the current stream, which

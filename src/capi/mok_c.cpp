@@ -522,6 +522,36 @@ mokResult_t mokForwardGroup(const mokWorkspace_t* workspaces, const mokForwardAr
   });
 }
 
+mokResult_t mokBackwardGroup(const mokWorkspace_t* workspaces, const mokBackwardArgs_t* args, const mokSaved_t* saved,
+                             int64_t num_ranks, void* const* streams) {
+  return guarded("mokBackwardGroup", [&] {
+    MOK_CHECK_ARG(workspaces != nullptr && args != nullptr && streams != nullptr && num_ranks >= 1,
+                  "mokBackwardGroup: workspaces, args and streams must hold num_ranks = " << num_ranks << " entries");
+    std::vector<mok::ref::RankInputs> in;
+    std::vector<mok::ref::RankGrads> grads;
+    std::vector<mok::cuda::Saved> sv;
+    for (int64_t r = 0; r < num_ranks; ++r) {
+      mok::Workspace& ws = workspace_of(workspaces[r]);
+      const std::string tag = "rank " + std::to_string(r) + ": ";
+      MOK_CHECK_ARG(ws.config.ep_rank == r && ws.config.ep_size == num_ranks,
+                    tag << "workspace of rank " << ws.config.ep_rank << " of " << ws.config.ep_size
+                        << "; entry r must be rank r of a group of num_ranks");
+      in.push_back(check_forward_cuda(ws, &args[r].fwd, tag, false));
+      const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
+      if (!why.empty()) MOK_FAIL(mokNotSupported, tag << why);
+      grads.push_back(mok::check_backward_args(ws.config, args[r], static_cast<int32_t>(ws.config.device), tag));
+      sv.push_back(saved ? check_saved(ws, &saved[r], in.back().num_tokens) : mok::cuda::Saved{});
+    }
+    for (auto phase : {mok::cuda::ForwardPhase::kStart, mok::cuda::ForwardPhase::kPlan,
+                       mok::cuda::ForwardPhase::kLayer})
+      for (int64_t r = 0; r < num_ranks; ++r) {
+        const size_t i = static_cast<size_t>(r);
+        mok::cuda::backward_phase(*workspace_of(workspaces[r]).device, workspace_of(workspaces[r]).config, in[i],
+                                  grads[i], args[r].dy.data, streams[r], phase, sv[i]);
+      }
+  });
+}
+
 mokResult_t mokForwardEmulated(const mokConfig_t* config, const mokForwardArgs_t* args, int64_t ep_size) {
   return guarded("mokForwardEmulated", [&] { run_forward(emulated_config(config, ep_size), args, ep_size, "mokForwardEmulated"); });
 }

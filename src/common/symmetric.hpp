@@ -7,7 +7,11 @@
 //   tokens       kMaxRanks x int64   [s] = T_s of rank s's current call
 //   routing      P x T_max x k x int64   [s] = rank s's topk_ids of the current call
 //   x            T_max x H x bf16    this rank's x of the current call (peers pull from it)
-//   slots        T_max x k x H x bf16  one output row per route of this rank's tokens (peers push)
+//   slots        T_max x k x H x bf16  one output row per route of this rank's tokens (peers push;
+//                                    the backward: the dx row of each route)
+//   dy           T_max x H x bf16    this rank's dy of the current backward (peers pull)
+//   weights      T_max x k x f32     this rank's topk_weights of the current backward (peers read)
+//   dtw          T_max x k x f32     d topk_weights of each route of this rank's tokens (peers push)
 #pragma once
 
 #include <cstdint>
@@ -18,6 +22,7 @@ namespace mok {
 
 struct SymLayout {
   int64_t header = 0, flags_start = 0, flags_end = 0, tokens = 0, routing = 0, x = 0, slots = 0, bytes = 0;
+  int64_t dy = 0, weights = 0, dtw = 0;  // the backward's
   int64_t routing_rank_stride = 0;  // bytes between routing[s] and routing[s + 1]
 };
 
@@ -41,6 +46,12 @@ MOK_HD SymLayout sym_layout(int64_t num_ranks, int64_t max_tokens, int64_t topk,
   at = sym_align(at + max_tokens * hidden * 2);
   l.slots = at;
   at = sym_align(at + max_tokens * topk * hidden * 2);
+  l.dy = at;
+  at = sym_align(at + max_tokens * hidden * 2);
+  l.weights = at;
+  at = sym_align(at + max_tokens * topk * 4);
+  l.dtw = at;
+  at = sym_align(at + max_tokens * topk * 4);
   l.bytes = at;
   return l;
 }

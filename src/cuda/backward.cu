@@ -23,6 +23,8 @@
 #include <cstdint>
 
 #include "cuda/comm/combine.cuh"
+#include "cuda/comm/ep.cuh"
+#include "cuda/ep.hpp"
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/forward.hpp"
@@ -44,6 +46,7 @@ struct BackwardBuffers {
   void* h = nullptr;
   void* dh = nullptr;
   void* wa = nullptr;
+  void* dx_rows = nullptr;        // EP >= 2: [max_rows, H], the routed dx rows before their push home
   float* row_weight = nullptr;    // [max_rows]
   float* dtw_partials = nullptr;  // [max_rows, I / 128]
   // the shared expert, per token: h_s, dh_s [T_max, 2I_s], a_s [T_max, I_s]
@@ -66,8 +69,15 @@ namespace {
 int64_t table_words(int64_t E) { return 2 + 4 * E; }
 
 // ---- gather: x and dy rows and the route weight of every plan row (padding: zeros) ----------
-__global__ void bwd_gather_kernel(const uint4* __restrict__ x, const uint4* __restrict__ dy,
-                                  const float* __restrict__ topk_weights, const uint32_t* __restrict__ rows,
+// The row's sources: this call's x, dy, topk_weights at EP = 1; at EP >= 2 those its source rank
+// published in its region (read over NVLink, or the same device for virtual ranks).
+struct RowSources {
+  const uint4* x;
+  const uint4* dy;
+  const float* topk_weights;
+  ep::Group group;  // size > 1: the sources are the record's rank's region
+};
+__global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ rows,
                                   const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
                                   int64_t row_vecs, uint4* __restrict__ x_rows, uint4* __restrict__ dy_rows,
                                   float* __restrict__ row_weight) {
@@ -83,14 +93,33 @@ __global__ void bwd_gather_kernel(const uint4* __restrict__ x, const uint4* __re
       if (lane == 0) row_weight[i] = 0.0f;
     } else {
       const int64_t t = row_token(rec);
-      const uint4* xs = x + t * row_vecs;
-      const uint4* ds = dy + t * row_vecs;
+      const bool peer = src.group.size > 1;
+      const int s = row_rank(rec);
+      const uint4* xs = (peer ? reinterpret_cast<const uint4*>(ep::x_of(src.group, s)) : src.x) + t * row_vecs;
+      const uint4* ds = (peer ? reinterpret_cast<const uint4*>(ep::dy_of(src.group, s)) : src.dy) + t * row_vecs;
       for (int64_t v = lane; v < row_vecs; v += 32) {
-        xd[v] = __ldg(xs + v);
-        dd[v] = __ldg(ds + v);
+        xd[v] = peer ? xs[v] : __ldg(xs + v);
+        dd[v] = peer ? ds[v] : __ldg(ds + v);
       }
-      if (lane == 0) row_weight[i] = topk_weights[t * topk + row_slot(rec)];
+      if (lane == 0) row_weight[i] = (peer ? ep::weights_of(src.group, s) : src.topk_weights)[t * topk + row_slot(rec)];
     }
+  }
+}
+
+// ---- EP >= 2: each routed dx row to its home rank's slot token*k + j ------------------------
+__global__ void bwd_push_kernel(ep::Group g, const uint32_t* __restrict__ rows,
+                                const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
+                                int64_t row_vecs, const uint4* __restrict__ dx_rows) {
+  const int64_t total = expert_offset[num_local];
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < total; i += warps) {
+    const uint32_t rec = rows[i];
+    if (row_is_pad(rec)) continue;
+    uint4* dst = reinterpret_cast<uint4*>(ep::slots_of(g, row_rank(rec))) +
+                 (row_token(rec) * topk + row_slot(rec)) * row_vecs;
+    const uint4* from = dx_rows + i * row_vecs;
+    for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = from[v];
   }
 }
 
@@ -145,7 +174,8 @@ __global__ void bwd_tables_kernel(const int32_t* __restrict__ expert_offset, con
 }
 
 // ---- d topk_weights: the fixed-order sum of each routed row's partials ------------------------
-__global__ void bwd_dtw_kernel(const uint32_t* __restrict__ rows, const int32_t* __restrict__ expert_offset,
+// Into d_topk_weights at EP = 1; at EP >= 2 into the dtw slots of the row's home rank.
+__global__ void bwd_dtw_kernel(ep::Group g, const uint32_t* __restrict__ rows, const int32_t* __restrict__ expert_offset,
                                int32_t num_local, const float* __restrict__ partials, int32_t chunks, int32_t topk,
                                float* __restrict__ d_topk_weights) {
   const int64_t total = expert_offset[num_local];
@@ -155,20 +185,22 @@ __global__ void bwd_dtw_kernel(const uint32_t* __restrict__ rows, const int32_t*
     if (row_is_pad(rec)) continue;
     float s = 0.0f;
     for (int c = 0; c < chunks; ++c) s = s + partials[i * chunks + c];
-    d_topk_weights[row_token(rec) * topk + row_slot(rec)] = s;
+    float* out = g.size > 1 ? ep::dtw_of(g, row_rank(rec)) : d_topk_weights;
+    out[row_token(rec) * topk + row_slot(rec)] = s;
   }
 }
 
 // ---- dx: one warp per token, Σ_j↑ of its valid routes' rows (weight 1: exact) + the shared -----
-__global__ void bwd_dx_kernel(plan::RoutingView v, const float* __restrict__ ones, const uint4* __restrict__ slots,
-                              const uint4* __restrict__ shared_dx, int64_t row_vecs, uint4* __restrict__ dx) {
+__global__ void bwd_dx_kernel(plan::RoutingView v, int rank, const float* __restrict__ ones,
+                              const uint4* __restrict__ slots, const uint4* __restrict__ shared_dx, int64_t num_tokens,
+                              int64_t row_vecs, uint4* __restrict__ dx) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (t >= v.num_tokens[0]) return;  // warp-uniform
+  if (t >= num_tokens) return;  // warp-uniform
   const int k = v.topk;
   combine_token_warp(slots + t * k * row_vecs, row_vecs, k, ones, shared_dx ? shared_dx + t * row_vecs : nullptr,
                      dx + t * row_vecs, [&](int j) {
                        int64_t id;
-                       return plan::check_route(v, 0, t, j, &id) == RouteCheck::kOk;
+                       return plan::check_route(v, rank, t, j, &id) == RouteCheck::kOk;
                      });
 }
 
@@ -186,7 +218,8 @@ BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokCon
   b->num_macro = std::max<int64_t>(1, plan::ceil_div(R, c.macrobatch_size));
   b->n_acc = std::min<int64_t>(El, b->num_macro - 1);
   const int64_t sizes[] = {
-      R * H * 2, R * H * 2, R * 2 * I * 2, R * 2 * I * 2, R * I * 2, R * 4, R * (I / gemm::kDtwChunk) * 4,
+      R * H * 2, R * H * 2, R * 2 * I * 2, R * 2 * I * 2, R * I * 2, c.ep_size > 1 ? R * H * 2 : 0, R * 4,
+      R * (I / gemm::kDtwChunk) * 4,
       T * 2 * Is * 2, T * 2 * Is * 2, T * Is * 2, std::max<int64_t>(T, c.topk) * 4,
       b->num_macro * table_words(El) * 4, 4 * 4, b->n_acc * 2 * I * H * 4, b->n_acc * H * I * 4};
   int64_t total = 0;
@@ -209,6 +242,7 @@ BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokCon
   b->h = carve<uint16_t>(cur, R * 2 * I);
   b->dh = carve<uint16_t>(cur, R * 2 * I);
   b->wa = carve<uint16_t>(cur, R * I);
+  b->dx_rows = c.ep_size > 1 ? carve<uint16_t>(cur, R * H) : nullptr;
   b->row_weight = carve<float>(cur, R);
   b->dtw_partials = carve<float>(cur, R * (I / gemm::kDtwChunk));
   b->sh_h = carve<uint16_t>(cur, T * 2 * Is);
@@ -238,9 +272,7 @@ void destroy_backward_buffers(BackwardBuffers* b) {
 
 std::string unsupported_backward_shape(const mokConfig_t& c) {
   std::ostringstream why;
-  if (c.ep_size != 1)
-    why << "ep_size = " << c.ep_size << ": the CUDA backward runs at EP = 1 in this version of mok";
-  else if (c.intermediate % 256 != 0)
+  if (c.intermediate % 256 != 0)
     why << "intermediate = " << c.intermediate
         << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
   else if (c.shared_intermediate % 256 != 0)
@@ -249,36 +281,47 @@ std::string unsupported_backward_shape(const mokConfig_t& c) {
   return why.str();
 }
 
-void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
-              const void* dy, void* stream_ptr, const Saved& saved) {
+void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+                    const void* dy, void* stream_ptr, ForwardPhase phase, const Saved& saved) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  if (ws.bwd == nullptr) {
-    MOK_CHECK_ARG(!capturing, "the first backward call of a workspace allocates its backward buffers and cannot be "
-                              "captured into a CUDA graph: run one backward before capturing");
-    ws.bwd = create_backward_buffers(ws, c);
-  }
-  BackwardBuffers& b = *ws.bwd;
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
   const int64_t El = d.local_experts();
   constexpr int kErr = kErrorWords;  // route error words, then the timeout record
-  if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-  MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kErr, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));
   int64_t* timeout = ws.errors + kErr;
-
-  // The forward's plan, from the same ids
+  const bool ep = ws.ep_size > 1;
+  switch (phase) {
+    case ForwardPhase::kStart:
+      if (ws.bwd == nullptr) {
+        MOK_CHECK_ARG(!capturing, "the first backward call of a workspace allocates its backward buffers and cannot "
+                                  "be captured into a CUDA graph: run one backward before capturing");
+        ws.bwd = create_backward_buffers(ws, c);
+      }
+      if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
+      MOK_CUDA_CHECK(cudaMemsetAsync(timeout, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));
+      // EP >= 2: x, dy and the weights into the region, the routing exchange, the start barrier
+      if (ep) ep_start(ws, c, in, timeout, stream, dy);
+      return;
+    case ForwardPhase::kPlan: {
+      // The forward's plan, from the same ids (EP >= 2: the group's, as exchanged)
+      const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
+      build_plan(d, routing_of(ws, c, in), pv, ws.errors, ws.device, stream_ptr);
+      return;
+    }
+    case ForwardPhase::kLayer:
+      break;
+  }
+  BackwardBuffers& b = *ws.bwd;
   const plan::RoutingView v = routing_of(ws, c, in);
-  const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
-  build_plan(d, v, pv, ws.errors, ws.device, stream_ptr);
-
+  const ep::Group group = ep ? ep_group(ws) : ep::Group{};
   const int64_t row_vecs = H * 2 / 16;
   const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
   const int64_t R = ws.max_rows;
-  // Tables, ones; rows, weights
+  // Tables, ones; rows, weights (EP >= 2: from the rows' source ranks, whatever this rank's T)
   const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
   const int64_t num_ones = std::max<int64_t>(c.max_tokens, k);
   bwd_tables_kernel<<<static_cast<unsigned>(std::min<int64_t>(plan::ceil_div(num_ones, 256), 1024)) + 1, 256, 0,
@@ -286,12 +329,12 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
                                 static_cast<int32_t>(b.num_macro), El <= b.num_macro - 1 ? 1 : 0, b.tables,
                                 table_words(El), b.shared_table, static_cast<int32_t>(T), b.ones, num_ones);
   MOK_CUDA_CHECK(cudaGetLastError());
-  if (T > 0) {
-    bwd_gather_kernel<<<528, 256, 0, stream>>>(static_cast<const uint4*>(static_cast<const void*>(in.x)),
-                                               static_cast<const uint4*>(dy), in.topk_weights, ws.rows,
-                                               ws.expert_offset, static_cast<int32_t>(El), static_cast<int32_t>(k),
-                                               row_vecs, static_cast<uint4*>(b.x_rows), static_cast<uint4*>(b.dy_rows),
-                                               b.row_weight);
+  if (T > 0 || ep) {
+    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
+                         in.topk_weights, group};
+    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                               static_cast<int32_t>(k), row_vecs, static_cast<uint4*>(b.x_rows),
+                                               static_cast<uint4*>(b.dy_rows), b.row_weight);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -308,12 +351,21 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
                                                  b.row_weight, b.dh, b.wa, b.dtw_partials),
                     c, timeout),
       stream);
-  gemm::GroupedGemmArgs dx_rows =
-      gemm::dgrad_gate_up_args(b.dh, R, I, in.w_gate, in.w_up, El, H, ws.block_expert, max_blocks, ws.slots);
-  dx_rows.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
-  dx_rows.plan_rows = ws.rows;
-  dx_rows.topk = static_cast<int32_t>(k);
+  // EP = 1: the epilogue scatters each row into its slot; EP >= 2: rows in plan order, then
+  // pushed to their home ranks' slots (bwd_push_kernel)
+  gemm::GroupedGemmArgs dx_rows = gemm::dgrad_gate_up_args(b.dh, R, I, in.w_gate, in.w_up, El, H, ws.block_expert,
+                                                           max_blocks, ep ? b.dx_rows : ws.slots);
+  if (!ep) {
+    dx_rows.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
+    dx_rows.plan_rows = ws.rows;
+    dx_rows.topk = static_cast<int32_t>(k);
+  }
   gemm::launch_grouped_gemm(with_deadline(dx_rows, c, timeout), stream);
+  if (ep) {
+    bwd_push_kernel<<<528, 256, 0, stream>>>(group, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                             static_cast<int32_t>(k), row_vecs, static_cast<const uint4*>(b.dx_rows));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
 
   // Routed wgrad, macrobatch by macrobatch (ascending: the fp32 partial sums fold in order)
   for (int64_t m = 0; m < b.num_macro; ++m) {
@@ -401,17 +453,25 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
     gemm::launch_grouped_wgrad(gu, stream);
   }
 
-  // d topk_weights (0 for masked routes) and dx
-  if (T > 0) {
-    MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-    bwd_dtw_kernel<<<264, 256, 0, stream>>>(ws.rows, ws.expert_offset, static_cast<int32_t>(El), b.dtw_partials,
+  // d topk_weights (0 for masked routes; EP >= 2: pushed home) and dx
+  if (T > 0 && !ep) MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
+  if (T > 0 || ep) {
+    bwd_dtw_kernel<<<264, 256, 0, stream>>>(group, ws.rows, ws.expert_offset, static_cast<int32_t>(El), b.dtw_partials,
                                             static_cast<int32_t>(I / gemm::kDtwChunk), static_cast<int32_t>(k),
                                             g.d_topk_weights);
     MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  // EP >= 2: every rank's pushes (dx rows, d topk_weights) landed in this rank's region
+  if (ep) ep_end(ws, c, timeout, stream);
+  if (T > 0) {
     bwd_dx_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
-        v, b.ones, static_cast<const uint4*>(ws.slots), Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr,
-        row_vecs, static_cast<uint4*>(static_cast<void*>(g.dx)));
+        v, static_cast<int>(ws.ep_rank), b.ones, static_cast<const uint4*>(ws.slots),
+        Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr, T, row_vecs,
+        static_cast<uint4*>(static_cast<void*>(g.dx)));
     MOK_CUDA_CHECK(cudaGetLastError());
+    if (ep)
+      MOK_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights, ws.regions[ws.ep_rank] + ws.sym.dtw,
+                                     static_cast<size_t>(T * k) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
   }
 
   // Error words to pinned memory; read at the next call or at check_errors(wait)
@@ -423,6 +483,12 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
     MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
     ws.pending = true;
   }
+}
+
+void backward(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+              const void* dy, void* stream, const Saved& saved) {
+  for (ForwardPhase phase : {ForwardPhase::kStart, ForwardPhase::kPlan, ForwardPhase::kLayer})
+    backward_phase(ws, c, in, g, dy, stream, phase, saved);
 }
 
 }  // namespace mok::cuda

@@ -45,6 +45,12 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::Ra
 // saved: the forward's pre-activations of the same inputs (the replay is skipped), or empty.
 void backward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, const ref::RankGrads& grads,
               const void* dy, void* stream, const Saved& saved = Saved{});
+// backward() in the forward's three phases (start: EP >= 2 publication of x, dy and the
+// weights, routing exchange, start barrier; plan; the layer, with the end barrier before the
+// home reductions), for issuing the ranks of a virtual group phase by phase.
+void backward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in,
+                    const ref::RankGrads& grads, const void* dy, void* stream, ForwardPhase phase,
+                    const Saved& saved = Saved{});
 std::string unsupported_backward_shape(const mokConfig_t& config);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);

@@ -93,25 +93,53 @@ ep::Group ep_group(const DeviceWorkspace& ws) {
 }
 
 uint64_t ep_fingerprint(const mokConfig_t& c) {
-  const int64_t fields[] = {3 /* byte-map version */, c.ep_size, c.max_tokens, c.topk, c.hidden, c.intermediate,
+  const int64_t fields[] = {4 /* byte-map version */, c.ep_size, c.max_tokens, c.topk, c.hidden, c.intermediate,
                             c.shared_intermediate, c.num_experts, c.block_m, c.precision};
   return sym_fingerprint(fields, static_cast<int>(sizeof(fields) / sizeof(fields[0])));
 }
 
 void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, int64_t* timeout_record,
-              cudaStream_t stream) {
+              cudaStream_t stream, const void* dy) {
   const int64_t T = in.num_tokens, H = c.hidden, k = c.topk;
   const ep::Group g = ep_group(ws);
   uint8_t* own = ws.regions[ws.ep_rank];
   if (T > 0)
     MOK_CUDA_CHECK(cudaMemcpyAsync(own + ws.sym.x, in.x, static_cast<size_t>(T * H * 2), cudaMemcpyDeviceToDevice,
                                    stream));
+  if (dy != nullptr && T > 0) {
+    // The backward: dy and the weights for the experts' owners, d topk_weights zeroed (masked
+    // routes get no push) -- all before the start barrier that lets the peers in
+    MOK_CUDA_CHECK(cudaMemcpyAsync(own + ws.sym.dy, dy, static_cast<size_t>(T * H * 2), cudaMemcpyDeviceToDevice,
+                                   stream));
+    MOK_CUDA_CHECK(cudaMemcpyAsync(own + ws.sym.weights, in.topk_weights, static_cast<size_t>(T * k * 4),
+                                   cudaMemcpyDeviceToDevice, stream));
+    MOK_CUDA_CHECK(cudaMemsetAsync(own + ws.sym.dtw, 0, static_cast<size_t>(T * k * 4), stream));
+  }
   const int64_t n = T * k;
   const unsigned blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(plan::ceil_div(n, 256), 64)));
   ep_exchange_kernel<<<blocks, 256, 0, stream>>>(g, in.topk_ids, in.ids_are_int64, T, static_cast<int>(k),
                                                  timeout_record);
   MOK_CUDA_CHECK(cudaGetLastError());
   ep_start_kernel<<<1, 32, 0, stream>>>(g, ws.ep_seq, timeout_record, static_cast<uint64_t>(c.timeout_s * 1e9));
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+namespace {
+// The end barrier of a call issued as separate launches (the backward): this rank's pushes
+// (earlier launches on the stream) are published, then every rank's are waited for.
+__global__ void ep_end_kernel(ep::Group g, int64_t* timeout_record, uint64_t timeout_ns) {
+  if (threadIdx.x != 0) return;
+  if (*reinterpret_cast<volatile int64_t*>(timeout_record) != 0) return;  // an earlier wait expired
+  const gemm::WaitContext wait{ptx::globaltimer_ns() + timeout_ns, timeout_record};
+  const int64_t seq = *g.seq;
+  __threadfence_system();
+  ep::publish<true>(g, seq);
+  ep::wait_group<true>(g, seq, wait);
+}
+}  // namespace
+
+void ep_end(DeviceWorkspace& ws, const mokConfig_t& c, int64_t* timeout_record, cudaStream_t stream) {
+  ep_end_kernel<<<1, 32, 0, stream>>>(ep_group(ws), timeout_record, static_cast<uint64_t>(c.timeout_s * 1e9));
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

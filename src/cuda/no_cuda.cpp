@@ -34,6 +34,10 @@ void backward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, cons
               const Saved&) {
   no_cuda();
 }
+void backward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, const ref::RankGrads&, const void*,
+                    void*, ForwardPhase, const Saved&) {
+  no_cuda();
+}
 std::string unsupported_backward_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
 void grouped_wgrad(const GroupedWgradCall&, void*) { no_cuda(); }

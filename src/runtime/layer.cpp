@@ -141,7 +141,9 @@ std::string describe_buffers(const mokConfig_t& c) {
        << "    flags_start, flags_end, tokens = 3 x 64 x 8 B (1 KB aligned each)\n"
        << "    routing = P*align1K(T_max*k*8) = " << c.ep_size << "*" << l.routing_rank_stride << " B\n"
        << "    x       = T_max*H*2 = " << c.max_tokens * c.hidden * 2 << " B\n"
-       << "    slots   = T_max*k*H*2 = " << c.max_tokens * c.topk * c.hidden * 2 << " B\n";
+       << "    slots   = T_max*k*H*2 = " << c.max_tokens * c.topk * c.hidden * 2 << " B (backward: dx rows)\n"
+       << "    dy      = T_max*H*2 = " << c.max_tokens * c.hidden * 2 << " B (backward)\n"
+       << "    weights, dtw = 2 x T_max*k*4 = " << 2 * c.max_tokens * c.topk * 4 << " B (backward)\n";
   };
   if (c.device < 0) {
     // The CPU reference allocates per call; the GPU's ring is shown for comparison.

@@ -273,6 +273,49 @@ class TestVirtualRanks:
         config = F.MoKConfig(minibatch_size=128, macrobatch_size=256)
         _run_group(gen, P, 16, 4, _token_counts(kind, P), kind, config)
 
+    @pytest.mark.parametrize("P,E,k,I_s,kind", [(2, 16, 4, 0, "uniform"), (2, 16, 4, 256, "empty_rank"),
+                                                (4, 32, 8, 256, "uniform"), (4, 16, 4, 0, "one_rank"),
+                                                (8, 16, 4, 256, "uneven"), (4, 16, 4, 0, "all_empty")])
+    def test_backward_dx_equals_ep1_bitwise_and_reference(self, gen, P, E, k, I_s, kind):
+        # The EP >= 2 backward: each owner pulls dy, x and the weights of its rows from their
+        # home ranks, pushes dx rows and d topk_weights home; a token's dx and d topk_weights
+        # equal EP = 1's bit for bit (same tiles per row), the weight gradients match the
+        # emulated reference (their row order is the group's)
+        H, I = 512, 256
+        counts = _token_counts(kind, P)
+        ranks_cpu = _make_ranks(gen, P, H, I, E, k, counts, kind, I_s)
+        ranks = [_to_cuda(r) for r in ranks_cpu]
+        dys_cpu = [make_x(gen, T, H) for T in counts]
+        dys = [d.cuda() for d in dys_cpu]
+        with F.create_virtual_group(H, I, E, k, max(max(counts), 1), I_s, ep_size=P) as group:
+            grads = group.backward(ranks, dys)
+            again = group.backward(ranks, dys)
+            group.check_errors()
+        for r in range(P):
+            for name in ("dx", "d_topk_weights", *ROUTED, *(SHARED if I_s else ())):
+                a, b = getattr(grads[r], name), getattr(again[r], name)
+                assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
+                    f"rank {r} {name}: two runs differ"
+        # EP = 1 with every expert local
+        weights = {n: torch.cat([getattr(rk, n) for rk in ranks]) for n in ROUTED}
+        weights.update({n: getattr(ranks[0], n) for n in SHARED})
+        ctx = F.recompute_forward_context(torch.cat([rk.x for rk in ranks]), torch.cat([rk.topk_ids for rk in ranks]),
+                                          torch.cat([rk.topk_weights for rk in ranks]), **weights)
+        g1 = F.backward(ctx, torch.cat(dys))
+        for r, (dx, dtw) in enumerate(zip(torch.split(g1.dx, counts), torch.split(g1.d_topk_weights, counts))):
+            _assert_bitwise(f"rank {r} dx vs EP=1", grads[r].dx, dx)
+            assert torch.equal(grads[r].d_topk_weights, dtw), f"rank {r} d topk_weights differ from EP=1"
+        ref = F.backward_emulated(ranks_cpu, dys_cpu, num_experts=E)
+        E_l = E // P
+        for r in range(P):
+            for name in ("dx", "d_topk_weights", *ROUTED, *(SHARED if I_s else ())):
+                assert_close(f"rank {r} {name} vs the emulated reference", getattr(grads[r], name).cpu(),
+                             getattr(ref[r], name).double(), tol=1e-2)
+            for name in ROUTED:
+                assert_close(f"rank {r} {name} vs EP=1", getattr(grads[r], name).cpu(),
+                             getattr(g1, name)[r * E_l:(r + 1) * E_l].cpu().double(), tol=1e-2)
+
     def test_explicit_num_blocks_and_comm_sms(self, gen):
         config = F.MoKConfig(num_blocks=12, fwd_num_comm_sms=2, minibatch_size=256, macrobatch_size=512)
         _run_group(gen, 4, 16, 4, TS[:4], config=config)

@@ -38,6 +38,13 @@ __device__ __forceinline__ const __nv_bfloat16* x_of(const Group& g, int s) {
 __device__ __forceinline__ __nv_bfloat16* slots_of(const Group& g, int s) {
   return reinterpret_cast<__nv_bfloat16*>(region(g, s) + g.layout.slots);
 }
+__device__ __forceinline__ const __nv_bfloat16* dy_of(const Group& g, int s) {
+  return reinterpret_cast<const __nv_bfloat16*>(region(g, s) + g.layout.dy);
+}
+__device__ __forceinline__ const float* weights_of(const Group& g, int s) {
+  return reinterpret_cast<const float*>(region(g, s) + g.layout.weights);
+}
+__device__ __forceinline__ float* dtw_of(const Group& g, int s) { return reinterpret_cast<float*>(region(g, s) + g.layout.dtw); }
 
 // Spins until *flag >= expected; false past the deadline (recorded: site, peer, expected,
 // observed) or when another wait of the call already expired.
