@@ -542,6 +542,9 @@ mokResult_t mokBackwardGroup(const mokWorkspace_t* workspaces, const mokBackward
       grads.push_back(mok::check_backward_args(ws.config, args[r], static_cast<int32_t>(ws.config.device), tag));
       sv.push_back(saved ? check_saved(ws, &saved[r], in.back().num_tokens) : mok::cuda::Saved{});
     }
+    // Every rank's buffers before any rank is issued (cuda_api.hpp, prepare_backward)
+    for (int64_t r = 0; r < num_ranks; ++r)
+      mok::cuda::prepare_backward(*workspace_of(workspaces[r]).device, workspace_of(workspaces[r]).config);
     for (auto phase : {mok::cuda::ForwardPhase::kStart, mok::cuda::ForwardPhase::kPlan,
                        mok::cuda::ForwardPhase::kLayer})
       for (int64_t r = 0; r < num_ranks; ++r) {

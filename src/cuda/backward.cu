@@ -264,6 +264,12 @@ gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& 
 
 }  // namespace
 
+void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
+  if (ws.bwd != nullptr) return;
+  const DeviceGuard guard(ws.device);
+  ws.bwd = create_backward_buffers(ws, c);
+}
+
 void destroy_backward_buffers(BackwardBuffers* b) {
   if (b == nullptr) return;
   if (b->block) cudaFree(b->block);
@@ -299,7 +305,7 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
       if (ws.bwd == nullptr) {
         MOK_CHECK_ARG(!capturing, "the first backward call of a workspace allocates its backward buffers and cannot "
                                   "be captured into a CUDA graph: run one backward before capturing");
-        ws.bwd = create_backward_buffers(ws, c);
+        prepare_backward(ws, c);
       }
       if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
       MOK_CUDA_CHECK(cudaMemsetAsync(timeout, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));

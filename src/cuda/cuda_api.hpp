@@ -52,6 +52,11 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::R
                     const ref::RankGrads& grads, const void* dy, void* stream, ForwardPhase phase,
                     const Saved& saved = Saved{});
 std::string unsupported_backward_shape(const mokConfig_t& config);
+// Allocates the backward's buffers of a workspace if it has none (the first backward does it
+// itself).  NOTES: cudaMalloc can wait for the device: a group issued from one process
+// allocates every rank's buffers before any rank's start barrier runs, or a rank spinning in
+// its barrier would wait for a peer that is only issued once the allocation returns.
+void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& config);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);
 
