@@ -267,6 +267,16 @@ gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& 
 void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   if (ws.bwd != nullptr) return;
   const DeviceGuard guard(ws.device);
+  // Every kernel of the backward loaded before any rank of a group can spin in a barrier
+  cudaFuncAttributes a;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_gather_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_push_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_tables_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
+  gemm::load_backward_kernels();
+  ep_load_kernels();
+  load_plan_kernels();
   ws.bwd = create_backward_buffers(ws, c);
 }
 

@@ -143,6 +143,13 @@ void ep_end(DeviceWorkspace& ws, const mokConfig_t& c, int64_t* timeout_record, 
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+void ep_load_kernels() {
+  cudaFuncAttributes a;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_exchange_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_start_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, ep_end_kernel));
+}
+
 plan::RoutingView ep_routing(const DeviceWorkspace& ws, const mokConfig_t& c) {
   plan::RoutingView v;
   v.num_ranks = ws.ep_size;

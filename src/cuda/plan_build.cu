@@ -222,4 +222,12 @@ void build_plan(const plan::PlanDims& d, const plan::RoutingView& v, const plan:
   MOK_CUDA_CHECK(cudaFreeAsync(counts, stream));
 }
 
+void load_plan_kernels() {
+  cudaFuncAttributes a;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, plan_count_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, plan_offsets_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, plan_scatter_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, plan_fill_kernel));
+}
+
 }  // namespace mok::cuda

@@ -291,6 +291,18 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   launch_tile_shape<false>(g, sms, stream);
 }
 
+void load_backward_kernels() {
+  cudaFuncAttributes a;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfig, false>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfig, false>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfig, true>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfigN128, false>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, false>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, true>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true>));
+}
+
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   using C = TileConfig;
   MOK_CHECK_ARG(g.mo > 0 && g.mo % C::kBlockM == 0, "grouped wgrad: Mo = " << g.mo << " must be a multiple of " << C::kBlockM);

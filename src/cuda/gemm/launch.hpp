@@ -113,4 +113,9 @@ struct GroupedWgradArgs {
 };
 void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
+// Loads every kernel the backward launches (cudaFuncGetAttributes): with lazy module loading
+// (CUDA_MODULE_LOADING=LAZY, the default) a kernel's first launch waited while a virtual peer
+// spun in its barrier kernel, until that barrier's deadline.  prepare_backward calls it.
+void load_backward_kernels();
+
 }  // namespace mok::gemm
