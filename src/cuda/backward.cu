@@ -31,6 +31,7 @@
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
+#include "runtime/env.hpp"
 #include "runtime/errors.hpp"
 #include "runtime/layer.hpp"
 
@@ -288,7 +289,10 @@ void destroy_backward_buffers(BackwardBuffers* b) {
 
 std::string unsupported_backward_shape(const mokConfig_t& c) {
   std::ostringstream why;
-  if (c.intermediate % 256 != 0)
+  if (c.ep_size > 1 && env::get_int(env::kEpBackward) != 1)
+    why << "ep_size = " << c.ep_size << ": the CUDA backward at EP >= 2 is new and off by default in this version "
+        << "(set " << env::kEpBackward.name << "=1 to run it; docs/design.md, \"The CUDA backward today\")";
+  else if (c.intermediate % 256 != 0)
     why << "intermediate = " << c.intermediate
         << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
   else if (c.shared_intermediate % 256 != 0)

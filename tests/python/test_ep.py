@@ -276,11 +276,12 @@ class TestVirtualRanks:
     @pytest.mark.parametrize("P,E,k,I_s,kind", [(2, 16, 4, 0, "uniform"), (2, 16, 4, 256, "empty_rank"),
                                                 (4, 32, 8, 256, "uniform"), (4, 16, 4, 0, "one_rank"),
                                                 (8, 16, 4, 256, "uneven"), (4, 16, 4, 0, "all_empty")])
-    def test_backward_dx_equals_ep1_bitwise_and_reference(self, gen, P, E, k, I_s, kind):
+    def test_backward_dx_equals_ep1_bitwise_and_reference(self, gen, monkeypatch, P, E, k, I_s, kind):
         # The EP >= 2 backward: each owner pulls dy, x and the weights of its rows from their
         # home ranks, pushes dx rows and d topk_weights home; a token's dx and d topk_weights
         # equal EP = 1's bit for bit (same tiles per row), the weight gradients match the
         # emulated reference (their row order is the group's)
+        monkeypatch.setenv("MOK_EP_BACKWARD", "1")
         H, I = 512, 256
         counts = _token_counts(kind, P)
         ranks_cpu = _make_ranks(gen, P, H, I, E, k, counts, kind, I_s)
@@ -315,6 +316,13 @@ class TestVirtualRanks:
             for name in ROUTED:
                 assert_close(f"rank {r} {name} vs EP=1", getattr(grads[r], name).cpu(),
                              getattr(g1, name)[r * E_l:(r + 1) * E_l].cpu().double(), tol=1e-2)
+
+    def test_backward_is_off_by_default(self, gen, monkeypatch):
+        monkeypatch.delenv("MOK_EP_BACKWARD", raising=False)
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, 2, 512, 256, 16, 4, [30, 20])]
+        with F.create_virtual_group(512, 256, 16, 4, 32, ep_size=2) as group:
+            with pytest.raises(NotImplementedError, match="MOK_EP_BACKWARD"):
+                group.backward(ranks, [r.x for r in ranks])
 
     def test_explicit_num_blocks_and_comm_sms(self, gen):
         config = F.MoKConfig(num_blocks=12, fwd_num_comm_sms=2, minibatch_size=256, macrobatch_size=512)
