@@ -322,7 +322,9 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
         prepare_backward(ws, c);
       }
       if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-      MOK_CUDA_CHECK(cudaMemsetAsync(timeout, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));
+      // Reset once the previous call's copy was read (forward.cu: no timeout is lost)
+      if (capturing || !ws.pending)
+        MOK_CUDA_CHECK(cudaMemsetAsync(timeout, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));
       // EP >= 2: x, dy and the weights into the region, the routing exchange, the start barrier
       if (ep) ep_start(ws, c, in, timeout, stream, dy);
       return;

@@ -512,7 +512,11 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
       // Raise what an earlier call recorded, without waiting for it (never while capturing:
       // an event query would invalidate the capture).
       if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-      MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
+      // The timeout record is reset only once the previous call's copy has been read: a timeout
+      // of a call whose copy has not landed yet stays set (this call's kernels then leave at
+      // once and its own copy reports it), so that no timeout is lost.
+      if (capturing || !ws.pending)
+        MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
       // EP >= 2: x into the region, the routing exchange, the start barrier
       if (ws.ep_size > 1) ep_start(ws, c, in, ws.errors + kRouteErrorWords, stream);
       return;
