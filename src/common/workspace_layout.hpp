@@ -57,6 +57,21 @@ namespace mok {
   X(kUnfusedAct, "unfused.act", uint16_t, "bf16", false)           \
   X(kTrace, "trace", mokTraceEvent_t, "event", false)              \
   X(kPlanScratch, "plan.scratch", int32_t, "i32", false)           \
+  X(kUbXRows, "unfused_bwd.x_rows", uint16_t, "bf16", false)       \
+  X(kUbDyRows, "unfused_bwd.dy_rows", uint16_t, "bf16", false)     \
+  X(kUbH, "unfused_bwd.h", uint16_t, "bf16", false)                \
+  X(kUbDh, "unfused_bwd.dh", uint16_t, "bf16", false)              \
+  X(kUbWa, "unfused_bwd.wa", uint16_t, "bf16", false)              \
+  X(kUbDxRows, "unfused_bwd.dx_rows", uint16_t, "bf16", false)     \
+  X(kUbRowWeight, "unfused_bwd.row_weight", float, "f32", false)   \
+  X(kUbDtwPartials, "unfused_bwd.dtw_partials", float, "f32", false) \
+  X(kUbSharedH, "unfused_bwd.shared_h", uint16_t, "bf16", false)   \
+  X(kUbSharedDh, "unfused_bwd.shared_dh", uint16_t, "bf16", false) \
+  X(kUbSharedA, "unfused_bwd.shared_a", uint16_t, "bf16", false)   \
+  X(kUbOnes, "unfused_bwd.ones", float, "f32", false)              \
+  X(kUbTables, "unfused_bwd.tables", int32_t, "i32", false)        \
+  X(kUbAccGateUp, "unfused_bwd.acc_gu", float, "f32", false)       \
+  X(kUbAccDown, "unfused_bwd.acc_dn", float, "f32", false)         \
   X(kBwdDyRing, "bwd.dy_ring", uint16_t, "bf16", true)             \
   X(kBwdXRing, "bwd.x_ring", uint16_t, "bf16", true)               \
   X(kBwdH, "bwd.h", uint16_t, "bf16", true)                        \
@@ -318,6 +333,37 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
   L.put(WsBuffer::kPlanScratch, WsPlace::kSeparate, "P*ceil(T_max/256)*E_l",
         "per plan build, stream-ordered (cudaMallocAsync, cudaFreeAsync)", 0, 3, L.P, plan::ceil_div(T, kWsPlanChunk),
         L.El);
+  // The CUDA backward as launches (cuda/backward.cu): one allocation at a workspace's first
+  // backward, every plan row resident (no ring), in this order, each 1 KB aligned
+  {
+    const char* kAt = "at the first CUDA backward call (one allocation, the unfused backward)";
+    const int64_t R_all = L.max_rows;
+    L.put(WsBuffer::kUbXRows, WsPlace::kSeparate, "max_rows*H", kAt, 0, 2, R_all, H);
+    L.put(WsBuffer::kUbDyRows, WsPlace::kSeparate, "max_rows*H", kAt, 0, 2, R_all, H);
+    L.put(WsBuffer::kUbH, WsPlace::kSeparate, "max_rows*2*I", "g|u of every plan row (unless the forward saved it)", 0, 3,
+          R_all, 2, I);
+    L.put(WsBuffer::kUbDh, WsPlace::kSeparate, "max_rows*2*I", kAt, 0, 3, R_all, 2, I);
+    L.put(WsBuffer::kUbWa, WsPlace::kSeparate, "max_rows*I", kAt, 0, 2, R_all, I);
+    if (ep)
+      L.put(WsBuffer::kUbDxRows, WsPlace::kSeparate, "max_rows*H", "EP >= 2: dx rows before their push home", 0, 2,
+            R_all, H);
+    L.put(WsBuffer::kUbRowWeight, WsPlace::kSeparate, "max_rows", kAt, 0, 1, R_all);
+    L.put(WsBuffer::kUbDtwPartials, WsPlace::kSeparate, "max_rows*i_chunks", kAt, 0, 2, R_all, L.i_chunks);
+    if (shared) {
+      L.put(WsBuffer::kUbSharedH, WsPlace::kSeparate, "T_max*2*I_s", kAt, 0, 3, T, 2, Is);
+      L.put(WsBuffer::kUbSharedDh, WsPlace::kSeparate, "T_max*2*I_s", kAt, 0, 3, T, 2, Is);
+      L.put(WsBuffer::kUbSharedA, WsPlace::kSeparate, "T_max*I_s", kAt, 0, 2, T, Is);
+    }
+    L.put(WsBuffer::kUbOnes, WsPlace::kSeparate, "max(T_max, k)", "1.0f: the shared expert's row weights, dx's sum",
+          0, 1, plan::max64(T, L.k));
+    L.put(WsBuffer::kUbTables, WsPlace::kSeparate, "n_macro*(2 + 4*E_l) + 4",
+          "per macrobatch: expert range, row offset, count, mode, fp32 slot of every expert; the shared expert's", 4, 2,
+          L.n_macro, 2 + 4 * L.El);
+    L.put(WsBuffer::kUbAccGateUp, WsPlace::kSeparate, "n_acc*2*I*H",
+          "fp32 [dW_gate; dW_up] of the experts whose rows span macrobatches", 0, 4, L.n_acc, 2, I, H);
+    L.put(WsBuffer::kUbAccDown, WsPlace::kSeparate, "n_acc*H*I", "fp32 dW_down of the same experts", 0, 3, L.n_acc, H,
+          I);
+  }
   if (!bwd) return L;
 
   // ---- backward (docs/contracts.md §4a; laid out, no kernel uses them yet) -------------------

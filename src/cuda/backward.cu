@@ -205,55 +205,56 @@ __global__ void bwd_dx_kernel(plan::RoutingView v, int rank, const float* __rest
                      });
 }
 
-template <typename T>
-T* carve(uint8_t*& cursor, int64_t count) {
-  T* p = reinterpret_cast<T*>(cursor);
-  cursor += ws_align_up(std::max<int64_t>(count, 1) * static_cast<int64_t>(sizeof(T)), kWsTmaAlign);
-  return p;
-}
-
+// The buffers, from the layout's unfused_bwd entries (common/workspace_layout.hpp): one
+// allocation, each entry 1 KB aligned, in the layout's order.
 BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokConfig_t& c) {
-  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, R = ws.max_rows, T = c.max_tokens;
-  const int64_t El = plan_dims(c).local_experts();
-  auto* b = new BackwardBuffers();
-  b->num_macro = std::max<int64_t>(1, plan::ceil_div(R, c.macrobatch_size));
-  b->n_acc = std::min<int64_t>(El, b->num_macro - 1);
-  const int64_t sizes[] = {
-      R * H * 2, R * H * 2, R * 2 * I * 2, R * 2 * I * 2, R * I * 2, c.ep_size > 1 ? R * H * 2 : 0, R * 4,
-      R * (I / gemm::kDtwChunk) * 4,
-      T * 2 * Is * 2, T * 2 * Is * 2, T * Is * 2, std::max<int64_t>(T, c.topk) * 4,
-      b->num_macro * table_words(El) * 4, 4 * 4, b->n_acc * 2 * I * H * 4, b->n_acc * H * I * 4};
+  const WorkspaceLayout& L = ws.layout;
+  static constexpr WsBuffer kParts[] = {WsBuffer::kUbXRows,     WsBuffer::kUbDyRows,     WsBuffer::kUbH,
+                                        WsBuffer::kUbDh,        WsBuffer::kUbWa,         WsBuffer::kUbDxRows,
+                                        WsBuffer::kUbRowWeight, WsBuffer::kUbDtwPartials, WsBuffer::kUbSharedH,
+                                        WsBuffer::kUbSharedDh,  WsBuffer::kUbSharedA,    WsBuffer::kUbOnes,
+                                        WsBuffer::kUbTables,    WsBuffer::kUbAccGateUp,  WsBuffer::kUbAccDown};
   int64_t total = 0;
-  for (int64_t s : sizes) total += ws_align_up(std::max<int64_t>(s, 1), kWsTmaAlign);
+  for (WsBuffer id : kParts)
+    if (L.present(id)) total += ws_align_up(std::max<int64_t>(L[id].bytes, 1), kWsTmaAlign);
+  auto* b = new BackwardBuffers();
+  b->num_macro = L.n_macro;
+  b->n_acc = L.n_acc;
   void* block = nullptr;
   const size_t bytes = static_cast<size_t>(total + kWsTmaAlign);
   const cudaError_t err = cudaMalloc(&block, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    delete b;
-    MOK_FAIL(mokOutOfMemory, "backward buffers: cudaMalloc of " << bytes << " bytes failed (out of device memory)");
-  }
   if (err != cudaSuccess) delete b;
+  if (err == cudaErrorMemoryAllocation)
+    MOK_FAIL(mokOutOfMemory, "backward buffers: cudaMalloc of " << bytes << " bytes failed (out of device memory)");
   MOK_CUDA_CHECK(err);
   b->block = block;
   b->bytes = bytes;
   uint8_t* cur = reinterpret_cast<uint8_t*>(
       static_cast<uintptr_t>(ws_align_up(static_cast<int64_t>(reinterpret_cast<uintptr_t>(block)), kWsTmaAlign)));
-  b->x_rows = carve<uint16_t>(cur, R * H);
-  b->dy_rows = carve<uint16_t>(cur, R * H);
-  b->h = carve<uint16_t>(cur, R * 2 * I);
-  b->dh = carve<uint16_t>(cur, R * 2 * I);
-  b->wa = carve<uint16_t>(cur, R * I);
-  b->dx_rows = c.ep_size > 1 ? carve<uint16_t>(cur, R * H) : nullptr;
-  b->row_weight = carve<float>(cur, R);
-  b->dtw_partials = carve<float>(cur, R * (I / gemm::kDtwChunk));
-  b->sh_h = carve<uint16_t>(cur, T * 2 * Is);
-  b->sh_dh = carve<uint16_t>(cur, T * 2 * Is);
-  b->sh_a = carve<uint16_t>(cur, T * Is);
-  b->ones = carve<float>(cur, std::max<int64_t>(T, c.topk));
-  b->tables = carve<int32_t>(cur, b->num_macro * table_words(El));
-  b->shared_table = carve<int32_t>(cur, 4);
-  b->acc_gu = carve<float>(cur, b->n_acc * 2 * I * H);
-  b->acc_dn = carve<float>(cur, b->n_acc * H * I);
+  void* at[kNumWsBuffers] = {};
+  for (WsBuffer id : kParts) {
+    if (!L.present(id)) continue;
+    at[static_cast<int>(id)] = cur;
+    cur += ws_align_up(std::max<int64_t>(L[id].bytes, 1), kWsTmaAlign);
+  }
+  auto get = [&](WsBuffer id) { return at[static_cast<int>(id)]; };
+  b->x_rows = get(WsBuffer::kUbXRows);
+  b->dy_rows = get(WsBuffer::kUbDyRows);
+  b->h = get(WsBuffer::kUbH);
+  b->dh = get(WsBuffer::kUbDh);
+  b->wa = get(WsBuffer::kUbWa);
+  b->dx_rows = get(WsBuffer::kUbDxRows);
+  b->row_weight = static_cast<float*>(get(WsBuffer::kUbRowWeight));
+  b->dtw_partials = static_cast<float*>(get(WsBuffer::kUbDtwPartials));
+  b->sh_h = get(WsBuffer::kUbSharedH);
+  b->sh_dh = get(WsBuffer::kUbSharedDh);
+  b->sh_a = get(WsBuffer::kUbSharedA);
+  b->ones = static_cast<float*>(get(WsBuffer::kUbOnes));
+  b->tables = static_cast<int32_t*>(get(WsBuffer::kUbTables));
+  b->shared_table = b->tables + b->num_macro * table_words(L.El);
+  b->acc_gu = static_cast<float*>(get(WsBuffer::kUbAccGateUp));
+  b->acc_dn = static_cast<float*>(get(WsBuffer::kUbAccDown));
+  (void)c;
   return b;
 }
 

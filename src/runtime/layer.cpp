@@ -179,7 +179,7 @@ std::string describe_buffers(const mokConfig_t& c) {
     os << "  in this rank's symmetric region:\n";
     describe_entries(os, L, false, WsPlace::kSymmetric);
   }
-  os << "  backward (laid out with_backward; not allocated: the CUDA backward is planned, docs/design.md):\n";
+  os << "  the fused backward's (laid out with_backward; not allocated yet: planned, docs/design.md):\n";
   describe_entries(os, B, true, WsPlace::kBlock);
   describe_entries(os, B, true, WsPlace::kAlias);
   describe_entries(os, B, true, WsPlace::kSymmetric);

@@ -118,6 +118,22 @@ TEST(WorkspaceLayout, Dsv3SizesAreTheFormulas) {
   EXPECT_EQ(bytes(WsBuffer::kUnfusedRing), int64_t{34688} * 7168 * 2);
   EXPECT_EQ(bytes(WsBuffer::kUnfusedAct), int64_t{34688} * 2048 * 2);
   EXPECT_EQ(bytes(WsBuffer::kPlanScratch), 16 * 16 * 4);  // P * ceil(4096/256) * E_l
+  // The CUDA backward as launches: every plan row resident, one allocation at its first call
+  for (WsBuffer b : {WsBuffer::kUbXRows, WsBuffer::kUbDyRows})
+    EXPECT_EQ(bytes(b), int64_t{34688} * 7168 * 2) << ws_name(b);
+  EXPECT_EQ(bytes(WsBuffer::kUbH), int64_t{34688} * 2 * 2048 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kUbDh), int64_t{34688} * 2 * 2048 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kUbWa), int64_t{34688} * 2048 * 2);
+  EXPECT_EQ(bytes(WsBuffer::kUbRowWeight), int64_t{34688} * 4);
+  EXPECT_EQ(bytes(WsBuffer::kUbDtwPartials), int64_t{34688} * 16 * 4);
+  EXPECT_EQ(bytes(WsBuffer::kUbOnes), 4096 * 4);
+  EXPECT_EQ(bytes(WsBuffer::kUbTables), (2 * (2 + 4 * 16) + 4) * 4);  // n_macro = 2
+  EXPECT_EQ(bytes(WsBuffer::kUbAccGateUp), int64_t{1} * 2 * 2048 * 7168 * 4);  // n_acc = 1
+  EXPECT_EQ(bytes(WsBuffer::kUbAccDown), int64_t{1} * 7168 * 2048 * 4);
+  for (WsBuffer b : {WsBuffer::kUbXRows, WsBuffer::kUbH, WsBuffer::kUbTables, WsBuffer::kUbAccDown})
+    EXPECT_EQ(L[b].place, WsPlace::kSeparate) << ws_name(b);
+  for (WsBuffer b : {WsBuffer::kUbDxRows, WsBuffer::kUbSharedH, WsBuffer::kUbSharedDh, WsBuffer::kUbSharedA})
+    EXPECT_FALSE(L.present(b)) << ws_name(b) << ": EP = 1, no shared expert";
   for (WsBuffer b : {WsBuffer::kRegionsDev, WsBuffer::kEpSeq, WsBuffer::kSharedBlock, WsBuffer::kSharedAct,
                      WsBuffer::kSharedOut, WsBuffer::kTrace, WsBuffer::kBwdSharedH, WsBuffer::kBwdSharedDh,
                      WsBuffer::kBwdSharedA, WsBuffer::kBwdSharedDx, WsBuffer::kBwdSymDy, WsBuffer::kBwdSymDtw})
