@@ -28,6 +28,7 @@
 #pragma once
 
 #include "cuda/comm/gather.cuh"
+#include "cuda/fused/forward_dir.cuh"
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/fused/roles/consumers.cuh"
 #include "cuda/fused/roles/finish.cuh"
@@ -112,12 +113,12 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == kProducerThread) produce_tasks(sh, maps, p, g, counts, wait);
-    if (threadIdx.x == kSignalerThread) signal_tasks(sh, p, wait);
+    if (threadIdx.x == kProducerThread) produce_tasks<ForwardDir>(sh, maps, p, g, counts, wait);
+    if (threadIdx.x == kSignalerThread) signal_tasks<ForwardDir>(sh, p, wait);
     return;
   }
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
-  consume_tasks(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
+  consume_tasks<ForwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   finish_and_combine(sh, p, wait);

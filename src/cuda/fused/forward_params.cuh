@@ -125,7 +125,8 @@ __device__ __forceinline__ bool wait_all(const ForwardParams& p, const Wait* wai
 struct TraceWriter {
   mokTraceEvent_t* base = nullptr;
   int32_t cap = 0, count = 0;
-  __device__ TraceWriter(const ForwardParams& p, int recorder) {
+  template <class Params>
+  __device__ TraceWriter(const Params& p, int recorder) {
     if (p.trace) {
       base = p.trace + (static_cast<int64_t>(blockIdx.x) * MOK_TRACE_RECORDERS + recorder) * p.trace_cap;
       cap = p.trace_cap;

@@ -1,14 +1,16 @@
-// The fused forward's consumer roles (warpgroups 1 and 2 of a compute block).
+// The consumer roles of a fused kernel (warpgroups 1 and 2 of a compute block), generic over
+// the direction (forward_dir.cuh).
 #pragma once
 
 #include "cuda/fused/forward_params.cuh"
-#include "cuda/fused/ops/ops.cuh"
 
 namespace mok::cuda::fused {
 
 // ---- consumers: MMAs and epilogues of the producer's tasks -------------------------------------
-__device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
-                              int consumer, const gemm::WaitContext& wait) {
+template <class Dir>
+__device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const typename Dir::Params& p,
+                                              const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
+                                              int consumer, const gemm::WaitContext& wait) {
   using C = TileConfig;
   const bool leader = threadIdx.x % 128 == 0;
   gemm::PipelineState<C::kStages> stage;
@@ -21,19 +23,18 @@ __device__ __forceinline__ void consume_tasks(FusedShared& sh, const ForwardPara
                                  -1))
       break;
     // NOTES: task fields through shuffles, so every branch on them is warp-uniform for ptxas.
-    TaskInfo info = sh.tasks[handoff.index];
+    typename Dir::Task info = sh.tasks[handoff.index];
     info.kind = __shfl_sync(0xffffffffu, info.kind, 0);
     info.block = __shfl_sync(0xffffffffu, info.block, 0);
     info.n_block = __shfl_sync(0xffffffffu, info.n_block, 0);
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
     if (leader) ptx::mbar_arrive(&sh.task_empty[handoff.index]);
     handoff.advance();
-    const TaskKind kind = static_cast<TaskKind>(info.kind);
-    if (kind == TaskKind::kDone) break;
+    if (info.kind == Dir::kDone) break;
     // The op's K loop and epilogue
-    const int32_t k_blocks = visit_op(kind, [&](auto op) { return decltype(op)::k_blocks(p); });
-    if (!gemm::consume_tile(sh.stages, stage, k_blocks, consumer, acc, wait)) break;
-    visit_op(kind, [&acc, consumer, &p, &g, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, info); });
+    const int32_t k_blocks = Dir::visit(info.kind, [&](auto op) { return decltype(op)::k_blocks(p); });
+    if (!Dir::consume(sh.stages, stage, info, k_blocks, consumer, acc, wait)) break;
+    Dir::visit(info.kind, [&acc, consumer, &p, &g, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, info); });
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);

@@ -1,0 +1,79 @@
+// The fused forward as a direction of the task engine: the types and the few functions the
+// generic role loops (roles/) need from a direction.  A direction bundles
+//   Params, Maps, Shared, Geometry, Counts, Task   its kernel's parameter, tensor-map, shared-
+//                                                  memory, geometry, tile-count and task types
+//   kDone                        the task kind that ends the role loops
+//   task_counter(p)              the global task claim counter
+//   decode(sh, task)             task index -> Task (the direction's schedule builder)
+//   visit(kind, f)               f(Op{}) for the op of `kind` (its op list)
+//   waits(task, g, c, out)       what a task waits on (the ops' descriptions; the host model
+//                                of its schedule test reads the same)
+//   wait_all(p, waits, n, wait)  the counters' waits
+//   Load, produce(...)           what an op's tile loads and the producer loop that loads it
+//   consume(...)                 the consumers' MMA loop for a task of k_blocks k-blocks
+//   signal_targets(p), counter<array>(targets, block)   the counter a finished tile of an op
+//                                adds 1 to (or null)
+// The backward (fused/schedule_bwd.cuh, its ops) is the second direction.
+#pragma once
+
+#include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/ops/ops.cuh"
+
+namespace mok::cuda::fused {
+
+struct ForwardDir {
+  using Params = ForwardParams;
+  using MapsT = Maps;
+  using Shared = FusedShared;
+  using GeometryT = Geometry;
+  using Counts = TaskCounts;
+  using Task = TaskInfo;
+  using WaitT = Wait;
+  using Load = gemm::TileLoad;
+  static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
+
+  __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
+    return &p.counters[static_cast<int>(Counter::kTaskNext)];
+  }
+  __device__ __forceinline__ static Task decode(const Shared& sh, int32_t task) { return decode_task(sh, task); }
+  __device__ __forceinline__ static Task done() { return TaskInfo{kDone, 0, 0, 0}; }
+  template <class F>
+  __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {
+    return visit_op(static_cast<TaskKind>(kind), f);
+  }
+  __device__ __forceinline__ static int waits(const Task& t, const GeometryT& g, const Counts& c, WaitT* out) {
+    return task_waits(static_cast<TaskKind>(t.kind), t.block, g, c, out);
+  }
+  __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
+                                                  const gemm::WaitContext& wait) {
+    return fused::wait_all(p, waits, n, wait);
+  }
+  __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
+                                                 const Load& load, const gemm::WaitContext& wait) {
+    return gemm::produce_tile(s, stage, load, wait);
+  }
+  __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
+                                                 const Task&, int32_t k_blocks, int consumer,
+                                                 float (&acc)[TileConfig::kAccRegs], const gemm::WaitContext& wait) {
+    return gemm::consume_tile(s, stage, k_blocks, consumer, acc, wait);
+  }
+  // The counter arrays a tile can add to, by CounterArray (gather_ready, push_done: the comm
+  // blocks'), found once per signaler
+  struct SignalTargets {
+    int32_t* arrays[4];
+  };
+  __device__ __forceinline__ static SignalTargets signal_targets(const Params& p) {
+    int32_t* gu_done = p.counters + static_cast<int>(Counter::kHeader) + p.max_blocks;
+    int32_t* dn_done = gu_done + p.max_blocks;
+    int32_t* sgu_done = dn_done + p.max_blocks;
+    return SignalTargets{{nullptr, gu_done, dn_done, sgu_done}};
+  }
+  template <CounterArray kArray>
+  __device__ __forceinline__ static int32_t* counter(const SignalTargets& t, int32_t block) {
+    static_assert(kArray != CounterArray::kGatherReady && kArray != CounterArray::kPushDone, "comm blocks' counters");
+    if constexpr (kArray == CounterArray::kNone) return nullptr;
+    else return t.arrays[static_cast<int>(kArray)] + block;
+  }
+};
+
+}  // namespace mok::cuda::fused
