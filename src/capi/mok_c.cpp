@@ -498,6 +498,17 @@ mokResult_t mokBackwardSaved(mokWorkspace_t workspace, const mokBackwardArgs_t* 
   });
 }
 
+namespace {
+// Entry r of a group issued from one process: rank r of a group of num_ranks.
+mok::Workspace& group_rank(const mokWorkspace_t* workspaces, int64_t r, int64_t num_ranks, const std::string& tag) {
+  mok::Workspace& ws = workspace_of(workspaces[r]);
+  MOK_CHECK_ARG(ws.config.ep_rank == r && ws.config.ep_size == num_ranks,
+                tag << "workspace of rank " << ws.config.ep_rank << " of " << ws.config.ep_size
+                    << "; entry r must be rank r of a group of num_ranks");
+  return ws;
+}
+}  // namespace
+
 mokResult_t mokForwardGroup(const mokWorkspace_t* workspaces, const mokForwardArgs_t* args, int64_t num_ranks,
                             void* const* streams) {
   return guarded("mokForwardGroup", [&] {
@@ -507,12 +518,8 @@ mokResult_t mokForwardGroup(const mokWorkspace_t* workspaces, const mokForwardAr
     // waiting until timeout_s.
     std::vector<mok::ref::RankInputs> in;
     for (int64_t r = 0; r < num_ranks; ++r) {
-      mok::Workspace& ws = workspace_of(workspaces[r]);
       const std::string tag = "rank " + std::to_string(r) + ": ";
-      MOK_CHECK_ARG(ws.config.ep_rank == r && ws.config.ep_size == num_ranks,
-                    tag << "workspace of rank " << ws.config.ep_rank << " of " << ws.config.ep_size
-                        << "; entry r must be rank r of a group of num_ranks");
-      in.push_back(check_forward_cuda(ws, &args[r], tag));
+      in.push_back(check_forward_cuda(group_rank(workspaces, r, num_ranks, tag), &args[r], tag));
     }
     for (auto phase : {mok::cuda::ForwardPhase::kStart, mok::cuda::ForwardPhase::kPlan,
                        mok::cuda::ForwardPhase::kLayer})
@@ -531,11 +538,8 @@ mokResult_t mokBackwardGroup(const mokWorkspace_t* workspaces, const mokBackward
     std::vector<mok::ref::RankGrads> grads;
     std::vector<mok::cuda::Saved> sv;
     for (int64_t r = 0; r < num_ranks; ++r) {
-      mok::Workspace& ws = workspace_of(workspaces[r]);
       const std::string tag = "rank " + std::to_string(r) + ": ";
-      MOK_CHECK_ARG(ws.config.ep_rank == r && ws.config.ep_size == num_ranks,
-                    tag << "workspace of rank " << ws.config.ep_rank << " of " << ws.config.ep_size
-                        << "; entry r must be rank r of a group of num_ranks");
+      mok::Workspace& ws = group_rank(workspaces, r, num_ranks, tag);
       in.push_back(check_forward_cuda(ws, &args[r].fwd, tag, false));
       const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
       if (!why.empty()) MOK_FAIL(mokNotSupported, tag << why);

@@ -258,6 +258,39 @@ BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokCon
   return b;
 }
 
+// The two weight-gradient launches of a set of experts (`w`: rows, experts, tables): dW_down =
+// dyᵀ · a_w ([H, I]) and [dW_gate; dW_up] = dhᵀ · x ([2I, H], split at I into the two).
+struct WgradOperands {
+  const void *dy, *a_w, *dh, *x;
+  int64_t hidden, inter;
+  void *d_gate, *d_up, *d_down;
+  float *main_gate, *main_up, *main_down;
+  float *acc_gu, *acc_dn;  // null: no expert spans calls
+};
+void launch_wgrad_pair(const gemm::GroupedWgradArgs& w, const WgradOperands& o, cudaStream_t stream) {
+  gemm::GroupedWgradArgs dn = w;
+  dn.a = o.dy;
+  dn.b = o.a_w;
+  dn.mo = o.hidden;
+  dn.no = o.inter;
+  dn.out = o.d_down;
+  dn.main_grad = o.main_down;
+  dn.acc = o.acc_dn;
+  gemm::launch_grouped_wgrad(dn, stream);
+  gemm::GroupedWgradArgs gu = w;
+  gu.a = o.dh;
+  gu.b = o.x;
+  gu.mo = 2 * o.inter;
+  gu.no = o.hidden;
+  gu.out = o.d_gate;
+  gu.out1 = o.d_up;
+  gu.main_grad = o.main_gate;
+  gu.main_grad1 = o.main_up;
+  gu.out_split = o.inter;
+  gu.acc = o.acc_gu;
+  gemm::launch_grouped_wgrad(gu, stream);
+}
+
 gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& c, int64_t* timeout) {
   g.timeout_s = c.timeout_s;
   g.timeout_record = timeout;
@@ -306,12 +339,9 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
                     const void* dy, void* stream_ptr, ForwardPhase phase, const Saved& saved) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  const bool capturing = stream_capturing(stream_ptr);
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
-  const plan::PlanDims d = plan_dims(c);
-  const int64_t El = d.local_experts();
+  const int64_t El = plan_dims(c).local_experts();
   constexpr int kErr = kErrorWords;  // route error words, then the timeout record
   int64_t* timeout = ws.errors + kErr;
   const bool ep = ws.ep_size > 1;
@@ -322,19 +352,11 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
                                   "be captured into a CUDA graph: run one backward before capturing");
         prepare_backward(ws, c);
       }
-      if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-      // Reset once the previous call's copy was read (forward.cu: no timeout is lost)
-      if (capturing || !ws.pending)
-        MOK_CUDA_CHECK(cudaMemsetAsync(timeout, 0, (kWsErrorWords - kErrorWords) * sizeof(int64_t), stream));
-      // EP >= 2: x, dy and the weights into the region, the routing exchange, the start barrier
-      if (ep) ep_start(ws, c, in, timeout, stream, dy);
+      call_start(ws, c, in, stream_ptr, capturing, dy);  // EP >= 2: dy and the weights published too
       return;
-    case ForwardPhase::kPlan: {
-      // The forward's plan, from the same ids (EP >= 2: the group's, as exchanged)
-      const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
-      build_plan(d, routing_of(ws, c, in), pv, ws.errors, ws.device, stream_ptr);
+    case ForwardPhase::kPlan:
+      call_plan(ws, c, in, stream_ptr);  // the forward's plan, from the same ids
       return;
-    }
     case ForwardPhase::kLayer:
       break;
   }
@@ -403,29 +425,11 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     w.acc_slot = b.n_acc > 0 ? t + 2 + 3 * El : nullptr;  // no expert spans a macrobatch otherwise
     w.timeout_s = c.timeout_s;
     w.timeout_record = timeout;
-    // dW_down[e] = dyᵀ · wa  ([H, I])
-    gemm::GroupedWgradArgs dn = w;
-    dn.a = b.dy_rows;
-    dn.b = b.wa;
-    dn.mo = H;
-    dn.no = I;
-    dn.out = g.dw_down;
-    dn.main_grad = g.main_down;
-    dn.acc = b.n_acc > 0 ? b.acc_dn : nullptr;
-    gemm::launch_grouped_wgrad(dn, stream);
-    // [dW_gate; dW_up][e] = dhᵀ · x  ([2I, H], split at I into the two gradients)
-    gemm::GroupedWgradArgs gu = w;
-    gu.a = b.dh;
-    gu.b = b.x_rows;
-    gu.mo = 2 * I;
-    gu.no = H;
-    gu.out = g.dw_gate;
-    gu.out1 = g.dw_up;
-    gu.main_grad = g.main_gate;
-    gu.main_grad1 = g.main_up;
-    gu.out_split = I;
-    gu.acc = b.n_acc > 0 ? b.acc_gu : nullptr;
-    gemm::launch_grouped_wgrad(gu, stream);
+    launch_wgrad_pair(w,
+                      WgradOperands{b.dy_rows, b.wa, b.dh, b.x_rows, H, I, g.dw_gate, g.dw_up, g.dw_down, g.main_gate,
+                                    g.main_up, g.main_down, b.n_acc > 0 ? b.acc_gu : nullptr,
+                                    b.n_acc > 0 ? b.acc_dn : nullptr},
+                      stream);
   }
 
   // The shared expert over the tokens themselves (weight 1)
@@ -455,25 +459,10 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     w.expert_count = b.shared_table + 2;
     w.timeout_s = c.timeout_s;
     w.timeout_record = timeout;
-    gemm::GroupedWgradArgs dn = w;
-    dn.a = T > 0 ? dy : nullptr;
-    dn.b = b.sh_a;
-    dn.mo = H;
-    dn.no = Is;
-    dn.out = g.dws_down;
-    dn.main_grad = g.main_s_down;
-    gemm::launch_grouped_wgrad(dn, stream);
-    gemm::GroupedWgradArgs gu = w;
-    gu.a = b.sh_dh;
-    gu.b = T > 0 ? in.x : nullptr;
-    gu.mo = 2 * Is;
-    gu.no = H;
-    gu.out = g.dws_gate;
-    gu.out1 = g.dws_up;
-    gu.main_grad = g.main_s_gate;
-    gu.main_grad1 = g.main_s_up;
-    gu.out_split = Is;
-    gemm::launch_grouped_wgrad(gu, stream);
+    launch_wgrad_pair(w,
+                      WgradOperands{T > 0 ? dy : nullptr, b.sh_a, b.sh_dh, T > 0 ? in.x : nullptr, H, Is, g.dws_gate,
+                                    g.dws_up, g.dws_down, g.main_s_gate, g.main_s_up, g.main_s_down, nullptr, nullptr},
+                      stream);
   }
 
   // d topk_weights (0 for masked routes; EP >= 2: pushed home) and dx

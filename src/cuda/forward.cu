@@ -499,33 +499,46 @@ plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, co
   return v;
 }
 
+bool stream_capturing(void* stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOK_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+void call_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* stream_ptr, bool capturing,
+                const void* dy) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  // Raise what an earlier call recorded, without waiting for it (never while capturing: an
+  // event query would invalidate the capture).
+  if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
+  // The timeout record is reset only once the previous call's copy has been read: a timeout
+  // of a call whose copy has not landed yet stays set (this call's kernels then leave at once
+  // and its own copy reports it), so that no timeout is lost.
+  if (capturing || !ws.pending)
+    MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
+  // EP >= 2: x (the backward: dy and the weights too) into the region, the routing exchange,
+  // the start barrier
+  if (ws.ep_size > 1) ep_start(ws, c, in, ws.errors + kRouteErrorWords, stream, dy);
+}
+
+void call_plan(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* stream_ptr) {
+  // Plan build from the device-resident ids (EP >= 2: the whole group's, in the own region)
+  const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
+  build_plan(plan_dims(c), routing_of(ws, c, in), pv, ws.errors, ws.device, stream_ptr);
+}
+
 void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* y, void* stream_ptr,
                    ForwardPhase phase, const Saved& save) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  MOK_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
-  const plan::PlanDims d = plan_dims(c);
+  const bool capturing = stream_capturing(stream_ptr);
   switch (phase) {
     case ForwardPhase::kStart:
-      // Raise what an earlier call recorded, without waiting for it (never while capturing:
-      // an event query would invalidate the capture).
-      if (!capturing) check_errors(ws, static_cast<int>(c.ep_rank), false);
-      // The timeout record is reset only once the previous call's copy has been read: a timeout
-      // of a call whose copy has not landed yet stays set (this call's kernels then leave at
-      // once and its own copy reports it), so that no timeout is lost.
-      if (capturing || !ws.pending)
-        MOK_CUDA_CHECK(cudaMemsetAsync(ws.errors + kRouteErrorWords, 0, kTimeoutWords * sizeof(int64_t), stream));
-      // EP >= 2: x into the region, the routing exchange, the start barrier
-      if (ws.ep_size > 1) ep_start(ws, c, in, ws.errors + kRouteErrorWords, stream);
+      call_start(ws, c, in, stream_ptr, capturing, nullptr);
       return;
-    case ForwardPhase::kPlan: {
-      // Plan build from the device-resident ids (EP >= 2: the whole group's, in the own region)
-      const plan::PlanView pv{ws.rows, ws.expert_count, ws.expert_offset, ws.block_expert};
-      build_plan(d, routing_of(ws, c, in), pv, ws.errors, ws.device, stream_ptr);
+    case ForwardPhase::kPlan:
+      call_plan(ws, c, in, stream_ptr);
       return;
-    }
     case ForwardPhase::kLayer:
       if (use_unfused_path()) {
         MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "

@@ -66,5 +66,11 @@ struct DeviceWorkspace {
 // The routing of this call (EP = 1: its ids; EP >= 2: the group's, in the own region).
 plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in);
 void destroy_backward_buffers(BackwardBuffers* b);
+// The phases every call shares (forward.cu): the error check and reset, EP >= 2 publication,
+// routing exchange and start barrier (dy: the backward's); the plan build.
+bool stream_capturing(void* stream);
+void call_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* stream, bool capturing,
+                const void* dy);
+void call_plan(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* stream);
 
 }  // namespace mok::cuda
