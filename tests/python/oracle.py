@@ -108,3 +108,24 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 1
         return
     rel = diff.norm().item() / ref_norm
     assert rel < tol, f"{name}: relative Frobenius error {rel:.3e} >= {tol} (max-abs {max_abs:.3e})"
+
+
+# The BENCH.md shapes (bench/shapes.py): H, I, k, E, T
+BENCH_SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
+                "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
+                "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096),
+                "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}
+
+
+def bench_shape_layer(gen, name, dev="cuda"):
+    """(x, topk_ids, topk_weights, weights) of a BENCH.md shape at full size on `dev`: softmax
+    top-k routing renormalised, weights scaled by 1/sqrt(fan-in)."""
+    H, I, k, E, T = BENCH_SHAPES[name]
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    logits = torch.randn(T, E, generator=gen)
+    tw, ids = logits.softmax(-1).topk(k, dim=-1)
+    ids, tw = ids.int().to(dev), (tw / tw.sum(-1, keepdim=True)).to(dev)
+    w = {"w_gate": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
+         "w_up": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
+         "w_down": (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()}
+    return x, ids, tw, w

@@ -6,7 +6,7 @@ import torch
 
 import mok
 from mok import functional as F
-from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference
+from oracle import BENCH_SHAPES, WEIGHTS, assert_close, bench_shape_layer, make_routing, make_weights, make_x, reference
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -152,20 +152,11 @@ def test_cuda_forward_bench_shapes(gen, name):
     # Every shape of bench/shapes.py (docs/benchmarks.md) at full size; a sample of tokens against
     # a float64 oracle on the GPU (a token's output does not depend on the other tokens: batch
     # invariance).
-    H, I, k, E, T = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
-                     "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
-                     "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096),
-                     "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}[name]
     # The default config throughout: T = 32768 (fg*) makes 130k rows, which mok's own choice of
     # minibatch and ring sizes must handle.
+    H, I, k, E, T = BENCH_SHAPES[name]
     dev = "cuda"
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
-    logits = torch.randn(T, E, generator=gen)
-    tw, ids = logits.softmax(-1).topk(k, dim=-1)
-    ids, tw = ids.int().to(dev), (tw / tw.sum(-1, keepdim=True)).to(dev)
-    w = {"w_gate": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
-         "w_up": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
-         "w_down": (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()}
+    x, ids, tw, w = bench_shape_layer(gen, name, dev)
     y, _ = F.forward(x, ids, tw, **w)
     again, _ = F.forward(x, ids, tw, **w)
     assert torch.equal(y, again), f"{name}: not bitwise reproducible"

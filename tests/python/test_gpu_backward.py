@@ -8,7 +8,8 @@ import torch
 
 import mok
 from mok import functional as F
-from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference, route_term_norms
+from oracle import (BENCH_SHAPES, WEIGHTS, assert_close, bench_shape_layer, make_routing, make_weights, make_x,
+                    reference, route_term_norms)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -200,17 +201,10 @@ def test_cuda_backward_rejects_what_it_cannot_run(gen):
 def test_cuda_backward_bench_shapes(gen, name):
     # Full size with the default config; sampled tokens and one expert's weight gradients
     # against float64 on the GPU, and two runs bitwise equal.
-    H, I, k, E, T = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096),
-                     "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}[name]
+    H, I, k, E, T = BENCH_SHAPES[name]
     dev = "cuda"
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).to(dev)
+    x, ids, tw, w = bench_shape_layer(gen, name, dev)
     dy = (torch.randn(T, H, generator=gen) * 0.1).to(torch.bfloat16).to(dev)
-    logits = torch.randn(T, E, generator=gen)
-    tw, ids = logits.softmax(-1).topk(k, dim=-1)
-    ids, tw = ids.int().to(dev), (tw / tw.sum(-1, keepdim=True)).to(dev)
-    w = {"w_gate": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
-         "w_up": (torch.randn(E, I, H, device=dev) / H ** 0.5).bfloat16(),
-         "w_down": (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()}
     ctx = F.recompute_forward_context(x, ids, tw, **w)
     g = F.backward(ctx, dy)
     _assert_bitwise(name, g, F.backward(ctx, dy))
