@@ -66,24 +66,13 @@ Expanded expand(const Geometry& g, const TaskCounts& c) {
   return x;
 }
 
-// The counters a finished tile adds to: (array, index) pairs.
-std::vector<std::pair<CounterArray, int32_t>> signals(const TaskTile& t, const Geometry& g, int32_t shared_total) {
-  switch (static_cast<TaskKind>(t.kind)) {
-    case TaskKind::kReplay: return {{CounterArray::kReplayDone, t.unit}};
-    case TaskKind::kDgradDown:
-      return {{CounterArray::kDgradDownDone, t.unit},
-              {CounterArray::kExpertDgradDone, g.expert_of(t.unit) * g.num_macro + g.macro_of(t.unit)}};
-    case TaskKind::kDgradGateUp: return {{CounterArray::kDgradGateUpDone, t.unit}};
-    case TaskKind::kSharedReplay: return {{CounterArray::kSharedReplayDone, t.unit}};
-    case TaskKind::kSharedDgradDown:
-      return {{CounterArray::kSharedDgradDownDone, t.unit}, {CounterArray::kSharedDgradDownDone, shared_total}};
-    case TaskKind::kSharedDgradGateUp:
-    case TaskKind::kSharedWgradDown:
-    case TaskKind::kSharedWgradGateUp: return {};
-    default:
-      if (t.macro < 0) return {};
-      return {{CounterArray::kWgradDone, t.unit * g.num_macro + t.macro}};
-  }
+// The counters a finished tile adds to: (array, index) pairs, from the schedule's description.
+std::vector<std::pair<CounterArray, int32_t>> signals(const TaskTile& t, const Geometry& g, const TaskCounts& c) {
+  Signal out[kMaxSignals];
+  const int n = task_signals(static_cast<TaskKind>(t.kind), t.unit, t.macro, g, c, out);
+  std::vector<std::pair<CounterArray, int32_t>> v;
+  for (int i = 0; i < n; ++i) v.emplace_back(out[i].array, out[i].index);
+  return v;
 }
 
 void check_list(const Case& k) {
@@ -108,7 +97,7 @@ void check_list(const Case& k) {
   std::map<std::pair<int, int32_t>, std::vector<int32_t>> signalers;
   std::map<int32_t, int32_t> first_waiter_on_gather;
   for (int32_t t = 0; t < x.num_tasks; ++t)
-    for (const auto& s : signals(x.tiles[static_cast<size_t>(t)], g, c.shared_blocks))
+    for (const auto& s : signals(x.tiles[static_cast<size_t>(t)], g, c))
       signalers[{static_cast<int>(s.first), s.second}].push_back(t);
   // Waits point at lower-numbered tasks, and expect exactly what their signalers add
   for (int32_t t = 0; t < x.num_tasks; ++t) {
@@ -224,7 +213,7 @@ bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std:
         } else {
           const TaskTile& t = x.tiles[static_cast<size_t>(cb.computing)];
           if (wgrad(t) && t.macro >= 0) acc_last[{t.kind, t.unit, t.n}] = t.macro;
-          for (const auto& s : signals(t, g, k.c.shared_blocks))
+          for (const auto& s : signals(t, g, k.c))
             ++counters[static_cast<size_t>(s.first)][static_cast<size_t>(s.second)];
           cb.computing = -1;
           ++finished;

@@ -156,6 +156,45 @@ MOK_HD int task_waits(TaskKind kind, int32_t unit, int32_t macro, const Geometry
   }
 }
 
+// What a finished tile of `kind` adds 1 to: (array, index) pairs; returns the count (host and
+// device: the kernel's signaler, and the host protocol model of tests/cpp/test_schedule_bwd.cpp).
+struct Signal {
+  CounterArray array;
+  int32_t index;
+};
+inline constexpr int kMaxSignals = 2;
+MOK_HD int task_signals(TaskKind kind, int32_t unit, int32_t macro, const Geometry& g, const TaskCounts& c,
+                        Signal* out) {
+  switch (kind) {
+    case TaskKind::kReplay:
+      out[0] = Signal{CounterArray::kReplayDone, unit};
+      return 1;
+    case TaskKind::kDgradDown:
+      // Its block, and the expert's count in the block's macrobatch (the wgrad tiles wait on it)
+      out[0] = Signal{CounterArray::kDgradDownDone, unit};
+      out[1] = Signal{CounterArray::kExpertDgradDone, g.expert_of(unit) * g.num_macro + g.macro_of(unit)};
+      return 2;
+    case TaskKind::kDgradGateUp:
+      out[0] = Signal{CounterArray::kDgradGateUpDone, unit};
+      return 1;
+    case TaskKind::kSharedReplay:
+      out[0] = Signal{CounterArray::kSharedReplayDone, unit};
+      return 1;
+    case TaskKind::kSharedDgradDown:
+      // Its token block, and the running total past the last block (the shared wgrad waits on it)
+      out[0] = Signal{CounterArray::kSharedDgradDownDone, unit};
+      out[1] = Signal{CounterArray::kSharedDgradDownDone, c.shared_blocks};
+      return 2;
+    case TaskKind::kWgradDown:
+    case TaskKind::kWgradGateUp:
+      if (macro < 0) return 0;  // an expert without rows: nothing waits on its zero tiles
+      out[0] = Signal{CounterArray::kWgradDone, unit * g.num_macro + macro};
+      return 1;
+    default:
+      return 0;  // the shared dgrad gate/up and wgrad tiles are read after the grid barrier
+  }
+}
+
 // The comm blocks' wait before gathering block b (dy rows, and x rows when it replays): every
 // reader of its ring slot's previous occupant finished (dgrad down reads dy and h, dgrad
 // gate/up reads dg | du, the wgrad tiles read dy, w·a, dg | du and x).
