@@ -28,6 +28,7 @@
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/forward.hpp"
+#include "cuda/fused/schedule_bwd.cuh"
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
@@ -142,12 +143,7 @@ __global__ void bwd_tables_kernel(const int32_t* __restrict__ expert_offset, con
   }
   if (tid >= num_macro) return;
   const int32_t m = static_cast<int32_t>(tid);
-  const int32_t total = expert_offset[num_experts];
-  const int32_t live = total > 0 ? (total + ring_rows - 1) / ring_rows : 1;  // macrobatches with rows
-  auto first_of = [&](int32_t e) { return min(expert_offset[e] / ring_rows, live - 1); };
-  auto last_of = [&](int32_t e) {
-    return expert_offset[e + 1] > expert_offset[e] ? (expert_offset[e + 1] - 1) / ring_rows : first_of(e);
-  };
+  const int32_t live = fused::bwd::live_macros(expert_offset[num_experts], ring_rows);
   int32_t* t = tables + m * words;
   int32_t* offset = t + 2;
   int32_t* count = offset + num_experts;
@@ -155,17 +151,13 @@ __global__ void bwd_tables_kernel(const int32_t* __restrict__ expert_offset, con
   int32_t* slot = mode + num_experts;
   int32_t begin = num_experts, end = 0;
   for (int32_t e = 0; e < num_experts; ++e) {
-    const int32_t f = first_of(e), l = last_of(e);
-    const bool in = f <= m && m <= l;
-    const int32_t lo = max(expert_offset[e], m * ring_rows);
-    const int32_t hi = min(expert_offset[e] + expert_count[e], (m + 1) * ring_rows);
-    offset[e] = lo;
-    count[e] = in ? max(0, hi - lo) : 0;
-    mode[e] = in ? (m > f ? gemm::kWgradAccumulate : 0) | (m < l ? gemm::kWgradStoreAcc : 0) |
-                       (m == l ? gemm::kWgradFinal : 0)
-                 : -1;
-    slot[e] = f < l ? (slot_by_expert ? e : f) : 0;
-    if (in) {
+    const fused::bwd::WgradPiece w =
+        fused::bwd::wgrad_piece(expert_offset[e], expert_count[e], expert_offset[e + 1], m, ring_rows, live);
+    offset[e] = w.row0;
+    count[e] = w.count;
+    mode[e] = w.mode;
+    slot[e] = w.first_macro < w.last_macro ? (slot_by_expert ? e : w.first_macro) : 0;
+    if (w.mode >= 0) {
       begin = min(begin, e);
       end = max(end, e + 1);
     }

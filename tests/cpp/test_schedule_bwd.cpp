@@ -302,5 +302,55 @@ TEST(BackwardSchedule, ProtocolModelFinishesUnderRandomInterleavings) {
   }
 }
 
+// The wgrad pieces (wgrad_piece: the rows each macrobatch's wgrad tiles of an expert sum, and
+// what they do with the fp32 sum) on random plans: every real row in exactly one piece, in
+// ascending macrobatches; the first piece starts the sum, the last writes it, the others carry
+// it in the accumulator; an expert without rows gets one final piece of no rows; and a piece
+// exists exactly where the fused schedule emits the expert's wgrad tiles (expert_in).
+TEST(BackwardSchedule, WgradPiecesCoverEveryRowOnceInOrder) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int32_t E = static_cast<int32_t>(1 + rng() % 9), ring_blocks = static_cast<int32_t>(1 + rng() % 5);
+    const int32_t R = ring_blocks * 128;
+    std::vector<int32_t> offset{0}, count, begin, end;
+    for (int32_t e = 0; e < E; ++e) {
+      const int32_t c = rng() % 4 == 0 ? 0 : rng() % 3 == 0 ? static_cast<int32_t>(1 + rng() % 3) * 128
+                                                            : static_cast<int32_t>(rng() % 900);
+      count.push_back(c);
+      offset.push_back(offset.back() + (c + 127) / 128 * 128);
+      begin.push_back(offset[static_cast<size_t>(e)] / 128);
+      end.push_back(offset.back() / 128);
+    }
+    const int32_t live = live_macros(offset.back(), R);
+    const Geometry g = Geometry::make(offset.back() / 128, ring_blocks, 1, E, begin.data(), end.data());
+    for (int32_t e = 0; e < E; ++e) {
+      SCOPED_TRACE("trial " + std::to_string(trial) + " expert " + std::to_string(e) + " rows " +
+                   std::to_string(count[static_cast<size_t>(e)]) + " ring " + std::to_string(R));
+      int32_t covered = 0, finals = 0, next_row = offset[static_cast<size_t>(e)], pieces = 0;
+      for (int32_t m = 0; m < live; ++m) {
+        const WgradPiece w = wgrad_piece(offset[static_cast<size_t>(e)], count[static_cast<size_t>(e)],
+                                         offset[static_cast<size_t>(e) + 1], m, R, live);
+        if (count[static_cast<size_t>(e)] > 0) ASSERT_EQ(w.mode >= 0, g.expert_in(e, m)) << "macro " << m;
+        if (w.mode < 0) continue;
+        ++pieces;
+        ASSERT_EQ(w.row0, next_row) << "macro " << m << ": pieces must be contiguous";
+        ASSERT_EQ(w.row0 % 64, 0) << "the wgrad kind reads k-blocks of 64 rows from row0";
+        next_row += w.count;
+        covered += w.count;
+        ASSERT_EQ((w.mode & gemm::kWgradAccumulate) != 0, m > w.first_macro) << "macro " << m;
+        ASSERT_EQ((w.mode & gemm::kWgradStoreAcc) != 0, m < w.last_macro) << "macro " << m;
+        finals += (w.mode & gemm::kWgradFinal) != 0;
+        if ((w.mode & gemm::kWgradFinal) != 0) ASSERT_EQ(m, w.last_macro);
+        if (m < w.last_macro) ASSERT_EQ(w.row0 + w.count, (m + 1) * R) << "a carried piece ends at its macrobatch";
+      }
+      ASSERT_EQ(covered, count[static_cast<size_t>(e)]) << "every real row in one piece";
+      ASSERT_EQ(finals, 1) << "one piece writes the gradient";
+      if (count[static_cast<size_t>(e)] == 0) ASSERT_EQ(pieces, 1) << "an expert without rows: one piece of zeros";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mok::cuda::fused::bwd

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
 
 namespace mok::cuda::fused::bwd {
@@ -193,6 +194,35 @@ MOK_HD int task_signals(TaskKind kind, int32_t unit, int32_t macro, const Geomet
     default:
       return 0;  // the shared dgrad gate/up and wgrad tiles are read after the grid barrier
   }
+}
+
+// The rows of one expert that the wgrad tiles of macrobatch m sum over, and what those tiles
+// do with the fp32 sum (gemm::kWgradAccumulate / kWgradStoreAcc / kWgradFinal; mode < 0: the
+// expert has no rows in m).  The expert's rows are [begin_row, begin_row + real_rows), its
+// padded blocks end at end_row; a macrobatch holds ring_rows rows and the call has
+// live_macros of them.  An expert without rows sits in the macrobatch of its (empty) range,
+// clamped to the last one: one final tile of zeros.  The unfused backward's tables
+// (backward.cu) and the fused backward's wgrad tiles both take their K loops from here, so that
+// the two sum the same rows in the same pieces.
+struct WgradPiece {
+  int32_t row0, count, mode;
+  int32_t first_macro, last_macro;  // the expert's; first < last: its sum spans macrobatches
+};
+MOK_HD WgradPiece wgrad_piece(int32_t begin_row, int32_t real_rows, int32_t end_row, int32_t m, int32_t ring_rows,
+                              int32_t live_macros) {
+  const int32_t first = plan::min64(begin_row / ring_rows, live_macros - 1);
+  const int32_t last = end_row > begin_row ? (end_row - 1) / ring_rows : first;
+  const int32_t lo = begin_row > m * ring_rows ? begin_row : m * ring_rows;
+  if (m < first || m > last) return WgradPiece{lo, 0, -1, first, last};
+  const int32_t real_end = begin_row + real_rows, m_end = (m + 1) * ring_rows;
+  const int32_t hi = real_end < m_end ? real_end : m_end;
+  const int32_t mode = (m > first ? gemm::kWgradAccumulate : 0) | (m < last ? gemm::kWgradStoreAcc : 0) |
+                       (m == last ? gemm::kWgradFinal : 0);
+  return WgradPiece{lo, hi > lo ? hi - lo : 0, mode, first, last};
+}
+// Macrobatches that hold rows of a call of total_rows (at least 1).
+MOK_HD int32_t live_macros(int32_t total_rows, int32_t ring_rows) {
+  return total_rows > 0 ? (total_rows + ring_rows - 1) / ring_rows : 1;
 }
 
 // The comm blocks' wait before gathering block b (dy rows, and x rows when it replays): every
