@@ -24,6 +24,7 @@
 
 #include "cuda/comm/combine.cuh"
 #include "cuda/comm/ep.cuh"
+#include "cuda/comm/plan_rows.cuh"
 #include "cuda/ep.hpp"
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
@@ -83,11 +84,7 @@ __global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ r
                                   const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
                                   int64_t row_vecs, uint4* __restrict__ x_rows, uint4* __restrict__ dy_rows,
                                   float* __restrict__ row_weight) {
-  const int64_t total = expert_offset[num_local];
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < total; i += warps) {
-    const uint32_t rec = rows[i];
+  for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
     uint4* xd = x_rows + i * row_vecs;
     uint4* dd = dy_rows + i * row_vecs;
     if (row_is_pad(rec)) {
@@ -105,24 +102,20 @@ __global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ r
       }
       if (lane == 0) row_weight[i] = (peer ? ep::weights_of(src.group, s) : src.topk_weights)[t * topk + row_slot(rec)];
     }
-  }
+  });
 }
 
 // ---- EP >= 2: each routed dx row to its home rank's slot token*k + j ------------------------
 __global__ void bwd_push_kernel(ep::Group g, const uint32_t* __restrict__ rows,
                                 const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
                                 int64_t row_vecs, const uint4* __restrict__ dx_rows) {
-  const int64_t total = expert_offset[num_local];
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < total; i += warps) {
-    const uint32_t rec = rows[i];
-    if (row_is_pad(rec)) continue;
+  for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
+    if (row_is_pad(rec)) return;
     uint4* dst = reinterpret_cast<uint4*>(ep::slots_of(g, row_rank(rec))) +
                  (row_token(rec) * topk + row_slot(rec)) * row_vecs;
     const uint4* from = dx_rows + i * row_vecs;
     for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = from[v];
-  }
+  });
 }
 
 // ---- the wgrad tables of every macrobatch (one thread per macrobatch) and the shared one -----

@@ -85,5 +85,7 @@ void grouped_wgrad(const GroupedWgradCall& call, void* stream);
 // error_record[0..3] (layout in common/defs.hpp).  Throws mok::Error on a CUDA failure.
 void build_plan(const plan::PlanDims& dims, const plan::RoutingView& routing, const plan::PlanView& out,
                 int64_t* error_record, int device, void* stream);
+// Loads the plan build's kernels (lazy module loading: prepare_backward).
+void load_plan_kernels();
 
 }  // namespace mok::cuda

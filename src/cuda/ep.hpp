@@ -23,8 +23,7 @@ void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
 void ep_end(DeviceWorkspace& ws, const mokConfig_t& c, int64_t* timeout_record, cudaStream_t stream);
 // The routing of the whole group as this rank's region holds it (T_s read on the device).
 plan::RoutingView ep_routing(const DeviceWorkspace& ws, const mokConfig_t& c);
-// Loads the EP kernels and the plan build's (lazy module loading: backward.cu, prepare_backward).
+// Loads the EP kernels (lazy module loading: backward.cu, prepare_backward).
 void ep_load_kernels();
-void load_plan_kernels();
 
 }  // namespace mok::cuda

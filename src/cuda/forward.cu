@@ -15,6 +15,7 @@
 
 #include "cuda/cuda_api.hpp"
 #include "cuda/comm/combine.cuh"
+#include "cuda/comm/plan_rows.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/ep.hpp"
 #include "cuda/fused/forward_kernel.cuh"
@@ -35,11 +36,7 @@ constexpr int kAllErrorWords = kRouteErrorWords + kTimeoutWords;
 __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint32_t* __restrict__ rows,
                                    const int32_t* __restrict__ expert_offset, int32_t num_local, int64_t row_vecs,
                                    uint4* __restrict__ ring) {
-  const int64_t total = expert_offset[num_local];
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < total; i += warps) {
-    const uint32_t rec = rows[i];
+  for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
     uint4* dst = ring + i * row_vecs;
     if (row_is_pad(rec)) {
       for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
@@ -47,7 +44,7 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint32_t* 
       const uint4* src = x + row_token(rec) * row_vecs;
       for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = __ldg(src + v);
     }
-  }
+  });
 }
 
 // ---- combine: one warp per token (combine_token_warp), 4 warps per block -------------------------

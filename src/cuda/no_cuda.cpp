@@ -40,6 +40,7 @@ void backward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&
 }
 std::string unsupported_backward_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
 void prepare_backward(DeviceWorkspace&, const mokConfig_t&) { no_cuda(); }
+void load_plan_kernels() { no_cuda(); }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
 void grouped_wgrad(const GroupedWgradCall&, void*) { no_cuda(); }
 
