@@ -218,11 +218,15 @@ def backward_rows(args, H, I, k, E, T):
         "mok fwd+bwd": mok_fb,
         f"mok bwd ring={ring}": lambda: F.backward(saved_all, dy),
         f"mok fwd+bwd ring={ring}": lambda: mok_fb(ws_all),
+        # The same tiles as separate launches (MOK_BACKWARD_PATH=unfused): the fused kernel's gain
+        "mok bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, lambda: F.backward(saved_ctx, dy)),
+        "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
+    d = variants["mok bwd unfused"]()
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
-        if not (torch.equal(getattr(a, name), getattr(b, name)) and torch.equal(getattr(a, name), getattr(c, name))):
-            raise SystemExit(f"mok backward: {name} differs between two runs or with the saved h")
+        if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in (b, c, d)):
+            raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h or unfused")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 12 * T * k * H * I  # dgrad + wgrad of the three projections
@@ -234,7 +238,7 @@ def backward_rows(args, H, I, k, E, T):
     saved = saved_ctx.saved[0].numel() * 2 / T
     print(f"  activation memory kept between forward and backward, per token: mok {saved / 1024:.1f} KiB "
           f"(h = [g | u] of its routed rows, worst-case rows), torch autograd {torch_kept / T / 1024:.1f} KiB")
-    for tag in ("", f" ring={ring}"):
+    for tag in ("", " unfused", f" ring={ring}"):
         print(f"  torch / mok{tag}: backward {ms['torch EP=1 bwd'] / ms['mok bwd' + tag]:.3f}   fwd+bwd "
               f"{ms['torch EP=1 fwd+bwd'] / ms['mok fwd+bwd' + tag]:.3f}   mok bwd / torch GEMMs "
               f"{ms['mok bwd' + tag] / ms['torch bwd GEMMs']:.3f}")

@@ -72,6 +72,7 @@ namespace mok {
   X(kUbTables, "unfused_bwd.tables", int32_t, "i32", false)        \
   X(kUbAccGateUp, "unfused_bwd.acc_gu", float, "f32", false)       \
   X(kUbAccDown, "unfused_bwd.acc_dn", float, "f32", false)         \
+  X(kUbCounters, "fused_bwd.counters", int32_t, "i32", false)      \
   X(kBwdDyRing, "bwd.dy_ring", uint16_t, "bf16", true)             \
   X(kBwdXRing, "bwd.x_ring", uint16_t, "bf16", true)               \
   X(kBwdH, "bwd.h", uint16_t, "bf16", true)                        \
@@ -363,6 +364,12 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
           "fp32 [dW_gate; dW_up] of the experts whose rows span macrobatches", 0, 4, L.n_acc, 2, I, H);
     L.put(WsBuffer::kUbAccDown, WsPlace::kSeparate, "n_acc*H*I", "fp32 dW_down of the same experts", 0, 3, L.n_acc, H,
           I);
+    // The fused backward's dependency counters (cuda/fused/schedule_bwd.cuh, CounterArray):
+    // task claim and grid barrier, 5 per row block, 2 per (expert, macrobatch), 2 per shared
+    // token block and its total; zeroed per launch
+    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 2*(shared_blocks + 1)",
+          "zeroed per fused backward launch (the same allocation)", 2, 1,
+          5 * L.max_blocks + 2 * L.El * L.n_macro + 2 * (L.shared_blocks + 1));
   }
   if (!bwd) return L;
 

@@ -19,7 +19,9 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
+#include <vector>
 #include <cstdint>
 
 #include "cuda/comm/combine.cuh"
@@ -29,8 +31,10 @@
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/forward.hpp"
+#include "cuda/fused/backward_kernel.cuh"
 #include "cuda/fused/schedule_bwd.cuh"
 #include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/tensor_map.hpp"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
 #include "runtime/env.hpp"
@@ -64,6 +68,9 @@ struct BackwardBuffers {
   float* acc_gu = nullptr;
   float* acc_dn = nullptr;
   int64_t num_macro = 0, n_acc = 0;
+  // the fused backward's dependency counters (zeroed per launch)
+  int32_t* counters = nullptr;
+  int64_t num_counters = 0;
 };
 
 namespace {
@@ -198,7 +205,8 @@ BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokCon
                                         WsBuffer::kUbDh,        WsBuffer::kUbWa,         WsBuffer::kUbDxRows,
                                         WsBuffer::kUbRowWeight, WsBuffer::kUbDtwPartials, WsBuffer::kUbSharedH,
                                         WsBuffer::kUbSharedDh,  WsBuffer::kUbSharedA,    WsBuffer::kUbOnes,
-                                        WsBuffer::kUbTables,    WsBuffer::kUbAccGateUp,  WsBuffer::kUbAccDown};
+                                        WsBuffer::kUbTables,    WsBuffer::kUbAccGateUp,  WsBuffer::kUbAccDown,
+                                        WsBuffer::kUbCounters};
   int64_t total = 0;
   for (WsBuffer id : kParts)
     if (L.present(id)) total += ws_align_up(std::max<int64_t>(L[id].bytes, 1), kWsTmaAlign);
@@ -239,6 +247,11 @@ BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokCon
   b->shared_table = b->tables + b->num_macro * table_words(L.El);
   b->acc_gu = static_cast<float*>(get(WsBuffer::kUbAccGateUp));
   b->acc_dn = static_cast<float*>(get(WsBuffer::kUbAccDown));
+  b->counters = static_cast<int32_t*>(get(WsBuffer::kUbCounters));
+  b->num_counters = L[WsBuffer::kUbCounters].count;
+  // The dx sum's unit weights: constant, written once (the unfused tables kernel rewrites them)
+  const std::vector<float> ones(static_cast<size_t>(L[WsBuffer::kUbOnes].count), 1.0f);
+  MOK_CUDA_CHECK(cudaMemcpy(b->ones, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   (void)c;
   return b;
 }
@@ -282,6 +295,176 @@ gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& 
   return g;
 }
 
+// ---- the fused backward (fused/backward_kernel.cuh) ------------------------------------------
+// Its minibatch (row blocks): the forward's, grown to a divisor of the ring until the task list
+// of a worst-case plan fits the kernel's table; 0 where none does.
+int32_t fused_minibatch_blocks(const DeviceWorkspace& ws, const mokConfig_t& c) {
+  const int64_t ring = c.macrobatch_size / 128;
+  for (int64_t m = std::max<int64_t>(1, c.minibatch_size / 128); m <= ring; ++m)
+    if (ring % m == 0 && plan::ceil_div(ws.max_blocks, m) <= fused::bwd::kMaxMinibatches) return static_cast<int32_t>(m);
+  return 0;
+}
+
+// Why this shape runs the unfused launches instead (empty: the fused kernel runs it).
+std::string fused_backward_limit(const DeviceWorkspace& ws, const mokConfig_t& c) {
+  std::ostringstream why;
+  const int64_t El = plan_dims(c).local_experts();
+  if (c.hidden > 8192) why << "hidden = " << c.hidden << " > 8192 (the comm warps' staging rows)";
+  else if (El > fused::bwd::kMaxExperts) why << El << " local experts > " << fused::bwd::kMaxExperts;
+  else if (fused_minibatch_blocks(ws, c) == 0)
+    why << "a plan of " << ws.max_blocks << " row blocks in macrobatches of " << c.macrobatch_size
+        << " rows needs more than " << fused::bwd::kMaxMinibatches << " minibatches";
+  else if (ws.grid < 2) why << "a grid of " << ws.grid << " block (a comm block and a compute block at least)";
+  return why.str();
+}
+
+bool use_fused_backward(const DeviceWorkspace& ws, const mokConfig_t& c) {
+  const std::string path = env::get(env::kBackwardPath);
+  MOK_CHECK_ARG(path == "fused" || path == "unfused",
+                env::kBackwardPath.name << " = " << path << ": expected fused or unfused");
+  return path == "fused" && fused_backward_limit(ws, c).empty();
+}
+
+void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+                    const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout) {
+  namespace fb = fused::bwd;
+  BackwardBuffers& b = *ws.bwd;
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
+  const int64_t El = plan_dims(c).local_experts(), R = ws.max_rows;
+  const bool ep = ws.ep_size > 1;
+  fb::BackwardParams p{};
+  p.hidden = static_cast<int32_t>(H);
+  p.inter = static_cast<int32_t>(I);
+  p.shared_inter = static_cast<int32_t>(Is);
+  p.topk = static_cast<int32_t>(k);
+  p.num_tokens = T;
+  p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / 128);
+  p.minibatch_blocks = fused_minibatch_blocks(ws, c);
+  const int64_t comm = c.bwd_num_comm_sms > 0 ? c.bwd_num_comm_sms : c.fwd_num_comm_sms;
+  p.num_comm = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(comm, ws.grid - 1)));
+  p.num_local = static_cast<int32_t>(El);
+  p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
+  p.replay = saved.h ? 0 : 1;
+  p.shared_replay = Is > 0 && !saved.shared_h ? 1 : 0;
+  p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
+  p.n_acc = static_cast<int32_t>(b.n_acc);
+  p.max_rows = R;
+  p.rows = ws.rows;
+  p.expert_offset = ws.expert_offset;
+  p.expert_count = ws.expert_count;
+  auto bf = [](const void* q) { return static_cast<__nv_bfloat16*>(const_cast<void*>(q)); };
+  p.x = bf(in.x);
+  p.dy = bf(dy);
+  p.topk_weights = in.topk_weights;
+  p.routing = routing_of(ws, c, in);
+  p.x_rows = bf(b.x_rows);
+  p.dy_rows = bf(b.dy_rows);
+  p.h = bf(saved.h ? saved.h : b.h);
+  p.dh = bf(b.dh);
+  p.wa = bf(b.wa);
+  p.row_weight = b.row_weight;
+  p.partials = b.dtw_partials;
+  p.sh_h = bf(saved.shared_h ? saved.shared_h : b.sh_h);
+  p.sh_dh = bf(b.sh_dh);
+  p.sh_a = bf(b.sh_a);
+  p.slots = bf(ws.slots);
+  p.shared_dx = bf(ws.shared_out);
+  p.ones = b.ones;
+  p.dx = bf(g.dx);
+  p.d_topk_weights = g.d_topk_weights;
+  // The weight gradients' targets (the unfused launch_wgrad_pair's)
+  auto wgrad = [&](int64_t mo, int64_t no, void* out, float* main_grad, void* out1, float* main_grad1, int64_t split,
+                   float* acc) {
+    gemm::WgradParams w{};
+    w.mo = mo;
+    w.no = no;
+    w.out = bf(out);
+    w.main_grad = main_grad;
+    w.out1 = bf(out1);
+    w.main_grad1 = main_grad1;
+    w.out_split = split;
+    w.acc = acc;
+    return w;
+  };
+  float* const acc_dn = b.n_acc > 0 ? b.acc_dn : nullptr;
+  float* const acc_gu = b.n_acc > 0 ? b.acc_gu : nullptr;
+  p.wg_down = wgrad(H, I, g.dw_down, g.main_down, nullptr, nullptr, 0, acc_dn);
+  p.wg_gate_up = wgrad(2 * I, H, g.dw_gate, g.main_gate, g.dw_up, g.main_up, I, acc_gu);
+  if (Is > 0) {
+    p.wg_shared_down = wgrad(H, Is, g.dws_down, g.main_s_down, nullptr, nullptr, 0, nullptr);
+    p.wg_shared_gate_up = wgrad(2 * Is, H, g.dws_gate, g.main_s_gate, g.dws_up, g.main_s_up, Is, nullptr);
+  }
+  p.group = ep_group(ws);
+  p.counters = b.counters;
+  {
+    using A = fb::CounterArray;
+    const int64_t MB = ws.max_blocks, EM = El * b.num_macro, SB = ws.shared_blocks + 1;
+    int64_t at = static_cast<int64_t>(fused::Counter::kHeader);
+    auto put = [&](A a, int64_t words) {
+      p.counter_offset[static_cast<int>(a)] = static_cast<int32_t>(at);
+      at += words;
+    };
+    put(A::kDyReady, MB);
+    put(A::kXReady, MB);
+    put(A::kReplayDone, MB);
+    put(A::kDgradDownDone, MB);
+    put(A::kDgradGateUpDone, MB);
+    put(A::kExpertDgradDone, EM);
+    put(A::kWgradDone, EM);
+    put(A::kSharedReplayDone, SB);
+    put(A::kSharedDgradDownDone, SB);
+    if (at != b.num_counters)
+      MOK_FAIL(mokInternalError, "fused backward: " << at << " counter words, the layout has " << b.num_counters);
+  }
+  // Each wait's deadline: the config's, capped by MOK_GEMM_TIMEOUT_S (as the grouped launches')
+  const double knob_s = std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr));
+  p.timeout_ns = static_cast<uint64_t>(std::min<double>(c.timeout_s, knob_s) * 1e9);
+  p.timeout_record = timeout;
+
+  // Tensor maps (gemm::tensor_map_2d): K-major A 128-row boxes, K-major B halves 128 rows,
+  // N-major B and the MN-major wgrad operands 64 rows
+  fb::Maps m{};
+  auto tm = [](const void* q, int64_t rows, int64_t cols, int box) { return gemm::tensor_map_2d(q, rows, cols, box); };
+  m.x_rows_k = tm(b.x_rows, R, H, 128);
+  m.w_gate_k = tm(in.w_gate, El * I, H, 128);
+  m.w_up_k = tm(in.w_up, El * I, H, 128);
+  m.dy_rows_k = tm(b.dy_rows, R, H, 128);
+  m.w_down_n = tm(in.w_down, El * H, I, 64);
+  m.dh_k = tm(b.dh, R, 2 * I, 128);
+  m.w_gate_n = tm(in.w_gate, El * I, H, 64);
+  m.w_up_n = tm(in.w_up, El * I, H, 64);
+  m.dy_rows_mn = tm(b.dy_rows, R, H, 64);
+  m.wa_mn = tm(b.wa, R, I, 64);
+  m.dh_mn = tm(b.dh, R, 2 * I, 64);
+  m.x_rows_mn = tm(b.x_rows, R, H, 64);
+  if (Is > 0 && T > 0) {
+    m.x_k = tm(in.x, T, H, 128);
+    m.ws_gate_k = tm(in.ws_gate, Is, H, 128);
+    m.ws_up_k = tm(in.ws_up, Is, H, 128);
+    m.dy_k = tm(dy, T, H, 128);
+    m.ws_down_n = tm(in.ws_down, H, Is, 64);
+    m.sh_dh_k = tm(b.sh_dh, T, 2 * Is, 128);
+    m.ws_gate_n = tm(in.ws_gate, Is, H, 64);
+    m.ws_up_n = tm(in.ws_up, Is, H, 64);
+    m.dy_mn = tm(dy, T, H, 64);
+    m.sh_a_mn = tm(b.sh_a, T, Is, 64);
+    m.sh_dh_mn = tm(b.sh_dh, T, 2 * Is, 64);
+    m.x_mn = tm(in.x, T, H, 64);
+  } else {
+    // No shared rows: its only tiles are the wgrad zeros, which load nothing
+    m.x_k = m.ws_gate_k = m.ws_up_k = m.dy_k = m.sh_dh_k = m.x_rows_k;
+    m.ws_down_n = m.ws_gate_n = m.ws_up_n = m.w_down_n;
+    m.dy_mn = m.sh_a_mn = m.sh_dh_mn = m.x_mn = m.x_rows_mn;
+  }
+  MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
+  if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
+    MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(fb::fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(fb::kSmemBytes)));
+  fb::fused_backward_kernel<<<ws.grid, gemm::TileConfig::kThreads, fb::kSmemBytes, stream>>>(m, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
 
 void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
@@ -294,6 +477,7 @@ void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_tables_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel));
   gemm::load_backward_kernels();
   ep_load_kernels();
   load_plan_kernels();
@@ -308,10 +492,7 @@ void destroy_backward_buffers(BackwardBuffers* b) {
 
 std::string unsupported_backward_shape(const mokConfig_t& c) {
   std::ostringstream why;
-  if (c.ep_size > 1 && env::get_int(env::kEpBackward) != 1)
-    why << "ep_size = " << c.ep_size << ": the CUDA backward at EP >= 2 is new and off by default in this version "
-        << "(set " << env::kEpBackward.name << "=1 to run it; docs/design.md, \"The CUDA backward today\")";
-  else if (c.intermediate % 256 != 0)
+  if (c.intermediate % 256 != 0)
     why << "intermediate = " << c.intermediate
         << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
   else if (c.shared_intermediate % 256 != 0)
@@ -320,16 +501,16 @@ std::string unsupported_backward_shape(const mokConfig_t& c) {
   return why.str();
 }
 
+void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+                      const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout);
+
 void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
                     const void* dy, void* stream_ptr, ForwardPhase phase, const Saved& saved) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
   const bool capturing = stream_capturing(stream_ptr);
-  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
-  const int64_t El = plan_dims(c).local_experts();
   constexpr int kErr = kErrorWords;  // route error words, then the timeout record
   int64_t* timeout = ws.errors + kErr;
-  const bool ep = ws.ep_size > 1;
   switch (phase) {
     case ForwardPhase::kStart:
       if (ws.bwd == nullptr) {
@@ -345,6 +526,28 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     case ForwardPhase::kLayer:
       break;
   }
+  if (use_fused_backward(ws, c)) {
+    backward_fused(ws, c, in, g, dy, stream, saved, timeout);
+  } else {
+    backward_unfused(ws, c, in, g, dy, stream, saved, timeout);
+  }
+  // Error words to pinned memory; read at the next call or at check_errors(wait)
+  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, (kErr + (kWsErrorWords - kErrorWords)) * sizeof(int64_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  if (capturing) {
+    ws.captured = true;
+  } else {
+    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
+    ws.pending = true;
+  }
+}
+
+void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+                      const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout) {
+  const DeviceGuard guard(ws.device);
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
+  const int64_t El = plan_dims(c).local_experts();
+  const bool ep = ws.ep_size > 1;
   BackwardBuffers& b = *ws.bwd;
   const plan::RoutingView v = routing_of(ws, c, in);
   const ep::Group group = ep ? ep_group(ws) : ep::Group{};
@@ -469,16 +672,6 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     if (ep)
       MOK_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights, ws.regions[ws.ep_rank] + ws.sym.dtw,
                                      static_cast<size_t>(T * k) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
-  }
-
-  // Error words to pinned memory; read at the next call or at check_errors(wait)
-  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, (kErr + (kWsErrorWords - kErrorWords)) * sizeof(int64_t),
-                                 cudaMemcpyDeviceToHost, stream));
-  if (capturing) {
-    ws.captured = true;
-  } else {
-    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
-    ws.pending = true;
   }
 }
 

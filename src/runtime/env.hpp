@@ -41,9 +41,10 @@ inline constexpr Knob kGemmSkew{"MOK_GEMM_SKEW", "0",
                                 "grouped-GEMM launches: k-blocks by which the second consumer warpgroup starts "
                                 "behind the first, so that one's epilogue runs under the other's MMAs (0: none)"};
 
-inline constexpr Knob kEpBackward{"MOK_EP_BACKWARD", "0",
-                                  "1 = run the CUDA backward at EP >= 2 (new: its virtual-rank tests passed with eager "
-                                  "module loading, not yet with the lazy default; off, EP >= 2 backward raises)"};
+inline constexpr Knob kBackwardPath{"MOK_BACKWARD_PATH", "fused",
+                                    "fused: the persistent backward megakernel (the unfused launches where a shape is "
+                                    "past its limits: docs/design.md); unfused: the same tiles as separate launches "
+                                    "(the bitwise reference of the fused kernel in tests)"};
 
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};

@@ -324,6 +324,125 @@ TEST(EpGpu, SanitizerSmall) {
   check_group(cs, same_device(4), fresh_seed());
 }
 
+// ---- the backward -------------------------------------------------------------------------
+// A rank's backward buffers: dy in, dx, d topk_weights and the weight gradients out (poisoned).
+struct RankBackward {
+  DeviceBuffer dy, dx, dtw, gg, gu, gd, sg, su, sd;
+  mokBackwardArgs_t a{};
+  RankBackward(const Shape& s, const RankCall& call, const std::vector<bf16_t>& dy_host, int64_t E_l, int device)
+      : dy(dy_host), dx(dy_host.size() * 2), dtw(static_cast<size_t>(call.a.x.shape[0] * s.k) * 4),
+        gg(static_cast<size_t>(E_l * s.I * s.H) * 2), gu(static_cast<size_t>(E_l * s.I * s.H) * 2),
+        gd(static_cast<size_t>(E_l * s.H * s.I) * 2), sg(static_cast<size_t>(std::max<int64_t>(s.Is, 1) * s.H) * 2),
+        su(static_cast<size_t>(std::max<int64_t>(s.Is, 1) * s.H) * 2),
+        sd(static_cast<size_t>(std::max<int64_t>(s.Is, 1) * s.H) * 2) {
+    const int64_t T = call.a.x.shape[0];
+    a.fwd = call.a;
+    a.dy = tensor_view(dy.ptr, mokBFloat16, {T, s.H}, device);
+    a.dx = tensor_view(dx.ptr, mokBFloat16, {T, s.H}, device);
+    a.d_topk_weights = tensor_view(dtw.ptr, mokFloat32, {T, s.k}, device);
+    a.grads.w_gate = tensor_view(gg.ptr, mokBFloat16, {E_l, s.I, s.H}, device);
+    a.grads.w_up = tensor_view(gu.ptr, mokBFloat16, {E_l, s.I, s.H}, device);
+    a.grads.w_down = tensor_view(gd.ptr, mokBFloat16, {E_l, s.H, s.I}, device);
+    if (s.Is > 0) {
+      a.grads.ws_gate = tensor_view(sg.ptr, mokBFloat16, {s.Is, s.H}, device);
+      a.grads.ws_up = tensor_view(su.ptr, mokBFloat16, {s.Is, s.H}, device);
+      a.grads.ws_down = tensor_view(sd.ptr, mokBFloat16, {s.H, s.Is}, device);
+    }
+  }
+};
+
+// Virtual EP = P backward through mokBackwardGroup (the fused kernel by default): each rank's
+// dx and d topk_weights bitwise equal to the EP = 1 backward of its own tokens alone (a token's
+// gradients depend on its rows only), runs repeat bitwise.  The small case is what
+// compute-sanitizer runs (memcheck, racecheck) in tools/gpu_check.sh.
+void check_group_backward(const Shape& s, int64_t P, const std::vector<int64_t>& T, int reps, uint64_t seed) {
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " backward P=" + std::to_string(P));
+  const int64_t E_l = s.E / P;
+  std::mt19937_64 rng(seed);
+  const Weights w = make_weights(rng, s);
+  const DeviceWeights dw(w);
+  std::vector<RankData> data;
+  std::vector<std::vector<bf16_t>> dys;
+  int64_t max_tokens = 1;
+  for (int64_t r = 0; r < P; ++r) {
+    data.push_back(make_rank(rng, s, T[r], E_l, Routing::kUniform));
+    dys.push_back(random_bf16(rng, static_cast<size_t>(T[r] * s.H), 0.5f));
+    max_tokens = std::max(max_tokens, T[r]);
+  }
+  // EP = 1, all experts local, one rank's tokens at a time
+  std::vector<std::vector<bf16_t>> want_dx;
+  std::vector<std::vector<float>> want_dtw;
+  for (int64_t r = 0; r < P; ++r) {
+    mokConfig_t c = config_for(s, max_tokens, 1, 0, 0);
+    mokWorkspace_t ws;
+    ASSERT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
+    RankCall call(s, data[r], dw, 0, s.E, 0);
+    RankBackward bw(s, call, dys[r], s.E, 0);
+    ASSERT_EQ(mokBackward(ws, &bw.a, nullptr), mokSuccess) << mokGetLastError();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(mokWorkspaceCheckErrors(ws, 1), mokSuccess) << mokGetLastError();
+    want_dx.push_back(bw.dx.get<bf16_t>());
+    want_dtw.push_back(bw.dtw.get<float>());
+    mokWorkspaceDestroy(ws);
+  }
+  Group g(s, max_tokens, P, same_device(P));
+  std::vector<std::unique_ptr<RankCall>> calls;
+  std::vector<std::unique_ptr<RankBackward>> bws;
+  for (int64_t r = 0; r < P; ++r) {
+    calls.push_back(std::make_unique<RankCall>(s, data[r], dw, r * E_l, E_l, 0));
+    bws.push_back(std::make_unique<RankBackward>(s, *calls.back(), dys[r], E_l, 0));
+  }
+  std::vector<bf16_t> first_gd;
+  for (int rep = 0; rep < reps; ++rep) {
+    std::vector<mokBackwardArgs_t> args;
+    std::vector<void*> st;
+    for (int64_t r = 0; r < P; ++r) {
+      EXPECT_EQ(cudaMemset(bws[r]->dx.ptr, 0xFF, bws[r]->dx.bytes), cudaSuccess);
+      EXPECT_EQ(cudaMemset(bws[r]->dtw.ptr, 0xFF, bws[r]->dtw.bytes), cudaSuccess);
+      args.push_back(bws[r]->a);
+      st.push_back(g.streams[r]);
+    }
+    ASSERT_EQ(mokBackwardGroup(g.ws.data(), args.data(), nullptr, P, st.data()), mokSuccess) << mokGetLastError();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int64_t r = 0; r < P; ++r) {
+      ASSERT_EQ(mokWorkspaceCheckErrors(g.ws[r], 1), mokSuccess) << "rank " << r << ": " << mokGetLastError();
+      const auto dx = bws[r]->dx.get<bf16_t>();
+      const auto dtw = bws[r]->dtw.get<float>();
+      int64_t bad = 0;
+      for (size_t i = 0; i < dx.size(); ++i) bad += dx[i] != want_dx[r][i];
+      ASSERT_EQ(bad, 0) << "rep " << rep << " rank " << r << ": dx elements differ from EP = 1";
+      ASSERT_EQ(std::memcmp(dtw.data(), want_dtw[r].data(), dtw.size() * 4), 0)
+          << "rep " << rep << " rank " << r << ": d topk_weights differ from EP = 1";
+    }
+    const auto gd = bws[0]->gd.get<bf16_t>();
+    if (rep == 0) first_gd = gd;
+    ASSERT_TRUE(gd == first_gd) << "rep " << rep << ": rank 0's w_down gradient differs from the first run";
+  }
+  std::printf("backward EP=%ld: %d runs, dx and d topk_weights of every rank bitwise equal to EP=1\n", (long)P, reps);
+}
+
+TEST(EpGpu, BackwardVirtualRanksMatchEp1) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.Is = 256;
+  const uint64_t seed = fresh_seed();
+  check_group_backward(s, 2, {300, 200}, 3, seed);
+  check_group_backward(s, 4, {300, 0, 517, 129}, 3, seed);
+  check_group_backward(s, 8, std::vector<int64_t>(8, 130), 2, seed);
+}
+
+// The small backward compute-sanitizer runs: virtual EP = 4, one call.
+TEST(EpGpu, SanitizerSmallBackward) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  Shape s;
+  s.H = 256;
+  s.I = 256;
+  s.Is = 256;
+  s.E = 8;
+  s.k = 2;
+  check_group_backward(s, 4, {64, 0, 130, 17}, 1, fresh_seed());
+}
+
 TEST(EpGpu, MissingRankTimesOut) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Shape s;

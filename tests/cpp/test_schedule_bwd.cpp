@@ -46,7 +46,7 @@ struct Case {
   std::string name() const {
     return "blocks=" + std::to_string(num_blocks) + " experts=" + std::to_string(begin.size()) +
            " ring=" + std::to_string(ring_blocks) + " mini=" + std::to_string(mini_blocks) +
-           " replay_all=" + std::to_string(c.replay_all);
+           " replay_all=" + std::to_string(c.replay_all) + " saved_all=" + std::to_string(c.saved_all);
   }
 };
 
@@ -62,7 +62,7 @@ Expanded expand(const Geometry& g, const TaskCounts& c) {
   const int n = build_segments(g, c, x.seg.data(), &x.num_tasks);
   EXPECT_LE(n, max_segments(g));
   x.seg.resize(static_cast<size_t>(n));
-  for (int32_t t = 0; t < x.num_tasks; ++t) x.tiles.push_back(decode_task(x.seg.data(), n, t));
+  for (int32_t t = 0; t < x.num_tasks; ++t) x.tiles.push_back(decode_task(x.seg.data(), n, t, g, c));
   return x;
 }
 
@@ -85,7 +85,7 @@ void check_list(const Case& k) {
   for (const TaskTile& t : x.tiles) ASSERT_TRUE(seen.insert({t.kind, t.unit, t.n, t.macro}).second) << "tile twice";
   int64_t want = int64_t{g.num_blocks} * (c.n_dgrad_down + c.n_dgrad_gate_up) +
                  int64_t{c.shared_blocks} * (c.n_shared_replay + c.n_shared_dgrad_down + c.n_shared_dgrad_gate_up) +
-                 (c.shared_blocks > 0 ? c.n_shared_wgrad_down + c.n_shared_wgrad_gate_up : 0);
+                 c.n_shared_wgrad_down + c.n_shared_wgrad_gate_up;  // zeros at T = 0
   for (int32_t b = 0; b < g.num_blocks; ++b) want += replays(g, c, b) ? c.n_replay : 0;
   for (int32_t e = 0; e < g.num_experts; ++e) {
     int32_t pairs = 0;
@@ -250,12 +250,15 @@ const TaskCounts kSmall{2, 1, 2, 3, 4, 0};
 // With a shared expert over 5 token blocks (replayed, or its h kept by the forward)
 const TaskCounts kSmallShared{2, 1, 2, 3, 4, 0, 5, 2, 1, 2, 3, 4};
 const TaskCounts kSmallSharedKept{2, 1, 2, 3, 4, 0, 5, 0, 1, 2, 3, 4};
+const TaskCounts kSharedNoTokens{2, 1, 2, 3, 4, 0, 0, 2, 1, 2, 3, 4};  // a rank with T = 0: zero shared wgrad tiles
 
 std::vector<Case> cases() {
   std::vector<Case> out;
-  for (TaskCounts c : {kDsv3Like, kSmall, kSmallShared, kSmallSharedKept}) {
-    for (int replay_all : {0, 1}) {
-      c.replay_all = replay_all;
+  for (TaskCounts c : {kDsv3Like, kSmall, kSmallShared, kSmallSharedKept, kSharedNoTokens}) {
+    // 0: the ring's macrobatch saved, 1: replay everything, 2: every row's h saved (no replay)
+    for (int replay : {0, 1, 2}) {
+      c.replay_all = replay == 1;
+      c.saved_all = replay == 2;
       out.emplace_back(std::vector<int32_t>(16, 17), 128, 8, c);                // dsv3: one macrobatch
       out.emplace_back(std::vector<int32_t>(16, 17), 16, 8, c);                 // experts span macrobatches
       out.emplace_back(std::vector<int32_t>{0, 40, 0, 1, 3, 0, 22}, 8, 4, c);   // empty and 1-block experts
@@ -263,6 +266,10 @@ std::vector<Case> cases() {
       out.emplace_back(std::vector<int32_t>{0, 0, 0}, 4, 2, c);                 // no rows at all
       out.emplace_back(std::vector<int32_t>{1}, 1, 1, c);
     }
+    // Many experts, every other one without rows: the wgrad ranges hold them (few segments)
+    std::vector<int32_t> alternating(256);
+    for (size_t e = 0; e < alternating.size(); ++e) alternating[e] = e % 2 ? 0 : static_cast<int32_t>(1 + e % 3);
+    out.emplace_back(alternating, 16, 4, c);
   }
   return out;
 }

@@ -276,12 +276,14 @@ class TestVirtualRanks:
     @pytest.mark.parametrize("P,E,k,I_s,kind", [(2, 16, 4, 0, "uniform"), (2, 16, 4, 256, "empty_rank"),
                                                 (4, 32, 8, 256, "uniform"), (4, 16, 4, 0, "one_rank"),
                                                 (8, 16, 4, 256, "uneven"), (4, 16, 4, 0, "all_empty")])
-    def test_backward_dx_equals_ep1_bitwise_and_reference(self, gen, monkeypatch, P, E, k, I_s, kind):
-        # The EP >= 2 backward: each owner pulls dy, x and the weights of its rows from their
-        # home ranks, pushes dx rows and d topk_weights home; a token's dx and d topk_weights
+    @pytest.mark.parametrize("path", ["fused", "unfused"])
+    def test_backward_dx_equals_ep1_bitwise_and_reference(self, gen, monkeypatch, P, E, k, I_s, kind, path):
+        # The EP >= 2 backward (the fused kernel, and the unfused launches): each owner pulls
+        # dy, x and the weights of its rows from their home ranks, pushes dx rows and d
+        # topk_weights home; a token's dx and d topk_weights
         # equal EP = 1's bit for bit (same tiles per row), the weight gradients match the
         # emulated reference (their row order is the group's)
-        monkeypatch.setenv("MOK_EP_BACKWARD", "1")
+        monkeypatch.setenv("MOK_BACKWARD_PATH", path)
         H, I = 512, 256
         counts = _token_counts(kind, P)
         ranks_cpu = _make_ranks(gen, P, H, I, E, k, counts, kind, I_s)
@@ -317,12 +319,23 @@ class TestVirtualRanks:
                 assert_close(f"rank {r} {name} vs EP=1", getattr(grads[r], name).cpu(),
                              getattr(g1, name)[r * E_l:(r + 1) * E_l].cpu().double(), tol=1e-2)
 
-    def test_backward_is_off_by_default(self, gen, monkeypatch):
-        monkeypatch.delenv("MOK_EP_BACKWARD", raising=False)
-        ranks = [_to_cuda(r) for r in _make_ranks(gen, 2, 512, 256, 16, 4, [30, 20])]
-        with F.create_virtual_group(512, 256, 16, 4, 32, ep_size=2) as group:
-            with pytest.raises(NotImplementedError, match="MOK_EP_BACKWARD"):
-                group.backward(ranks, [r.x for r in ranks])
+    @pytest.mark.parametrize("path", ["fused", "unfused"])
+    def test_backward_100_runs_bitwise_identical(self, gen, monkeypatch, path):
+        monkeypatch.setenv("MOK_BACKWARD_PATH", path)
+        P, E, k, counts = 4, 16, 4, [200, 0, 333, 64]
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, P, 512, 256, E, k, counts, "uniform", 256)]
+        dys = [make_x(gen, T, 512).cuda() for T in counts]
+        with F.create_virtual_group(512, 256, E, k, max(counts), 256, ep_size=P) as group:
+            first = group.backward(ranks, dys)
+            for run in range(100):
+                again = group.backward(ranks, dys)
+                for r in range(P):
+                    for name in ("dx", "d_topk_weights", *ROUTED, *SHARED):
+                        a, b = getattr(first[r], name), getattr(again[r], name)
+                        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
+                            f"run {run} rank {r} {name} differs"
+            group.check_errors()
 
     def test_explicit_num_blocks_and_comm_sms(self, gen):
         config = F.MoKConfig(num_blocks=12, fwd_num_comm_sms=2, minibatch_size=256, macrobatch_size=512)

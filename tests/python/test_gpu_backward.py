@@ -243,3 +243,57 @@ def test_cuda_backward_bench_shapes(gen, name):
     assert_close(f"{name}: grad w_down[0]", g.w_down[0].cpu(), (d.T @ (wt * a)).cpu())
     assert_close(f"{name}: grad w_gate[0]", g.w_gate[0].cpu(), (dg.T @ v).cpu())
     assert_close(f"{name}: grad w_up[0]", g.w_up[0].cpu(), (du.T @ v).cpu())
+
+
+def _both_paths(monkeypatch, run):
+    """run() under MOK_BACKWARD_PATH=unfused (the separate launches) and fused (the megakernel)."""
+    monkeypatch.setenv("MOK_BACKWARD_PATH", "unfused")
+    unfused = run()
+    monkeypatch.setenv("MOK_BACKWARD_PATH", "fused")
+    return unfused, run()
+
+
+@pytest.mark.parametrize("H,I,E,k,T,I_s,masked,ring", [
+    (512, 256, 16, 4, 257, 256, 0.0, 0),    # shared expert, default ring
+    (256, 256, 8, 2, 300, 0, 0.15, 0),      # -1 routes, fully masked tokens
+    (256, 512, 4, 1, 129, 256, 0.0, 0),     # k = 1
+    (256, 256, 8, 2, 0, 256, 0.0, 0),       # T = 0: zero weight gradients, shared included
+    (768, 256, 32, 8, 64, 0, 0.3, 0),       # experts with 0 rows and 1 row
+    (256, 256, 4, 2, 700, 256, 0.05, 256),  # a ring of 256 rows: fp32 sums across macrobatches
+    (256, 256, 64, 4, 300, 0, 0.0, 128),    # more experts than macrobatches, one block each
+])
+@pytest.mark.parametrize("saved", [False, True])
+def test_fused_backward_equals_unfused_bitwise(gen, monkeypatch, H, I, E, k, T, I_s, masked, ring, saved):
+    # The fused backward kernel runs the unfused launches' tiles with their K loops and epilogues
+    # (wgrad_piece: the same fp32 pieces): every output bit for bit, main_grads included
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, I_s, masked)
+    config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
+    start = {n: torch.randn(w[n].shape, generator=gen).cuda() for n in WEIGHTS if w[n] is not None}
+    cw = _cuda(w)
+    args = (x.cuda(), ids.cuda(), tw.cuda())
+
+    def run():
+        if saved:
+            _, ctx = F.forward(*args, **cw, config=config)
+        else:
+            ctx = F.recompute_forward_context(*args, **cw, config=config)
+        mg = {n: t.clone() for n, t in start.items()}
+        return F.backward(ctx, dy.cuda(), main_grads=mg), mg
+
+    (gu, mgu), (gf, mgf) = _both_paths(monkeypatch, run)
+    _assert_bitwise("fused vs unfused", gu, gf)
+    for n in start:
+        assert torch.equal(mgu[n].view(torch.int32), mgf[n].view(torch.int32)), f"main_grad {n}: fused differs"
+    _check_against_oracle("fused backward", gf, x, ids, tw, w, dy)
+    for _ in range(2):
+        _assert_bitwise("fused, run again", gf, run()[0])
+
+
+def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
+    # dsv3 at full size, the default config, the training forward's saved h
+    x, ids, tw, w = bench_shape_layer(gen, "dsv3", "cuda")
+    T, H = x.shape
+    dy = (torch.randn(T, H, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    _, ctx = F.forward(x, ids, tw, **w)
+    gu, gf = _both_paths(monkeypatch, lambda: F.backward(ctx, dy))
+    _assert_bitwise("dsv3: fused vs unfused", gu, gf)

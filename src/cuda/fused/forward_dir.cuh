@@ -9,10 +9,12 @@
 //   waits(task, g, c, out)       what a task waits on (the ops' descriptions; the host model
 //                                of its schedule test reads the same)
 //   wait_all(p, waits, n, wait)  the counters' waits
-//   Load, produce(...)           what an op's tile loads and the producer loop that loads it
+//   Load, load(maps, p, g, c, task), produce(...)   what a task's tile loads and the producer
+//                                loop that loads it
+//   epilogue(acc, consumer, p, g, c, task)   what a consumer does with a task's accumulator
+//   k_blocks(p, g, c, task)      the task's K loop, in k-blocks
 //   consume(...)                 the consumers' MMA loop for a task of k_blocks k-blocks
-//   signal_targets(p), counter<array>(targets, block)   the counter a finished tile of an op
-//                                adds 1 to (or null)
+//   signal_targets(p), signal(targets, task, g, c)   the counters a finished tile adds 1 to
 // The backward (fused/schedule_bwd.cuh, its ops) is the second direction.
 #pragma once
 
@@ -48,9 +50,23 @@ struct ForwardDir {
                                                   const gemm::WaitContext& wait) {
     return fused::wait_all(p, waits, n, wait);
   }
+  __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts&,
+                                              const Task& info) {
+    Load load{};
+    visit(info.kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, info); });
+    return load;
+  }
+  __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                                  const Params& p, const GeometryT& g, const Counts&,
+                                                  const Task& info) {
+    visit(info.kind, [&acc, consumer, &p, &g, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, info); });
+  }
   __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
                                                  const Load& load, const gemm::WaitContext& wait) {
     return gemm::produce_tile(s, stage, load, wait);
+  }
+  __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT&, const Counts&, const Task& t) {
+    return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p); });
   }
   __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
                                                  const Task&, int32_t k_blocks, int consumer,
@@ -73,6 +89,14 @@ struct ForwardDir {
     static_assert(kArray != CounterArray::kGatherReady && kArray != CounterArray::kPushDone, "comm blocks' counters");
     if constexpr (kArray == CounterArray::kNone) return nullptr;
     else return t.arrays[static_cast<int>(kArray)] + block;
+  }
+  __device__ __forceinline__ static void signal(const SignalTargets& targets, const Task& info, const GeometryT&,
+                                                const Counts&) {
+    int32_t* c = visit(info.kind, [=](auto op) -> int32_t* { return counter<decltype(op)::kSignals>(targets, info.block); });
+    if (c) {
+      __threadfence();
+      signal_counter(c, 1);
+    }
   }
 };
 

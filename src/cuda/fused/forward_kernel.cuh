@@ -43,9 +43,7 @@ namespace mok::cuda::fused {
 //   kProducerThread                          thread 0 of warpgroup 0: claims tasks, issues loads
 //   kSignalerThread                          thread 32 of warpgroup 0: publishes finished tiles
 //   warpgroups 1, 2                          the consumers (rows [0, 64) and [64, 128) of a tile)
-inline constexpr int kProducerWarpgroup = 0;
-inline constexpr uint32_t kProducerThread = 0, kSignalerThread = 32;
-inline constexpr int kFirstConsumerWarpgroup = 1;
+// (kProducerWarpgroup, kProducerThread, kSignalerThread, kFirstConsumerWarpgroup: forward_params.cuh)
 
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     fused_forward_kernel(const __grid_constant__ Maps maps, const ForwardParams p) {
@@ -114,7 +112,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   if (warpgroup == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<C::kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<ForwardDir>(sh, maps, p, g, counts, wait);
-    if (threadIdx.x == kSignalerThread) signal_tasks<ForwardDir>(sh, p, wait);
+    if (threadIdx.x == kSignalerThread) signal_tasks<ForwardDir>(sh, p, g, counts, wait);
     return;
   }
   ptx::setmaxnreg_inc<C::kConsumerRegs>();

@@ -15,6 +15,12 @@ enum class NamedBarrier : uint32_t {
   kConsumers = 1,  // both consumer warpgroups (256 threads): a tile's stores are all issued
 };
 
+// The role table's threads (every fused kernel): thread 0 of warpgroup 0 produces, thread 32
+// signals, warpgroups 1 and 2 consume.
+inline constexpr int kProducerWarpgroup = 0;
+inline constexpr uint32_t kProducerThread = 0, kSignalerThread = 32;
+inline constexpr int kFirstConsumerWarpgroup = 1;
+
 enum class Counter : int32_t { kTaskNext = 0, kBlocksDone = 1, kHeader = 2 };
 
 struct TaskInfo {

@@ -51,6 +51,8 @@ struct TaskCounts {
   // The shared expert (0 tiles: none): per 128-token block, and its wgrad tiles
   int32_t shared_blocks = 0, n_shared_replay = 0, n_shared_dgrad_down = 0, n_shared_dgrad_gate_up = 0;
   int32_t n_shared_wgrad_down = 0, n_shared_wgrad_gate_up = 0;
+  // The forward saved h of every row (the fused backward over resident rows): no replay at all
+  int32_t saved_all = 0;
 };
 
 // Rows of the call: routed row blocks, the ring, minibatches, and each local expert's blocks
@@ -110,7 +112,9 @@ struct Wait {
 };
 inline constexpr int kMaxWaits = 3;
 
-MOK_HD bool replays(const Geometry& g, const TaskCounts& c, int32_t b) { return c.replay_all || g.macro_of(b) >= 1; }
+MOK_HD bool replays(const Geometry& g, const TaskCounts& c, int32_t b) {
+  return !c.saved_all && (c.replay_all || g.macro_of(b) >= 1);
+}
 MOK_HD int32_t wgrad_tiles(const TaskCounts& c) { return c.n_wgrad_down + c.n_wgrad_gate_up; }
 
 // What a task waits on.  `unit` is the row block, or the expert for the wgrad kinds (with
@@ -238,28 +242,32 @@ MOK_HD int gather_waits(int32_t b, const Geometry& g, const TaskCounts& c, Wait*
   return 3;
 }
 
-// Segment = tiles of one kind over a range of row blocks (or one expert in one macrobatch).
+// Segment = tiles of one kind over a range of row blocks, or the wgrad tiles of a range of
+// experts in one macrobatch (kind kSegmentWgrad: per expert, its wgrad-down tiles then its
+// wgrad gate/up tiles).
 struct Segment {
-  int32_t kind;        // TaskKind
-  int32_t first;       // first row block, or the expert
-  int32_t count;       // row blocks (1 for an expert)
-  int32_t num_n;       // tiles per row block (per expert for wgrad)
-  int32_t macro;       // wgrad: the macrobatch, -1 for an expert without rows
+  int32_t kind;        // TaskKind, or kSegmentWgrad
+  int32_t first;       // first row block, or the first expert
+  int32_t count;       // row blocks, or experts
+  int32_t num_n;       // tiles per row block (per expert: both wgrad kinds)
+  int32_t macro;       // wgrad: the macrobatch, -1 for experts without rows
   int32_t first_task;
 };
+inline constexpr int32_t kSegmentWgrad = 100;
 
-// Most segments a call can need: per minibatch three block segments, per (expert, macrobatch)
-// pair two wgrad segments (an expert spans at most num_macro of them, and the pairs number at
-// most E + num_macro - 1), plus the zero tiles of empty experts.
-MOK_HD int32_t max_segments(const Geometry& g) { return 3 * g.num_mini + 2 * (2 * g.num_experts + g.num_macro) + 5; }
+// Most segments a call can need: per minibatch four (replay, dgrad down, the lagged dgrad
+// gate/up, the wgrad tiles of the experts whose rows in the macrobatch end in the lagged
+// minibatch), the shared expert's five, and the experts without rows before the first row.
+MOK_HD int32_t max_segments(const Geometry& g) { return 4 * g.num_mini + 6; }
 
 // Writes the segment table; returns the number of segments (*num_tasks gets the task count).
+// O(experts + minibatches): the experts' wgrad ranges come from one sweep.
 MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
   int n = 0;
   int32_t task = 0;
-  auto push = [&](TaskKind kind, int32_t first, int32_t count, int32_t num_n, int32_t macro) {
+  auto push = [&](int32_t kind, int32_t first, int32_t count, int32_t num_n, int32_t macro) {
     if (count <= 0 || num_n <= 0) return;
-    seg[n++] = Segment{static_cast<int32_t>(kind), first, count, num_n, macro, task};
+    seg[n++] = Segment{kind, first, count, num_n, macro, task};
     task += count * num_n;
   };
   auto mini_range = [&](int32_t p, int32_t* lo, int32_t* hi) {
@@ -267,36 +275,45 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     *hi = *lo + g.minibatch_blocks < g.num_blocks ? *lo + g.minibatch_blocks : g.num_blocks;
   };
   // The shared expert, first: replay, dgrad down, dgrad gate/up over its token blocks, its wgrad
-  if (c.shared_blocks > 0) {
-    push(TaskKind::kSharedReplay, 0, c.shared_blocks, c.n_shared_replay, 0);
-    push(TaskKind::kSharedDgradDown, 0, c.shared_blocks, c.n_shared_dgrad_down, 0);
-    push(TaskKind::kSharedDgradGateUp, 0, c.shared_blocks, c.n_shared_dgrad_gate_up, 0);
-    push(TaskKind::kSharedWgradDown, 0, 1, c.n_shared_wgrad_down, 0);
-    push(TaskKind::kSharedWgradGateUp, 0, 1, c.n_shared_wgrad_gate_up, 0);
-  }
-  // Experts without rows: zero tiles
-  for (int32_t e = 0; e < g.num_experts; ++e)
-    if (g.expert_begin[e] >= g.expert_end[e]) {
-      push(TaskKind::kWgradDown, e, 1, c.n_wgrad_down, -1);
-      push(TaskKind::kWgradGateUp, e, 1, c.n_wgrad_gate_up, -1);
+  // (a rank without tokens still writes its shared wgrad tiles: zeros)
+  push(static_cast<int32_t>(TaskKind::kSharedReplay), 0, c.shared_blocks, c.n_shared_replay, 0);
+  push(static_cast<int32_t>(TaskKind::kSharedDgradDown), 0, c.shared_blocks, c.n_shared_dgrad_down, 0);
+  push(static_cast<int32_t>(TaskKind::kSharedDgradGateUp), 0, c.shared_blocks, c.n_shared_dgrad_gate_up, 0);
+  push(static_cast<int32_t>(TaskKind::kSharedWgradDown), 0, 1, c.n_shared_wgrad_down, 0);
+  push(static_cast<int32_t>(TaskKind::kSharedWgradGateUp), 0, 1, c.n_shared_wgrad_gate_up, 0);
+  const int32_t per_expert = wgrad_tiles(c);
+  // The experts without rows before the first row (their zero tiles wait on nothing); every
+  // later expert without rows goes with the expert before it (decode_task gives it macro -1)
+  int32_t e_next = 0;
+  while (e_next < g.num_experts && g.expert_end[e_next] <= 0) ++e_next;
+  push(kSegmentWgrad, 0, e_next, per_expert, -1);
+  // The wgrad tiles of the experts whose last block in macrobatch m lies before `hi` (the
+  // lagged minibatch's end), from e_next on: a contiguous range.  An expert that continues
+  // into the next macrobatch stays next (its rows there are a pair of their own).
+  auto wgrad_ending_before = [&](int32_t m, int32_t hi) {
+    const int32_t first = e_next;
+    int32_t e = e_next;
+    bool continues = false;
+    while (e < g.num_experts) {
+      const bool empty = g.expert_begin[e] >= g.expert_end[e];
+      if (!empty && !g.expert_in(e, m)) break;  // its rows start in a later macrobatch
+      const int32_t last = empty ? g.expert_begin[e] - 1 : g.expert_hi(e, m) - 1;
+      if (last >= hi) break;
+      ++e;
+      continues = !empty && g.expert_end[e - 1] > (m + 1) * g.ring_blocks;
+      if (continues) break;
     }
-  // The wgrad tiles of the experts whose last block in macrobatch m lies in [lo, hi)
-  auto wgrad_ending_in = [&](int32_t m, int32_t lo, int32_t hi) {
-    for (int32_t e = 0; e < g.num_experts; ++e) {
-      if (!g.expert_in(e, m)) continue;
-      const int32_t last = g.expert_hi(e, m) - 1;
-      if (last < lo || last >= hi) continue;
-      push(TaskKind::kWgradDown, e, 1, c.n_wgrad_down, m);
-      push(TaskKind::kWgradGateUp, e, 1, c.n_wgrad_gate_up, m);
-    }
+    push(kSegmentWgrad, first, e - first, per_expert, m);
+    e_next = continues ? e - 1 : e;
   };
   int32_t lag = -1;  // the minibatch whose dgrad gate/up and wgrad tiles are not emitted yet
   auto flush = [&]() {
     if (lag < 0) return;
     int32_t lo, hi;
     mini_range(lag, &lo, &hi);
-    push(TaskKind::kDgradGateUp, lo, hi - lo, c.n_dgrad_gate_up, 0);
-    wgrad_ending_in(g.macro_of(lo), lo, hi);
+    push(static_cast<int32_t>(TaskKind::kDgradGateUp), lo, hi - lo, c.n_dgrad_gate_up, 0);
+    // The call's last minibatch takes every expert left (those without rows after the last row)
+    wgrad_ending_before(g.macro_of(lo), hi == g.num_blocks ? 0x7fffffff : hi);
     lag = -1;
   };
   for (int32_t p = 0; p < g.num_mini; ++p) {
@@ -304,22 +321,25 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     mini_range(p, &lo, &hi);
     // A new macrobatch overwrites the ring slots of the previous one: its readers first
     if (lag >= 0 && g.macro_of(lag * g.minibatch_blocks) != g.macro_of(lo)) flush();
-    if (replays(g, c, lo)) push(TaskKind::kReplay, lo, hi - lo, c.n_replay, 0);
-    push(TaskKind::kDgradDown, lo, hi - lo, c.n_dgrad_down, 0);
+    if (replays(g, c, lo)) push(static_cast<int32_t>(TaskKind::kReplay), lo, hi - lo, c.n_replay, 0);
+    push(static_cast<int32_t>(TaskKind::kDgradDown), lo, hi - lo, c.n_dgrad_down, 0);
     flush();
     lag = p;
   }
   flush();
+  // No rows at all: every expert went with the leading segment above
   *num_tasks = task;
   return n;
 }
 
 // Task index -> (kind, unit, n, macro): the segment by binary search, then the tile in it
-// (row-block-major, as the forward's segments without the N-group raster).
+// (row-block-major, as the forward's segments without the N-group raster; a wgrad range: the
+// expert, then its wgrad-down tiles before its wgrad gate/up tiles).
 struct TaskTile {
   int32_t kind, unit, n, macro;
 };
-MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task) {
+MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task, const Geometry& g,
+                            const TaskCounts& c) {
   int lo = 0, hi = num_segments - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -327,7 +347,11 @@ MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task) 
   }
   const Segment& s = seg[lo];
   const int32_t local = task - s.first_task;
-  return TaskTile{s.kind, s.first + local / s.num_n, local % s.num_n, s.macro};
+  const int32_t unit = s.first + local / s.num_n, n = local % s.num_n;
+  if (s.kind != kSegmentWgrad) return TaskTile{s.kind, unit, n, s.macro};
+  const int32_t macro = g.expert_begin[unit] >= g.expert_end[unit] ? -1 : s.macro;
+  if (n < c.n_wgrad_down) return TaskTile{static_cast<int32_t>(TaskKind::kWgradDown), unit, n, macro};
+  return TaskTile{static_cast<int32_t>(TaskKind::kWgradGateUp), unit, n - c.n_wgrad_down, macro};
 }
 
 }  // namespace mok::cuda::fused::bwd

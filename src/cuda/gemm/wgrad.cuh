@@ -118,27 +118,30 @@ struct WgradTarget {
   __nv_bfloat16* out;       // null: no bf16 output for this tile
   float* main_grad;         // null: none
 };
+// The target of a tile of the per-expert tables' kind (its mode's bits, fp32 slot `slot`).
+__device__ __forceinline__ WgradTarget wgrad_target_at(const WgradParams& p, const WgradTile& t, int64_t slot) {
+  const bool final_ = (t.mode & kWgradFinal) != 0;
+  // All of a tile's rows are on one side of out_split (a multiple of 128)
+  const bool second = p.out_split > 0 && int64_t{t.m_block} * TileConfig::kBlockM >= p.out_split;
+  return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0, slot,
+                     second ? p.out_split : 0, p.out_split > 0 ? (second ? p.mo - p.out_split : p.out_split) : p.mo,
+                     final_ ? (second ? p.out1 : p.out) : nullptr,
+                     final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr};
+}
 template <bool kTables>
 __device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const WgradTile& t) {
   if constexpr (!kTables) {
     return WgradTarget{p.accumulate != 0, p.store_acc != 0, t.expert, 0, p.mo, p.out, p.main_grad};
   } else {
-    const bool final_ = (t.mode & kWgradFinal) != 0;
-    // All of a tile's rows are on one side of out_split (a multiple of 128)
-    const bool second = p.out_split > 0 && int64_t{t.m_block} * TileConfig::kBlockM >= p.out_split;
-    return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0,
-                       p.acc_slot ? p.acc_slot[t.expert] : t.expert, second ? p.out_split : 0,
-                       p.out_split > 0 ? (second ? p.mo - p.out_split : p.out_split) : p.mo,
-                       final_ ? (second ? p.out1 : p.out) : nullptr,
-                       final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr};
+    return wgrad_target_at(p, t, p.acc_slot ? p.acc_slot[t.expert] : t.expert);
   }
 }
 
+// The epilogue of a tile into target w (p: its mo, no and acc).
 template <bool kZero, bool kTables>
-__device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
-                                               const WgradParams& p, const WgradTile& t) {
+__device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                                  const WgradParams& p, const WgradTile& t, const WgradTarget& w) {
   using C = TileConfig;
-  const WgradTarget w = wgrad_target<kTables>(p, t);
   const bool accumulate = w.accumulate, store_acc = w.store_acc;
   __nv_bfloat16* const out = w.out;
   float* const main_grad = w.main_grad;
@@ -182,6 +185,12 @@ __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kA
       }
     }
   }
+}
+
+template <bool kZero, bool kTables>
+__device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                               const WgradParams& p, const WgradTile& t) {
+  epilogue_wgrad_to<kZero, kTables>(acc, consumer, p, t, wgrad_target<kTables>(p, t));
 }
 
 template <bool kTables>

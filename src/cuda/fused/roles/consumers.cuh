@@ -32,9 +32,9 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     handoff.advance();
     if (info.kind == Dir::kDone) break;
     // The op's K loop and epilogue
-    const int32_t k_blocks = Dir::visit(info.kind, [&](auto op) { return decltype(op)::k_blocks(p); });
+    const int32_t k_blocks = Dir::k_blocks(p, g, counts, info);
     if (!Dir::consume(sh.stages, stage, info, k_blocks, consumer, acc, wait)) break;
-    Dir::visit(info.kind, [&acc, consumer, &p, &g, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, info); });
+    Dir::epilogue(acc, consumer, p, g, counts, info);
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);

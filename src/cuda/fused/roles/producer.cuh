@@ -32,7 +32,7 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
     typename Dir::WaitT waits[kMaxWaits];
     const bool ok = Dir::wait_all(p, waits, Dir::waits(info, g, counts, waits), wait);
     typename Dir::Load load{};
-    Dir::visit(info.kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, info); });
+    load = Dir::load(maps, p, g, counts, info);
     if (!ok) break;
     ptx::fence_proxy_async_global();
     const uint64_t t_ready = ptx::globaltimer_ns();

@@ -11,7 +11,8 @@ namespace mok::cuda::fused {
 // every wgmma (C7518).  Chain: consumer stores -> named barrier -> done_full arrive
 // (release.cta) -> wait here (acquire.cta) -> fence + red.release.gpu (cumulative).
 template <class Dir>
-__device__ void signal_tasks(typename Dir::Shared& sh, const typename Dir::Params& p, const gemm::WaitContext& wait) {
+__device__ void signal_tasks(typename Dir::Shared& sh, const typename Dir::Params& p, const typename Dir::GeometryT& g,
+                             const typename Dir::Counts& counts, const gemm::WaitContext& wait) {
   const typename Dir::SignalTargets targets = Dir::signal_targets(p);
   gemm::PipelineState<2> handoff, done_state;
   TraceWriter trace(p, 1);
@@ -29,14 +30,8 @@ __device__ void signal_tasks(typename Dir::Shared& sh, const typename Dir::Param
     ptx::mbar_arrive(&sh.done_empty[done_state.index]);
     done_state.advance();
     trace.add(mokTraceTile, t_start, ptx::globaltimer_ns(), info.kind, info.block, info.n_block);
-    // The op's counter, if its tiles have one
-    int32_t* counter = Dir::visit(info.kind, [=](auto op) -> int32_t* {
-      return Dir::template counter<decltype(op)::kSignals>(targets, info.block);
-    });
-    if (counter) {
-      __threadfence();
-      signal_counter(counter, 1);
-    }
+    // The op's counters, if its tiles have any
+    Dir::signal(targets, info, g, counts);
   }
 }
 

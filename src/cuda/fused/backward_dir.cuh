@@ -1,0 +1,108 @@
+// The fused backward as the second direction of the task engine (forward_dir.cuh lists what a
+// direction provides): its task list (schedule_bwd.cuh), its ops (ops_bwd/), and the three
+// operand orientations of its tiles (K-major replay, N-major dgrad, MN-major wgrad).
+#pragma once
+
+#include "cuda/fused/backward_params.cuh"
+#include "cuda/fused/ops_bwd/ops.cuh"
+
+namespace mok::cuda::fused::bwd {
+
+struct BackwardDir {
+  using Params = BackwardParams;
+  using MapsT = Maps;
+  using Shared = bwd::Shared;
+  using GeometryT = Geometry;
+  using Counts = TaskCounts;
+  using Task = bwd::Task;
+  using WaitT = Wait;
+  using Load = bwd::Load;
+  static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
+
+  __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
+    return &p.counters[static_cast<int>(Counter::kTaskNext)];
+  }
+  // The geometry and tile counts every role of the block reads (set up at kernel entry)
+  __device__ __forceinline__ static Task decode(const Shared& sh, int32_t task);
+  __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0}; }
+  template <class F>
+  __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {
+    return visit_op(static_cast<TaskKind>(kind), f);
+  }
+  __device__ __forceinline__ static int waits(const Task& t, const GeometryT& g, const Counts& c, WaitT* out) {
+    return task_waits(static_cast<TaskKind>(t.kind), t.block, t.macro, g, c, out);
+  }
+  __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
+                                                  const gemm::WaitContext& wait) {
+    return bwd::wait_all(p, waits, n, wait);
+  }
+  __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
+                                              const Task& info) {
+    return visit(info.kind, [&, info](auto op) { return decltype(op)::load(maps, p, g, c, info); });
+  }
+  __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
+                                                 const Load& l, const gemm::WaitContext& wait) {
+    using C = TileConfig;
+    switch (static_cast<gemm::Operands>(l.ops)) {
+      case gemm::Operands::kKMajor:
+        return gemm::produce_tile(s, stage, gemm::TileLoad{l.a, l.b0, l.b1, l.a_row, l.b_row, l.b_aux, l.num_k_blocks},
+                                  wait);
+      case gemm::Operands::kBNMajor:
+        return gemm::produce_tile_nmajor(
+            s, stage, gemm::TileLoadNMajor{l.a, l.b0, l.b1, l.a_row, l.b_row, l.b_aux, l.k_split, l.num_k_blocks}, wait);
+      default:
+        // Both operands MN-major: K = rows a_row + 64·kb of both maps
+        return gemm::produce_stages(s, stage, l.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+          const int32_t row = l.a_row + kb * C::kBlockK;
+#pragma unroll
+          for (int c = 0; c < C::kBlockM / 64; ++c)
+            ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * 64, row);
+#pragma unroll
+          for (int c = 0; c < C::kBlockN / 64; ++c)
+            ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * 64, row);
+        });
+    }
+  }
+  __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT& g, const Counts& c,
+                                                     const Task& t) {
+    return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p, g, c, t); });
+  }
+  // A task of no k-blocks (a wgrad tile of zeros) takes no stage; its epilogue does not read acc.
+  __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
+                                                 const Task& t, int32_t k_blocks, int consumer,
+                                                 float (&acc)[TileConfig::kAccRegs], const gemm::WaitContext& wait) {
+    // NOTES: through a shuffle, so that ptxas knows the K loop's length is warp-uniform (C7518)
+    k_blocks = __shfl_sync(0xffffffffu, k_blocks, 0);
+    if (k_blocks == 0) return true;
+    const int32_t ops = visit(t.kind, [](auto op) { return static_cast<int32_t>(decltype(op)::kOps); });
+    if (ops == static_cast<int32_t>(gemm::Operands::kKMajor))
+      return gemm::consume_tile<false, gemm::Operands::kKMajor>(s, stage, k_blocks, consumer, acc, wait);
+    if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor))
+      return gemm::consume_tile<false, gemm::Operands::kBNMajor>(s, stage, k_blocks, consumer, acc, wait);
+    return gemm::consume_tile<false, gemm::Operands::kMNMajor>(s, stage, k_blocks, consumer, acc, wait);
+  }
+  __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                                  const Params& p, const GeometryT& g, const Counts& c,
+                                                  const Task& info) {
+    visit(info.kind, [&acc, consumer, &p, &g, &c, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, c, info); });
+  }
+  struct SignalTargets {
+    const Params* p;
+  };
+  __device__ __forceinline__ static SignalTargets signal_targets(const Params& p) { return SignalTargets{&p}; }
+  __device__ __forceinline__ static void signal(const SignalTargets& targets, const Task& info, const GeometryT& g,
+                                                const Counts& c) {
+    Signal out[kMaxSignals];
+    const int n = task_signals(static_cast<TaskKind>(info.kind), info.block, info.macro, g, c, out);
+    if (n == 0) return;
+    __threadfence();
+    for (int i = 0; i < n; ++i) signal_counter(counter_of(*targets.p, out[i].array, out[i].index), 1);
+  }
+};
+
+__device__ __forceinline__ Task BackwardDir::decode(const Shared& sh, int32_t task) {
+  const TaskTile t = decode_task(sh.segments, sh.num_segments, task, sh.geo, sh.counts);
+  return Task{t.kind, t.unit, t.n, t.macro};
+}
+
+}  // namespace mok::cuda::fused::bwd

@@ -1,0 +1,176 @@
+// The fused backward megakernel: one persistent launch, grid = SM count (or config.num_blocks),
+// the forward's roles over the backward's task list (schedule_bwd.cuh) and ops (ops_bwd/):
+//   comm blocks   blockIdx.x < p.num_comm: gather x, dy and the route weight of every plan row
+//                 (EP >= 2: from the row's source rank's region over NVLink: the pull of the
+//                 reverse combine), block by block in order, then join the compute roles
+//   producer      thread 0 of warpgroup 0: claims tasks, waits for their inputs, issues loads
+//   signaler      thread 32 of warpgroup 0: publishes each finished tile to the counters
+//   consumers     warpgroups 1, 2: wgmma and the ops' epilogues
+// then every block's consumers meet at a grid barrier (EP >= 2: and the group's end barrier)
+// and reduce: d topk_weights[t, j] = Σ_c partials (ascending c; EP >= 2 pushed to the home
+// rank first), dx[t] = bf16(Σ_j↑ slot rows + shared dx) (fp32, one rounding).
+// Counters: schedule_bwd.cuh's CounterArray, zeroed before the launch, released and acquired
+// at gpu scope; generic writes read by TMA elsewhere are fenced (proxy.async) before release.
+#pragma once
+
+#include "cuda/comm/combine.cuh"
+#include "cuda/comm/staging.cuh"
+#include "cuda/fused/backward_dir.cuh"
+#include "cuda/fused/roles/consumers.cuh"
+#include "cuda/fused/roles/producer.cuh"
+#include "cuda/fused/roles/signaler.cuh"
+
+namespace mok::cuda::fused::bwd {
+
+// ---- comm: the rows of every routed block, in order ------------------------------------------
+// Warp w copies rows w, w + 12, ... of each of its blocks through its staging row (bulk copies,
+// x then dy), zeros for padding rows, and the route weight; then releases dy_ready / x_ready.
+__device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0,
+             row_bytes};
+  const int64_t row_vecs = p.hidden / 8;
+  const bool peer = p.group.size > 1;
+  for (int32_t b = blockIdx.x; b < g.num_blocks; b += p.num_comm) {
+    int32_t rows_done = 0;
+    for (int i = warp; i < 128; i += num_warps, ++rows_done) {
+      const int64_t row = static_cast<int64_t>(b) * 128 + i;
+      const uint32_t rec = p.rows[row];
+      __nv_bfloat16* xd = p.x_rows + row * p.hidden;
+      __nv_bfloat16* dd = p.dy_rows + row * p.hidden;
+      if (row_is_pad(rec)) {
+        for (int64_t v = lane; v < row_vecs; v += 32)
+          reinterpret_cast<uint4*>(xd)[v] = reinterpret_cast<uint4*>(dd)[v] = make_uint4(0, 0, 0, 0);
+        if (lane == 0) p.row_weight[row] = 0.0f;
+        continue;
+      }
+      const int s = row_rank(rec);
+      const int64_t t = row_token(rec);
+      const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
+      const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
+      if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
+      copy_row(w, xs, xd, wait, 16000 + warp);
+      copy_row(w, ds, dd, wait, 17000 + warp);
+    }
+    // Publish this warp's rows of block b once its stores completed
+    if (lane == 0) ptx::bulk_wait<0>();
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (lane == 0) {
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), rows_done);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), rows_done);
+    }
+  }
+  if (lane == 0) ptx::bulk_wait<0>();
+  __syncwarp();
+}
+
+// ---- end: grid barrier, d topk_weights, (EP >= 2: end barrier), dx ----------------------------
+// Run by the 256 consumer threads of every block; thread 128 arrives at the barriers.
+__device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
+  int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
+  const bool ep = p.group.size > 1;
+  const int tid = static_cast<int>(threadIdx.x) - 128;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * 256;
+  if (threadIdx.x == 128) {
+    __threadfence();
+    ptx::red_release_gpu_add(blocks_done, 1);
+    wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9998);
+  }
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  // d topk_weights of every routed row here: the fixed-order sum of its partials
+  const int64_t total = p.expert_offset[p.num_local];
+  const int chunks = p.inter / gemm::kDtwChunk;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) {
+    const uint32_t rec = p.rows[i];
+    if (row_is_pad(rec)) continue;
+    float s = 0.0f;
+    for (int c = 0; c < chunks; ++c) s = s + p.partials[i * chunks + c];
+    float* out = ep ? ep::dtw_of(p.group, row_rank(rec)) : p.d_topk_weights;
+    out[row_token(rec) * p.topk + row_slot(rec)] = s;
+  }
+  if (ep) {
+    // Every rank's dx rows and d topk_weights landed here before the reductions
+    __threadfence_system();
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    if (threadIdx.x == 128) {
+      ptx::red_release_gpu_add(blocks_done, 1);
+      if (wait_counter(blocks_done, 2 * static_cast<int32_t>(gridDim.x), wait, 9997)) {
+        const int64_t seq = *p.group.seq;
+        if (blockIdx.x == 0) ep::publish<true>(p.group, seq);
+        ep::wait_group<true>(p.group, seq, wait);
+      }
+    }
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    const float* own = ep::dtw_of(p.group, p.group.rank);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < p.num_tokens * p.topk; i += stride)
+      p.d_topk_weights[i] = own[i];
+  }
+  // dx: warp w of block b takes tokens b·8 + w, then every 8·gridDim-th
+  const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
+  const int64_t row_vecs = p.hidden / 8;
+  const int k = p.topk;
+  const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
+  const uint4* shared_dx = reinterpret_cast<const uint4*>(p.shared_dx);
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * 8)
+    combine_token_warp(slots + t * k * row_vecs, row_vecs, k, p.ones, p.shared_inter > 0 ? shared_dx + t * row_vecs : nullptr,
+                       reinterpret_cast<uint4*>(p.dx) + t * row_vecs, [&](int j) {
+                         int64_t id;
+                         return plan::check_route(p.routing, p.group.rank, t, j, &id) == RouteCheck::kOk;
+                       });
+}
+
+__global__ void __launch_bounds__(TileConfig::kThreads, 1)
+    fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
+  using C = TileConfig;
+  extern __shared__ uint8_t smem_raw[];
+  auto& sh = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
+  // A wait of this call already expired (EP: the start barrier): leave; the host reports it.
+  if (p.timeout_record && *reinterpret_cast<volatile int64_t*>(p.timeout_record) != 0) return;
+  for (int i = threadIdx.x; i <= p.num_local; i += blockDim.x) sh.expert_blocks[i] = p.expert_offset[i] / 128;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sh.geo = Geometry::make(sh.expert_blocks[p.num_local], p.ring_blocks, p.minibatch_blocks, p.num_local,
+                            sh.expert_blocks, sh.expert_blocks + 1);
+    sh.counts = task_counts(p);
+    int32_t num_tasks = 0;
+    sh.num_segments = build_segments(sh.geo, sh.counts, sh.segments, &num_tasks);
+    sh.num_tasks = num_tasks;
+    sh.stages.init_barriers();
+    for (int i = 0; i < 2; ++i) {
+      ptx::mbar_init(&sh.task_full[i], 1);
+      ptx::mbar_init(&sh.task_empty[i], C::kConsumers + 1);
+      ptx::mbar_init(&sh.done_full[i], C::kConsumers);
+      ptx::mbar_init(&sh.done_empty[i], 1);
+    }
+    for (int w = 0; w < 16; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
+    ptx::fence_mbar_init();
+  }
+  __syncthreads();
+  // NOTES: read from shared memory where used (not held in registers beside the accumulator)
+  const Geometry& g = sh.geo;
+  const TaskCounts& counts = sh.counts;
+  // NOTES: as in the forward, the role comes through a shuffle (warp-uniform for ptxas) and
+  // each role returns on its own.  A comm block joins the compute roles after its gathers:
+  // its staging rows are free (every bulk copy completed), the stage barriers untouched.
+  if (static_cast<int32_t>(blockIdx.x) < p.num_comm) {
+    comm_gather(sh, p, g, wait);
+    __syncthreads();
+  }
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  if (warpgroup == kProducerWarpgroup) {
+    ptx::setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x == kProducerThread) produce_tasks<BackwardDir>(sh, maps, p, g, counts, wait);
+    if (threadIdx.x == kSignalerThread) signal_tasks<BackwardDir>(sh, p, g, counts, wait);
+    return;
+  }
+  ptx::setmaxnreg_inc<C::kConsumerRegs>();
+  consume_tasks<BackwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
+  if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  finish(p, wait);
+}
+
+}  // namespace mok::cuda::fused::bwd

@@ -1,0 +1,141 @@
+// The fused backward's parameters, tensor maps, shared storage and counters: what its roles
+// (fused/backward_kernel.cuh, ops_bwd/) share.  The task list is fused/schedule_bwd.cuh.
+//
+// Rows are resident: every plan row has its place in the row buffers (x_rows, dy_rows, h, dh,
+// wa, row_weight, partials: row = plan row), so a gather never waits for a ring slot to be
+// read; the macrobatches of the schedule are those of the forward's ring, which fix how the
+// fp32 weight-gradient sums are split (wgrad_piece), the same as the unfused backward's.
+#pragma once
+
+#include "cuda/comm/ep.cuh"
+#include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/schedule_bwd.cuh"
+#include "cuda/gemm/epilogue_bwd.cuh"
+#include "cuda/gemm/wgrad.cuh"
+
+namespace mok::cuda::fused::bwd {
+
+using gemm::TileConfig;
+
+// Limits of the shared-memory tables (the host falls back to the unfused backward past them).
+inline constexpr int kMaxMinibatches = 256;
+inline constexpr int kMaxSegments = 4 * kMaxMinibatches + 6;
+inline constexpr int kMaxExperts = 512;
+
+// A task as the roles pass it: kind (TaskKind), unit (row block, token block or expert),
+// n (tile within the unit), macro (wgrad: the macrobatch, -1 for an expert without rows).
+struct Task {
+  int32_t kind;
+  int32_t block;
+  int32_t n_block;
+  int32_t macro;
+};
+
+struct BackwardParams {
+  // Dimensions
+  int32_t hidden, inter, shared_inter, topk;
+  int64_t num_tokens;
+  int32_t ring_blocks, minibatch_blocks, num_comm, num_local;
+  int32_t shared_blocks;      // ceil(T / 128) with a shared expert, else 0
+  int32_t replay;             // 1: the routed h is replayed (no saved h)
+  int32_t shared_replay;      // 1: the shared h is replayed
+  int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
+  int32_t n_acc;              // fp32 accumulator slots (0: no expert spans macrobatches)
+  int64_t max_rows;
+  // Plan
+  const uint32_t* rows;
+  const int32_t* expert_offset;
+  const int32_t* expert_count;
+  // Inputs (EP >= 2: x, dy and the weights of a row come from its source rank's region)
+  const __nv_bfloat16* x;
+  const __nv_bfloat16* dy;
+  const float* topk_weights;
+  plan::RoutingView routing;
+  // Rows (plan order) and the shared expert's (token order)
+  __nv_bfloat16 *x_rows, *dy_rows, *h, *dh, *wa;
+  float* row_weight;
+  float* partials;            // [max_rows, I / 128]
+  __nv_bfloat16 *sh_h, *sh_dh, *sh_a;
+  __nv_bfloat16* slots;       // [T*k, H]: each route's dx row (EP >= 2: this rank's region)
+  __nv_bfloat16* shared_dx;   // [T, H]
+  const float* ones;          // [k] 1.0f
+  // Outputs
+  __nv_bfloat16* dx;
+  float* d_topk_weights;
+  // The weight gradients' tiles: out, out1 / out_split, main_grad(1), acc, mo, no of each kind
+  gemm::WgradParams wg_down, wg_gate_up, wg_shared_down, wg_shared_gate_up;
+  ep::Group group;
+  // Timing ring (unused by the backward so far: null)
+  mokTraceEvent_t* trace;
+  int32_t trace_cap;
+  // Synchronisation: kHeader words, then the CounterArray arrays at counter_offset[array]
+  int32_t* counters;
+  int32_t counter_offset[static_cast<int>(CounterArray::kNumArrays)];
+  uint64_t timeout_ns;
+  int64_t* timeout_record;
+};
+
+// Tensor maps: K-major ones have 128-row boxes (A) or BLOCK_N/2-row boxes (B halves); N-major
+// B and MN-major wgrad operands 64-row boxes of 64 columns.
+struct Maps {
+  // routed
+  CUtensorMap x_rows_k, w_gate_k, w_up_k;    // replay
+  CUtensorMap dy_rows_k, w_down_n;           // dgrad down
+  CUtensorMap dh_k, w_gate_n, w_up_n;        // dgrad gate/up
+  CUtensorMap dy_rows_mn, wa_mn, dh_mn, x_rows_mn;  // wgrad
+  // shared
+  CUtensorMap x_k, ws_gate_k, ws_up_k, dy_k, ws_down_n, sh_dh_k, ws_gate_n, ws_up_n;
+  CUtensorMap dy_mn, sh_a_mn, sh_dh_mn, x_mn;
+};
+
+struct alignas(1024) Shared {
+  gemm::StageStorage stages;                // also the comm blocks' row staging
+  Segment segments[kMaxSegments];
+  int32_t expert_blocks[kMaxExperts + 1];   // each local expert's first row block, then the end
+  Geometry geo;                             // the call's (expert arrays: expert_blocks)
+  TaskCounts counts;
+  Task tasks[2];
+  uint64_t task_full[2], task_empty[2], done_full[2], done_empty[2];
+  uint64_t gather_bar[16];
+  int32_t num_segments;
+  int32_t num_tasks;
+};
+inline constexpr size_t kSmemBytes = sizeof(Shared) + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "fused backward shared storage exceeds 227 KB");
+
+__device__ __forceinline__ int32_t* counter_of(const BackwardParams& p, CounterArray a, int32_t index) {
+  return p.counters + p.counter_offset[static_cast<int>(a)] + index;
+}
+
+__device__ __forceinline__ bool wait_all(const BackwardParams& p, const Wait* waits, int n,
+                                         const gemm::WaitContext& wait) {
+  for (int i = 0; i < n; ++i)
+    if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait,
+                      500000 + static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
+      return false;
+  return true;
+}
+
+// The tile counts of the call (the schedule's TaskCounts) from the parameters.
+__device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
+  TaskCounts c{};
+  const int32_t H = p.hidden, I = p.inter, Is = p.shared_inter;
+  c.n_replay = p.replay ? 2 * I / 256 : 0;
+  c.n_dgrad_down = I / 256;
+  c.n_dgrad_gate_up = H / 256;
+  c.n_wgrad_down = (H / 128) * (I / 256);
+  c.n_wgrad_gate_up = (2 * I / 128) * (H / 256);
+  c.replay_all = p.replay;
+  c.saved_all = p.replay ? 0 : 1;
+  if (Is > 0) {
+    c.shared_blocks = p.shared_blocks;
+    c.n_shared_replay = p.shared_replay ? 2 * Is / 256 : 0;
+    c.n_shared_dgrad_down = Is / 256;
+    c.n_shared_dgrad_gate_up = H / 256;
+    c.n_shared_wgrad_down = (H / 128) * (Is / 256);
+    c.n_shared_wgrad_gate_up = (2 * Is / 128) * (H / 256);
+  }
+  return c;
+}
+
+}  // namespace mok::cuda::fused::bwd

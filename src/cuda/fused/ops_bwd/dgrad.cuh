@@ -1,0 +1,104 @@
+// The dgrad kinds (B read as stored, N-major):
+//   dgrad down     da = dy · W_down[e] ([H, I]) with the SwiGLU backward in its epilogue:
+//                  dh = [dg | du], wa = bf16(w·a), ⟨da, a⟩ partials (gemm/epilogue_bwd.cuh)
+//   dgrad gate/up  dx row = [dg | du] · [W_gate; W_up][e] (K = 2I, one chain), into the slot
+//                  token·k + j of the row's home rank (EP >= 2: over NVLink)
+// and the shared expert's (its tokens' rows, weight 1; its dx rows into shared_dx).
+#pragma once
+
+#include "cuda/fused/ops_bwd/op.cuh"
+
+namespace mok::cuda::fused::bwd::ops {
+
+struct DgradDown {
+  static constexpr TaskKind kKind = TaskKind::kDgradDown;
+  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const Task&) {
+    return p.hidden / 64;
+  }
+  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+                                              const TaskCounts& c, const Task& t) {
+    const int32_t e = g.expert_of(t.block);
+    return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * 128, e * p.hidden,
+                t.n_block * 256, p.hidden / 64, k_blocks(p, g, c, t), 0};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                  const Geometry&, const TaskCounts&, const Task& t) {
+    const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter};
+    const int64_t row0 = int64_t{t.block} * 128, left = p.max_rows - row0;
+    const float* __restrict__ rw = p.row_weight + row0;
+    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
+                                int64_t{t.n_block} * 256, [&](int r) { return rw[r]; });
+  }
+};
+
+struct SharedDgradDown {
+  static constexpr TaskKind kKind = TaskKind::kSharedDgradDown;
+  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const Task&) {
+    return p.hidden / 64;
+  }
+  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+                                              const TaskCounts& c, const Task& t) {
+    return Load{static_cast<int32_t>(kOps), &m.dy_k, &m.ws_down_n, &m.ws_down_n, t.block * 128, 0, t.n_block * 256,
+                p.hidden / 64, k_blocks(p, g, c, t), 0};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                  const Geometry&, const TaskCounts&, const Task& t) {
+    const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
+    const int64_t row0 = int64_t{t.block} * 128, left = p.num_tokens - row0;
+    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
+                                int64_t{t.n_block} * 256, [](int) { return 1.0f; });
+  }
+};
+
+struct DgradGateUp {
+  static constexpr TaskKind kKind = TaskKind::kDgradGateUp;
+  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const Task&) {
+    return 2 * p.inter / 64;
+  }
+  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+                                              const TaskCounts& c, const Task& t) {
+    const int32_t e = g.expert_of(t.block);
+    return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * 128, e * p.inter,
+                t.n_block * 256, p.inter / 64, k_blocks(p, g, c, t), 0};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                  const Geometry&, const TaskCounts&, const Task& t) {
+    const ep::Group& grp = p.group;
+    __nv_bfloat16* const local = p.slots;
+    gemm::epilogue_scatter(
+        acc, consumer,
+        [&](uint32_t rec) { return grp.size > 1 && !row_is_pad(rec) ? ep::slots_of(grp, row_rank(rec)) : local; },
+        p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
+  }
+};
+
+struct SharedDgradGateUp {
+  static constexpr TaskKind kKind = TaskKind::kSharedDgradGateUp;
+  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const Task&) {
+    return 2 * p.shared_inter / 64;
+  }
+  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+                                              const TaskCounts& c, const Task& t) {
+    return Load{static_cast<int32_t>(kOps), &m.sh_dh_k, &m.ws_gate_n, &m.ws_up_n, t.block * 128, 0, t.n_block * 256,
+                p.shared_inter / 64, k_blocks(p, g, c, t), 0};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                  const Geometry&, const TaskCounts&, const Task& t) {
+    gemm::epilogue_store(acc, consumer, p.shared_dx, p.hidden, int64_t{t.block} * 128, p.num_tokens,
+                         int64_t{t.n_block} * 256);
+  }
+};
+
+}  // namespace mok::cuda::fused::bwd::ops

@@ -1,0 +1,34 @@
+// What a task op of the fused backward declares: one file per GEMM kind in this folder (each
+// with its routed and its shared-expert op), the list in ops.cuh.  The roles (../roles/) run
+// every op through that list.
+//
+//   kKind                        the TaskKind it runs
+//   kOps                         its operand orientation (gemm::Operands): the producer's loads
+//                                and the consumers' MMA step
+//   k_blocks(p, g, c, t)         its K loop, in k-blocks of 64 (wgrad: the rows of the task's
+//                                piece, 0 for a tile of zeros)
+//   load(maps, p, g, c, t)       the tile's operands (Load) for the producer
+//   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
+// What a task waits on and signals is the schedule's (task_waits, task_signals in
+// ../schedule_bwd.cuh), which the host protocol model of tests/cpp/test_schedule_bwd.cpp reads.
+#pragma once
+
+#include "cuda/fused/backward_params.cuh"
+
+namespace mok::cuda::fused::bwd {
+
+// Where one tile's operands come from, for any orientation:
+//   kKMajor   a rows a_row.., b0 / b1 rows b_row.. and b_row + b_aux (the gate and up halves)
+//   kBNMajor  a rows a_row..; B as stored: K rows b_row.. of b0 (k-blocks < k_split) then of
+//             b1, columns b_aux..
+//   kMNMajor  rows a_row + 64·kb of a (columns a_col.., two 64-column boxes) and of b0
+//             (columns b_aux.., four boxes): the wgrad operands, K = rows
+struct Load {
+  int32_t ops;  // gemm::Operands
+  const CUtensorMap* a;
+  const CUtensorMap* b0;
+  const CUtensorMap* b1;
+  int32_t a_row, b_row, b_aux, k_split, num_k_blocks, a_col;
+};
+
+}  // namespace mok::cuda::fused::bwd

@@ -1,0 +1,50 @@
+// Replay: h = [bf16(x·W_gateᵀ) | bf16(x·W_upᵀ)] of a row block when the forward did not save it
+// (the gate/up tile of the forward, its pre-activations stored instead of the SwiGLU).
+#pragma once
+
+#include "cuda/fused/ops_bwd/op.cuh"
+
+namespace mok::cuda::fused::bwd::ops {
+
+struct Replay {
+  static constexpr TaskKind kKind = TaskKind::kReplay;
+  static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const Task&) {
+    return p.hidden / 64;
+  }
+  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+                                              const TaskCounts& c, const Task& t) {
+    const int32_t e = g.expert_of(t.block);
+    return Load{static_cast<int32_t>(kOps), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * 128,
+                e * p.inter + t.n_block * 128, 0, 0, k_blocks(p, g, c, t), 0};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                  const Geometry&, const TaskCounts&, const Task& t) {
+    gemm::epilogue_gate_up_preact(acc, consumer, p.h, 2 * int64_t{p.inter}, int64_t{t.block} * 128, p.max_rows,
+                                  int64_t{t.n_block} * 128);
+  }
+};
+
+struct SharedReplay {
+  static constexpr TaskKind kKind = TaskKind::kSharedReplay;
+  static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const Task&) {
+    return p.hidden / 64;
+  }
+  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+                                              const TaskCounts& c, const Task& t) {
+    return Load{static_cast<int32_t>(kOps), &m.x_k, &m.ws_gate_k, &m.ws_up_k, t.block * 128, t.n_block * 128, 0, 0,
+                k_blocks(p, g, c, t), 0};
+  }
+  template <int kRegs>
+  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                  const Geometry&, const TaskCounts&, const Task& t) {
+    gemm::epilogue_gate_up_preact(acc, consumer, p.sh_h, 2 * int64_t{p.shared_inter}, int64_t{t.block} * 128,
+                                  p.num_tokens, int64_t{t.n_block} * 128);
+  }
+};
+
+}  // namespace mok::cuda::fused::bwd::ops
