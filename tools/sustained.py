@@ -171,6 +171,10 @@ def backward_rows(args, H, I, k, E, T):
     torch.cuda.synchronize()
     torch_kept = torch.cuda.memory_allocated() - before - y_graph.numel() * y_graph.element_size()
 
+    def torch_forward_grad():
+        with torch.enable_grad():
+            return torch_forward()
+
     def torch_bwd():
         with torch.enable_grad():
             return torch.autograd.grad(y_graph, leaves, dy, retain_graph=True)
@@ -220,6 +224,10 @@ def backward_rows(args, H, I, k, E, T):
         f"mok fwd+bwd ring={ring}": lambda: mok_fb(ws_all),
         # The same tiles as separate launches (MOK_BACKWARD_PATH=unfused): the fused kernel's gain
         "mok bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, lambda: F.backward(saved_ctx, dy)),
+        "mok bwd n_group=1": with_env({"MOK_TILE_N_GROUP": "1"}, lambda: F.backward(saved_ctx, dy)),
+        "mok bwd n_group=4": with_env({"MOK_TILE_N_GROUP": "4"}, lambda: F.backward(saved_ctx, dy)),
+        "torch EP=1 fwd (graph kept)": lambda: torch_forward_grad(),
+        "mok fwd (save h)": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0],
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)

@@ -348,6 +348,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.shared_replay = Is > 0 && !saved.shared_h ? 1 : 0;
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
   p.n_acc = static_cast<int32_t>(b.n_acc);
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.max_rows = R;
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;

@@ -266,6 +266,14 @@ std::vector<Case> cases() {
       out.emplace_back(std::vector<int32_t>{0, 0, 0}, 4, 2, c);                 // no rows at all
       out.emplace_back(std::vector<int32_t>{1}, 1, 1, c);
     }
+    // The tiles in N-group raster order (the kernel's default): a permutation within segments
+    TaskCounts r = c;
+    r.raster_group = 3;
+    r.wgrad_down_n_blocks = 1;
+    r.wgrad_gate_up_n_blocks = 2;
+    r.shared_wgrad_down_n_blocks = c.n_shared_wgrad_down > 0 ? 1 : 0;
+    out.emplace_back(std::vector<int32_t>{0, 40, 0, 1, 3, 0, 22}, 8, 4, r);
+    out.emplace_back(std::vector<int32_t>(16, 17), 16, 8, r);
     // Many experts, every other one without rows: the wgrad ranges hold them (few segments)
     std::vector<int32_t> alternating(256);
     for (size_t e = 0; e < alternating.size(); ++e) alternating[e] = e % 2 ? 0 : static_cast<int32_t>(1 + e % 3);

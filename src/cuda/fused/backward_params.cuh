@@ -41,6 +41,7 @@ struct BackwardParams {
   int32_t shared_replay;      // 1: the shared h is replayed
   int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
   int32_t n_acc;              // fp32 accumulator slots (0: no expert spans macrobatches)
+  int32_t n_group;            // the tiles' raster: N-blocks per group (MOK_TILE_N_GROUP)
   int64_t max_rows;
   // Plan
   const uint32_t* rows;
@@ -127,6 +128,9 @@ __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
   c.n_wgrad_gate_up = (2 * I / 128) * (H / 256);
   c.replay_all = p.replay;
   c.saved_all = p.replay ? 0 : 1;
+  c.raster_group = p.n_group;
+  c.wgrad_down_n_blocks = I / 256;
+  c.wgrad_gate_up_n_blocks = H / 256;
   if (Is > 0) {
     c.shared_blocks = p.shared_blocks;
     c.n_shared_replay = p.shared_replay ? 2 * Is / 256 : 0;
@@ -134,6 +138,8 @@ __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
     c.n_shared_dgrad_gate_up = H / 256;
     c.n_shared_wgrad_down = (H / 128) * (Is / 256);
     c.n_shared_wgrad_gate_up = (2 * Is / 128) * (H / 256);
+    c.shared_wgrad_down_n_blocks = Is / 256;
+    c.shared_wgrad_gate_up_n_blocks = H / 256;
   }
   return c;
 }

@@ -53,6 +53,11 @@ struct TaskCounts {
   int32_t n_shared_wgrad_down = 0, n_shared_wgrad_gate_up = 0;
   // The forward saved h of every row (the fused backward over resident rows): no replay at all
   int32_t saved_all = 0;
+  // The order of the tiles (decode_task): N-groups of raster_group N-blocks (0 or 1: row-block-
+  // major), and the N-blocks of each wgrad kind's output grid (0: its tiles in index order)
+  int32_t raster_group = 0;
+  int32_t wgrad_down_n_blocks = 0, wgrad_gate_up_n_blocks = 0;
+  int32_t shared_wgrad_down_n_blocks = 0, shared_wgrad_gate_up_n_blocks = 0;
 };
 
 // Rows of the call: routed row blocks, the ring, minibatches, and each local expert's blocks
@@ -332,12 +337,20 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
   return n;
 }
 
-// Task index -> (kind, unit, n, macro): the segment by binary search, then the tile in it
-// (row-block-major, as the forward's segments without the N-group raster; a wgrad range: the
-// expert, then its wgrad-down tiles before its wgrad gate/up tiles).
+// Task index -> (kind, unit, n, macro): the segment by binary search, then the tile in it.  A
+// segment of row blocks is walked in N-groups of raster_group N-blocks (gemm::raster, as the
+// grouped launches and the forward); a wgrad range expert by expert, each expert's wgrad-down
+// tiles then its wgrad gate/up tiles, each output grid in the same raster.  The order only
+// permutes tiles within a segment, so every wait still points at earlier segments.
 struct TaskTile {
   int32_t kind, unit, n, macro;
 };
+// Tile `local` of a num_m x num_n grid in the raster, as its index m * num_n + n.
+MOK_HD int32_t raster_index(int32_t local, int32_t num_tiles, int32_t num_n, int32_t group) {
+  if (group <= 1 || num_n <= 0) return local;
+  const gemm::TileCoord tc = gemm::raster(local, num_tiles / num_n, num_n, group);
+  return tc.m * num_n + tc.n;
+}
 MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task, const Geometry& g,
                             const TaskCounts& c) {
   int lo = 0, hi = num_segments - 1;
@@ -347,11 +360,26 @@ MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task, 
   }
   const Segment& s = seg[lo];
   const int32_t local = task - s.first_task;
+  const TaskKind kind = static_cast<TaskKind>(s.kind);
+  if (s.kind != kSegmentWgrad) {
+    if (kind == TaskKind::kSharedWgradDown || kind == TaskKind::kSharedWgradGateUp) {
+      const int32_t nb = kind == TaskKind::kSharedWgradDown ? c.shared_wgrad_down_n_blocks : c.shared_wgrad_gate_up_n_blocks;
+      return TaskTile{s.kind, s.first, raster_index(local, s.num_n, nb, c.raster_group), s.macro};
+    }
+    if (c.raster_group > 1) {
+      const gemm::TileCoord tc = gemm::raster(local, s.count, s.num_n, c.raster_group);
+      return TaskTile{s.kind, s.first + tc.m, tc.n, s.macro};
+    }
+    return TaskTile{s.kind, s.first + local / s.num_n, local % s.num_n, s.macro};
+  }
   const int32_t unit = s.first + local / s.num_n, n = local % s.num_n;
-  if (s.kind != kSegmentWgrad) return TaskTile{s.kind, unit, n, s.macro};
   const int32_t macro = g.expert_begin[unit] >= g.expert_end[unit] ? -1 : s.macro;
-  if (n < c.n_wgrad_down) return TaskTile{static_cast<int32_t>(TaskKind::kWgradDown), unit, n, macro};
-  return TaskTile{static_cast<int32_t>(TaskKind::kWgradGateUp), unit, n - c.n_wgrad_down, macro};
+  if (n < c.n_wgrad_down)
+    return TaskTile{static_cast<int32_t>(TaskKind::kWgradDown), unit,
+                    raster_index(n, c.n_wgrad_down, c.wgrad_down_n_blocks, c.raster_group), macro};
+  return TaskTile{static_cast<int32_t>(TaskKind::kWgradGateUp), unit,
+                  raster_index(n - c.n_wgrad_down, c.n_wgrad_gate_up, c.wgrad_gate_up_n_blocks, c.raster_group),
+                  macro};
 }
 
 }  // namespace mok::cuda::fused::bwd
