@@ -1,6 +1,7 @@
-"""Timing ring of the fused forward: where the time of one call goes, per role.
+"""Timing ring of the fused forward (or, --backward, the fused backward): where the time of one
+call goes, per role.
 
-    python3 tools/trace_forward.py [shape] [--comm N] [--minibatch R] [--out DIR]
+    python3 tools/trace_forward.py [shape] [--comm N] [--minibatch R] [--out DIR] [--backward]
 
 Runs the fused forward on a shape of docs/benchmarks.md with MOK_TRACE=1, reads the ring
 (mokWorkspaceReadTrace), prints a summary (tile time by kind, producer waits, gather
@@ -20,8 +21,11 @@ SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 204
           "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096)}
 ROLES = ["gather", "producer wait", "producer load", "tile", "grid barrier", "combine"]
 KINDS = {0: "shared gate/up", 1: "gate/up", 2: "shared down", 3: "down", 255: "-"}
+KINDS_BWD = {0: "replay", 1: "dgrad down", 2: "dgrad gate/up", 3: "wgrad down", 4: "wgrad gate/up",
+             5: "shared replay", 6: "shared dgrad down", 7: "shared dgrad g/u", 8: "shared wgrad down",
+             9: "shared wgrad g/u", 255: "-"}
 
-def summarize(ev, num_comm):
+def summarize(ev, num_comm, kinds=KINDS):
     t0 = ev[:, 0].min().item()
     span = (ev[:, 1].max().item() - t0) / 1e3
     print(f"traced span {span:.1f} us (first event to last)")
@@ -38,8 +42,10 @@ def summarize(ev, num_comm):
     for k in sorted(set(tiles[:, 3].tolist())):
         sel = tiles[tiles[:, 3] == k]
         dur = (sel[:, 1] - sel[:, 0]).double() / 1e3
-        print(f"  tiles {KINDS.get(k, k):14} n={sel.shape[0]:6d}  mean {dur.mean().item():7.2f} us  "
-              f"p90 {dur.quantile(0.9).item():7.2f} us")
+        waits = ev[(ev[:, 2] == 1) & (ev[:, 3] == k)]
+        wait = (waits[:, 1] - waits[:, 0]).double().sum().item() / 1e3
+        print(f"  tiles {kinds.get(k, k):18} n={sel.shape[0]:6d}  mean {dur.mean().item():7.2f} us  "
+              f"p90 {dur.quantile(0.9).item():7.2f} us  total {dur.sum().item():10.1f} us  producer waits {wait:9.1f} us")
     compute = tiles[:, 6].unique().numel()
     busy = (tiles[:, 1] - tiles[:, 0]).sum().item() / 1e3
     print(f"  compute blocks {compute}: tiles busy {busy / (compute * span):.1%} of span")
@@ -94,6 +100,7 @@ def main():
     ap.add_argument("--minibatch", type=int, default=F.MoKConfig().minibatch_size)
     ap.add_argument("--out", default=".")
     ap.add_argument("--warm", type=int, default=3, help="untraced calls first (sustained load: 30+)")
+    ap.add_argument("--backward", action="store_true", help="trace the fused backward (of the saving forward)")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -104,19 +111,26 @@ def main():
          (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
     cfg = F.MoKConfig(fwd_num_comm_sms=args.comm, minibatch_size=args.minibatch)
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
+    if args.backward:
+        dy = (torch.randn(T, H, device="cuda", generator=g) * 0.1).bfloat16()
+        _, ctx = F.forward(x, ids.int(), tw, *w, workspace=ws)
+        call = lambda: F.backward(ctx, dy)  # noqa: E731
+    else:
+        call = lambda: F.forward(x, ids.int(), tw, *w, workspace=ws)  # noqa: E731
     for _ in range(args.warm):
-        F.forward(x, ids.int(), tw, *w, workspace=ws)
+        call()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    F.forward(x, ids.int(), tw, *w, workspace=ws)
+    call()
     end.record()
     end.synchronize()
-    print(f"{args.shape}: fused forward {start.elapsed_time(end):.3f} ms (traced call, comm {args.comm}, "
+    what = "backward" if args.backward else "forward"
+    print(f"{args.shape}: fused {what} {start.elapsed_time(end):.3f} ms (traced call, comm {args.comm}, "
           f"minibatch {args.minibatch})")
     ev = ws.read_trace()
-    t0 = summarize(ev, args.comm)
+    t0 = summarize(ev, args.comm, KINDS_BWD if args.backward else KINDS)
     os.makedirs(args.out, exist_ok=True)
-    draw(ev, t0, os.path.join(args.out, f"trace_{args.shape}.png"))
+    draw(ev, t0, os.path.join(args.out, f"trace_{what}_{args.shape}.png"))
 
 
 if __name__ == "__main__":

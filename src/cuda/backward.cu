@@ -396,6 +396,13 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     p.wg_shared_gate_up = wgrad(2 * Is, H, g.dws_gate, g.main_s_gate, g.dws_up, g.main_s_up, Is, nullptr);
   }
   p.group = ep_group(ws);
+  p.trace = ws.trace;  // MOK_TRACE=1 at creation: the timing ring (tools/trace_forward.py --backward)
+  p.trace_cap = ws.trace_cap;
+  if (ws.trace)
+    MOK_CUDA_CHECK(cudaMemsetAsync(ws.trace, 0,
+                                   static_cast<size_t>(ws.num_sms) * MOK_TRACE_RECORDERS * ws.trace_cap *
+                                       sizeof(mokTraceEvent_t),
+                                   stream));
   p.counters = b.counters;
   {
     using A = fb::CounterArray;

@@ -23,8 +23,8 @@ struct BackwardDir {
     return &p.counters[static_cast<int>(Counter::kTaskNext)];
   }
   // The geometry and tile counts every role of the block reads (set up at kernel entry)
-  __device__ __forceinline__ static Task decode(const Shared& sh, int32_t task);
-  __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0}; }
+  __device__ __forceinline__ static Task decode(const Shared& sh, const Params& p, int32_t task);
+  __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0, 0, 0, 0, 0}; }
   template <class F>
   __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {
     return visit_op(static_cast<TaskKind>(kind), f);
@@ -100,9 +100,11 @@ struct BackwardDir {
   }
 };
 
-__device__ __forceinline__ Task BackwardDir::decode(const Shared& sh, int32_t task) {
-  const TaskTile t = decode_task(sh.segments, sh.num_segments, task, sh.geo, sh.counts);
-  return Task{t.kind, t.unit, t.n, t.macro};
+__device__ __forceinline__ Task BackwardDir::decode(const Shared& sh, const Params& p, int32_t task) {
+  const TaskTile tile = decode_task(sh.segments, sh.num_segments, task, sh.geo, sh.counts);
+  Task t{tile.kind, tile.unit, tile.n, tile.macro, 0, 0, 0, 0};
+  visit(t.kind, [&](auto op) { decltype(op)::prepare(p, t); });
+  return t;
 }
 
 }  // namespace mok::cuda::fused::bwd

@@ -23,12 +23,16 @@ inline constexpr int kMaxSegments = 4 * kMaxMinibatches + 6;
 inline constexpr int kMaxExperts = 512;
 
 // A task as the roles pass it: kind (TaskKind), unit (row block, token block or expert),
-// n (tile within the unit), macro (wgrad: the macrobatch, -1 for an expert without rows).
+// n (tile within the unit), macro (wgrad: the macrobatch, -1 for an expert without rows); for
+// the wgrad kinds also its piece (wgrad_piece), found by the producer when it claims the task
+// so that the consumers read it from the hand-off instead of global memory: k-blocks, first
+// row, fp32 mode and accumulator slot.
 struct Task {
   int32_t kind;
   int32_t block;
   int32_t n_block;
   int32_t macro;
+  int32_t k_blocks, row0, mode, slot;
 };
 
 struct BackwardParams {
@@ -66,7 +70,7 @@ struct BackwardParams {
   // The weight gradients' tiles: out, out1 / out_split, main_grad(1), acc, mo, no of each kind
   gemm::WgradParams wg_down, wg_gate_up, wg_shared_down, wg_shared_gate_up;
   ep::Group group;
-  // Timing ring (unused by the backward so far: null)
+  // Timing ring (null = off): the producer's waits and loads, the signaler's tiles
   mokTraceEvent_t* trace;
   int32_t trace_cap;
   // Synchronisation: kHeader words, then the CounterArray arrays at counter_offset[array]

@@ -4,7 +4,7 @@
 //                                                  memory, geometry, tile-count and task types
 //   kDone                        the task kind that ends the role loops
 //   task_counter(p)              the global task claim counter
-//   decode(sh, task)             task index -> Task (the direction's schedule builder)
+//   decode(sh, p, task)          task index -> Task (the direction's schedule builder)
 //   visit(kind, f)               f(Op{}) for the op of `kind` (its op list)
 //   waits(task, g, c, out)       what a task waits on (the ops' descriptions; the host model
 //                                of its schedule test reads the same)
@@ -37,7 +37,9 @@ struct ForwardDir {
   __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
     return &p.counters[static_cast<int>(Counter::kTaskNext)];
   }
-  __device__ __forceinline__ static Task decode(const Shared& sh, int32_t task) { return decode_task(sh, task); }
+  __device__ __forceinline__ static Task decode(const Shared& sh, const Params&, int32_t task) {
+    return decode_task(sh, task);
+  }
   __device__ __forceinline__ static Task done() { return TaskInfo{kDone, 0, 0, 0}; }
   template <class F>
   __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {

@@ -13,6 +13,7 @@ namespace mok::cuda::fused::bwd::ops {
 struct DgradDown {
   static constexpr TaskKind kKind = TaskKind::kDgradDown;
   static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -37,6 +38,7 @@ struct DgradDown {
 struct SharedDgradDown {
   static constexpr TaskKind kKind = TaskKind::kSharedDgradDown;
   static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -59,6 +61,7 @@ struct SharedDgradDown {
 struct DgradGateUp {
   static constexpr TaskKind kKind = TaskKind::kDgradGateUp;
   static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return 2 * p.inter / 64;
@@ -84,6 +87,7 @@ struct DgradGateUp {
 struct SharedDgradGateUp {
   static constexpr TaskKind kKind = TaskKind::kSharedDgradGateUp;
   static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
+  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return 2 * p.shared_inter / 64;

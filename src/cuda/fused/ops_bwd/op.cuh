@@ -5,6 +5,8 @@
 //   kKind                        the TaskKind it runs
 //   kOps                         its operand orientation (gemm::Operands): the producer's loads
 //                                and the consumers' MMA step
+//   prepare(p, t)                fills what the task's tile needs beyond (kind, unit, n, macro)
+//                                (wgrad: its piece), in the producer's decode
 //   k_blocks(p, g, c, t)         its K loop, in k-blocks of 64 (wgrad: the rows of the task's
 //                                piece, 0 for a tile of zeros)
 //   load(maps, p, g, c, t)       the tile's operands (Load) for the producer

@@ -12,27 +12,35 @@
 
 namespace mok::cuda::fused::bwd::ops {
 
-// The tile of a wgrad task: expert, (m, n) of the output tile, its rows, and its fp32 mode.
-struct WgradTask {
-  gemm::WgradTile tile;
-  int64_t slot;
-};
+// The piece of a wgrad task (the producer's decode): its k-blocks, first row, mode and slot.
 template <bool kShared>
-__device__ __forceinline__ WgradTask wgrad_task(const BackwardParams& p, const Task& t, int32_t num_n_blocks) {
-  const int32_t m_block = t.n_block / num_n_blocks, n_block = t.n_block % num_n_blocks;
+__device__ __forceinline__ void wgrad_prepare(const BackwardParams& p, Task& t) {
   if constexpr (kShared) {
-    const int32_t rows = static_cast<int32_t>(p.num_tokens);
-    return WgradTask{gemm::WgradTile{0, m_block, n_block, (rows + 63) / 64, 0, gemm::kWgradFinal}, 0};
+    t.k_blocks = static_cast<int32_t>((p.num_tokens + 63) / 64);
+    t.row0 = 0;
+    t.mode = gemm::kWgradFinal;
+    t.slot = 0;
   } else {
     const int32_t e = t.block;
-    if (t.macro < 0)  // an expert without rows: one final tile of zeros
-      return WgradTask{gemm::WgradTile{e, m_block, n_block, 0, 0, gemm::kWgradFinal}, 0};
+    if (t.macro < 0) {  // an expert without rows: one final tile of zeros
+      t.k_blocks = 0;
+      t.row0 = 0;
+      t.mode = gemm::kWgradFinal;
+      t.slot = 0;
+      return;
+    }
     const int32_t ring_rows = p.ring_blocks * 128;
     const WgradPiece w = wgrad_piece(p.expert_offset[e], p.expert_count[e], p.expert_offset[e + 1], t.macro, ring_rows,
                                      live_macros(p.expert_offset[p.num_local], ring_rows));
-    const int64_t slot = w.first_macro < w.last_macro ? (p.slot_by_expert ? e : w.first_macro) : 0;
-    return WgradTask{gemm::WgradTile{e, m_block, n_block, (w.count + 63) / 64, w.row0, w.mode}, slot};
+    t.k_blocks = (w.count + 63) / 64;
+    t.row0 = w.row0;
+    t.mode = w.mode;
+    t.slot = w.first_macro < w.last_macro ? (p.slot_by_expert ? e : w.first_macro) : 0;
   }
+}
+// The task's output tile: expert, (m, n) of the grid (n = m * num_n_blocks + n), its rows.
+__device__ __forceinline__ gemm::WgradTile wgrad_tile(const Task& t, int32_t num_n_blocks) {
+  return gemm::WgradTile{t.block, t.n_block / num_n_blocks, t.n_block % num_n_blocks, t.k_blocks, t.row0, t.mode};
 }
 
 // Mo x No of the output per kind: down [H, I] (n blocks I/256), gate/up [2I, H] (H/256).
@@ -46,13 +54,14 @@ struct WgradOp {
   __device__ __forceinline__ static const gemm::WgradParams& target(const BackwardParams& p) {
     return kShared ? (kDown ? p.wg_shared_down : p.wg_shared_gate_up) : (kDown ? p.wg_down : p.wg_gate_up);
   }
-  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
+  __device__ __forceinline__ static void prepare(const BackwardParams& p, Task& t) { wgrad_prepare<kShared>(p, t); }
+  __device__ __forceinline__ static int32_t k_blocks(const BackwardParams&, const Geometry&, const TaskCounts&,
                                                      const Task& t) {
-    return wgrad_task<kShared>(p, t, num_n_blocks(p)).tile.num_k_blocks;
+    return t.k_blocks;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry&,
                                               const TaskCounts&, const Task& t) {
-    const gemm::WgradTile w = wgrad_task<kShared>(p, t, num_n_blocks(p)).tile;
+    const gemm::WgradTile w = wgrad_tile(t, num_n_blocks(p));
     const CUtensorMap* a = kShared ? (kDown ? &m.dy_mn : &m.sh_dh_mn) : (kDown ? &m.dy_rows_mn : &m.dh_mn);
     const CUtensorMap* b = kShared ? (kDown ? &m.sh_a_mn : &m.x_mn) : (kDown ? &m.wa_mn : &m.x_rows_mn);
     return Load{static_cast<int32_t>(kOps), a, b, b, w.row0, 0, w.n_block * 256, 0, w.num_k_blocks, w.m_block * 128};
@@ -60,11 +69,11 @@ struct WgradOp {
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    const WgradTask w = wgrad_task<kShared>(p, t, num_n_blocks(p));
+    const gemm::WgradTile w = wgrad_tile(t, num_n_blocks(p));
     const gemm::WgradParams& wp = target(p);
-    const gemm::WgradTarget to = gemm::wgrad_target_at(wp, w.tile, w.slot);
-    if (w.tile.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true>(acc, consumer, wp, w.tile, to);
-    else gemm::epilogue_wgrad_to<false, true>(acc, consumer, wp, w.tile, to);
+    const gemm::WgradTarget to = gemm::wgrad_target_at(wp, w, t.slot);
+    if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true>(acc, consumer, wp, w, to);
+    else gemm::epilogue_wgrad_to<false, true>(acc, consumer, wp, w, to);
   }
 };
 

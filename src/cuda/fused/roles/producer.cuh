@@ -20,7 +20,7 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
     // Claim the next task and hand it to the consumers
     const uint64_t t_claim = ptx::globaltimer_ns();
     const int32_t task = atomicAdd(Dir::task_counter(p), 1);
-    Task info = task < sh.num_tasks ? Dir::decode(sh, task) : Dir::done();
+    Task info = task < sh.num_tasks ? Dir::decode(sh, p, task) : Dir::done();
     if (!gemm::wait_barrier(&sh.task_empty[handoff.index], handoff.phase ^ 1u, wait, gemm::WaitSite::kProducerEmpty, -1))
       break;
     sh.tasks[handoff.index] = info;
