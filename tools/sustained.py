@@ -93,12 +93,6 @@ def gemm_kinds(args, H, I, k, E, T):
         daw = da_t * rw[:, None]
         return torch.cat([daw * uu * sg * (1 + gg * (1 - sg)), daw * sl], 1).bfloat16(), (rw[:, None] * a).bfloat16(), dtw
 
-    # The backward's comm blocks (gather of x, dy, weights): fewer and more than the default
-    comm_ctx = {}
-    for n in (4, 16):
-        wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(bwd_num_comm_sms=n))
-        comm_ctx[n] = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
-
     mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     kinds = {
@@ -216,6 +210,12 @@ def backward_rows(args, H, I, k, E, T):
                                 config=F.MoKConfig(minibatch_size=2048, macrobatch_size=ring))
     _, saved_all = F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)
 
+    # The backward's comm blocks (gather of x, dy, weights): fewer and more than the default
+    comm_ctx = {}
+    for n in (16, 24):
+        wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(bwd_num_comm_sms=n))
+        comm_ctx[n] = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
+
     mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     variants = {
@@ -231,8 +231,10 @@ def backward_rows(args, H, I, k, E, T):
         # The same tiles as separate launches (MOK_BACKWARD_PATH=unfused): the fused kernel's gain
         "mok bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, lambda: F.backward(saved_ctx, dy)),
         "mok bwd n_group=1": with_env({"MOK_TILE_N_GROUP": "1"}, lambda: F.backward(saved_ctx, dy)),
-        "mok bwd comm=4": lambda: F.backward(comm_ctx[4], dy),
         "mok bwd comm=16": lambda: F.backward(comm_ctx[16], dy),
+        "mok bwd gather=pipeline": with_env({"MOK_GATHER": "pipeline"}, lambda: F.backward(saved_ctx, dy)),
+        "mok bwd comm=16 pipeline": with_env({"MOK_GATHER": "pipeline"}, lambda: F.backward(comm_ctx[16], dy)),
+        "mok bwd comm=24": lambda: F.backward(comm_ctx[24], dy),
         "mok bwd n_group=4": with_env({"MOK_TILE_N_GROUP": "4"}, lambda: F.backward(saved_ctx, dy)),
         "torch EP=1 fwd (graph kept)": lambda: torch_forward_grad(),
         "mok fwd (save h)": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0],

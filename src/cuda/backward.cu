@@ -349,6 +349,10 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
   p.n_acc = static_cast<int32_t>(b.n_acc);
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  const std::string gather = env::get(env::kGather);
+  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline",
+                env::kGather.name << " = " << gather << ": expected warps or pipeline");
+  p.gather_mode = gather == "pipeline" ? 1 : 0;
   p.max_rows = R;
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;

@@ -297,3 +297,14 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
     _, ctx = F.forward(x, ids, tw, **w)
     gu, gf = _both_paths(monkeypatch, lambda: F.backward(ctx, dy))
     _assert_bitwise("dsv3: fused vs unfused", gu, gf)
+
+
+@pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
+def test_fused_backward_pipelined_gather_equals_unfused(gen, monkeypatch, H, E, k, T, ring):
+    # MOK_GATHER=pipeline: the comm blocks' one-thread bulk-copy pipeline (padding rows from a
+    # zero row in shared memory) gathers the same rows
+    x, ids, tw, w, dy = _layer(gen, H, 256, E, k, T, 256, masked=0.1)
+    config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
+    monkeypatch.setenv("MOK_GATHER", "pipeline")
+    gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))
+    _assert_bitwise("pipelined gather: fused vs unfused", gu, gf)

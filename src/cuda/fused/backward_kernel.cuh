@@ -66,6 +66,73 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   __syncwarp();
 }
 
+// MOK_GATHER=pipeline: one thread per comm block keeps up to `slots` rows in flight through
+// staging rows in the stage memory (bulk load -> its barrier -> bulk store, the stores drained
+// kStoreDepth behind), items x then dy of each row; padding rows store the zero row.  Releases
+// dy_ready / x_ready of a block once its 256 stores completed.
+__device__ void comm_gather_pipelined(Shared& sh, const BackwardParams& p, const Geometry& g,
+                                      const gemm::WaitContext& wait, uint8_t* base, int slots, const uint8_t* zero_row) {
+  constexpr int kStoreDepth = 4;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+  const bool peer = p.group.size > 1;
+  const int32_t total = g.num_blocks;
+  const int32_t my_blocks = static_cast<int32_t>(blockIdx.x) < total
+                                ? (total - static_cast<int32_t>(blockIdx.x) + p.num_comm - 1) / p.num_comm
+                                : 0;
+  const int64_t items = static_cast<int64_t>(my_blocks) * 256;
+  auto block_of = [&](int64_t it) { return static_cast<int32_t>(blockIdx.x + (it / 256) * p.num_comm); };
+  auto plan_row = [&](int64_t it) { return static_cast<int64_t>(block_of(it)) * 128 + (it % 256) / 2; };
+  auto source = [&](int64_t it, uint32_t rec) -> const __nv_bfloat16* {
+    const int s = row_rank(rec);
+    const __nv_bfloat16* base_ptr = (it & 1) ? (peer ? ep::dy_of(p.group, s) : p.dy) : (peer ? ep::x_of(p.group, s) : p.x);
+    return base_ptr + row_token(rec) * p.hidden;
+  };
+  auto issue = [&](int64_t it) {
+    const uint32_t rec = p.rows[plan_row(it)];
+    if (row_is_pad(rec)) return;
+    const int s = static_cast<int>(it % slots);
+    ptx::mbar_arrive_expect_tx(&sh.gather_bar[s], row_bytes);
+    ptx::bulk_load(base + static_cast<size_t>(s) * row_bytes, source(it, rec), row_bytes, &sh.gather_bar[s]);
+  };
+  uint32_t phases = 0;
+  int64_t issued = 0;
+  int32_t released = 0;
+  auto release_upto = [&](int64_t complete) {
+    for (; released < my_blocks && (static_cast<int64_t>(released) + 1) * 256 <= complete; ++released) {
+      const int32_t b = block_of(static_cast<int64_t>(released) * 256);
+      ptx::fence_proxy_async_global();
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), 128);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), 128);
+    }
+  };
+  for (; issued < items && issued < slots - kStoreDepth; ++issued) issue(issued);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t row = plan_row(it);
+    const uint32_t rec = p.rows[row];
+    __nv_bfloat16* dst = ((it & 1) ? p.dy_rows : p.x_rows) + row * p.hidden;
+    if (row_is_pad(rec)) {
+      if ((it & 1) == 0) p.row_weight[row] = 0.0f;
+      ptx::bulk_store(dst, zero_row, row_bytes);
+    } else {
+      if ((it & 1) == 0)
+        p.row_weight[row] = (peer ? ep::weights_of(p.group, row_rank(rec)) : p.topk_weights)[row_token(rec) * p.topk +
+                                                                                              row_slot(rec)];
+      const int s = static_cast<int>(it % slots);
+      if (!gemm::wait_barrier(&sh.gather_bar[s], (phases >> s) & 1u, wait, gemm::WaitSite::kConsumerFull, 18000 + s))
+        return;
+      phases ^= 1u << s;
+      ptx::bulk_store(dst, base + static_cast<size_t>(s) * row_bytes, row_bytes);
+    }
+    ptx::bulk_commit();
+    // Stores up to item it - kStoreDepth completed: release finished blocks, refill their slot
+    ptx::bulk_wait<kStoreDepth>();
+    release_upto(it + 1 - kStoreDepth);
+    if (issued < items) issue(issued++);
+  }
+  ptx::bulk_wait<0>();
+  release_upto(items);
+}
+
 // ---- end: grid barrier, d topk_weights, (EP >= 2: end barrier), dx ----------------------------
 // Run by the 256 consumer threads of every block; thread 128 arrives at the barriers.
 __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
@@ -156,7 +223,20 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // each role returns on its own.  A comm block joins the compute roles after its gathers:
   // its staging rows are free (every bulk copy completed), the stage barriers untouched.
   if (static_cast<int32_t>(blockIdx.x) < p.num_comm) {
-    comm_gather(sh, p, g, wait);
+    if (p.gather_mode == 1) {
+      // Staging rows, then one zero row, in the stage memory
+      uint8_t* base = reinterpret_cast<uint8_t*>(&sh.stages);
+      const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+      const int slots = min(16, static_cast<int>(sizeof(sh.stages.a) + sizeof(sh.stages.b)) / static_cast<int>(row_bytes) - 1);
+      uint8_t* zero_row = base + static_cast<size_t>(slots) * row_bytes;
+      for (uint32_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x)
+        reinterpret_cast<uint4*>(zero_row)[v] = make_uint4(0, 0, 0, 0);
+      ptx::fence_proxy_async_smem();
+      __syncthreads();
+      if (threadIdx.x == 0) comm_gather_pipelined(sh, p, g, wait, base, slots, zero_row);
+    } else {
+      comm_gather(sh, p, g, wait);
+    }
     __syncthreads();
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);

@@ -46,6 +46,7 @@ struct BackwardParams {
   int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
   int32_t n_acc;              // fp32 accumulator slots (0: no expert spans macrobatches)
   int32_t n_group;            // the tiles' raster: N-blocks per group (MOK_TILE_N_GROUP)
+  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline (MOK_GATHER)
   int64_t max_rows;
   // Plan
   const uint32_t* rows;
