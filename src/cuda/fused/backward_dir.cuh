@@ -18,6 +18,9 @@ struct BackwardDir {
   using WaitT = Wait;
   using Load = bwd::Load;
   static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
+  // Many short tiles (wgrad K = an expert's rows): the next task's claim and decode go under
+  // this one's loads
+  static constexpr bool kClaimAhead = true;
 
   __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
     return &p.counters[static_cast<int>(Counter::kTaskNext)];
@@ -40,28 +43,44 @@ struct BackwardDir {
                                               const Task& info) {
     return visit(info.kind, [&, info](auto op) { return decltype(op)::load(maps, p, g, c, info); });
   }
+  // The tile's loads, k-block by k-block; after_first() once the first k-block is issued (or
+  // at once for a task of no k-blocks).
+  template <class AfterFirst>
   __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
-                                                 const Load& l, const gemm::WaitContext& wait) {
+                                                 const Load& l, const gemm::WaitContext& wait, AfterFirst&& after_first) {
     using C = TileConfig;
-    switch (static_cast<gemm::Operands>(l.ops)) {
-      case gemm::Operands::kKMajor:
-        return gemm::produce_tile(s, stage, gemm::TileLoad{l.a, l.b0, l.b1, l.a_row, l.b_row, l.b_aux, l.num_k_blocks},
-                                  wait);
-      case gemm::Operands::kBNMajor:
-        return gemm::produce_tile_nmajor(
-            s, stage, gemm::TileLoadNMajor{l.a, l.b0, l.b1, l.a_row, l.b_row, l.b_aux, l.k_split, l.num_k_blocks}, wait);
-      default:
-        // Both operands MN-major: K = rows a_row + 64·kb of both maps
-        return gemm::produce_stages(s, stage, l.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
-          const int32_t row = l.a_row + kb * C::kBlockK;
-#pragma unroll
-          for (int c = 0; c < C::kBlockM / 64; ++c)
-            ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * 64, row);
-#pragma unroll
-          for (int c = 0; c < C::kBlockN / 64; ++c)
-            ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * 64, row);
-        });
+    if (l.num_k_blocks == 0) {
+      after_first();
+      return true;
     }
+    const int32_t ops = l.ops;
+    return gemm::produce_stages(s, stage, l.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+      if (ops == static_cast<int32_t>(gemm::Operands::kKMajor)) {
+        // A rows a_row.., B halves b0 rows b_row.. and b1 rows b_row + b_aux..
+        ptx::tma_load_2d(s.a[i], l.a, full, kb * C::kBlockK, l.a_row);
+        ptx::tma_load_2d(s.b[i], l.b0, full, kb * C::kBlockK, l.b_row);
+        ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, l.b1, full, kb * C::kBlockK, l.b_row + l.b_aux);
+      } else if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor)) {
+        // A rows a_row..; B as stored: K rows of b0 (k-blocks < k_split) then b1, columns b_aux..
+        ptx::tma_load_2d(s.a[i], l.a, full, kb * C::kBlockK, l.a_row);
+        const bool second = kb >= l.k_split;
+        const CUtensorMap* map = second ? l.b1 : l.b0;
+        const int32_t k_row = l.b_row + (second ? kb - l.k_split : kb) * C::kBlockK;
+#pragma unroll
+        for (int c = 0; c < C::kBlockN / 64; ++c)
+          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, map, full, l.b_aux + c * 64, k_row);
+      } else {
+        // Both operands MN-major: K = rows a_row + 64·kb of both maps
+        const int32_t row = l.a_row + kb * C::kBlockK;
+#pragma unroll
+        for (int c = 0; c < C::kBlockM / 64; ++c)
+          ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * 64, row);
+#pragma unroll
+        for (int c = 0; c < C::kBlockN / 64; ++c)
+          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * 64, row);
+      }
+      if (kb == 0) after_first();
+    });
   }
   __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT& g, const Counts& c,
                                                      const Task& t) {

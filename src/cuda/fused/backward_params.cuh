@@ -101,6 +101,7 @@ struct alignas(1024) Shared {
   Geometry geo;                             // the call's (expert arrays: expert_blocks)
   TaskCounts counts;
   Task tasks[2];
+  Task next_task;                           // the producer's claimed-ahead task (kClaimAhead)
   uint64_t task_full[2], task_empty[2], done_full[2], done_empty[2];
   uint64_t gather_bar[16];
   int32_t num_segments;

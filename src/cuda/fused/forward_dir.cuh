@@ -3,6 +3,8 @@
 //   Params, Maps, Shared, Geometry, Counts, Task   its kernel's parameter, tensor-map, shared-
 //                                                  memory, geometry, tile-count and task types
 //   kDone                        the task kind that ends the role loops
+//   kClaimAhead                  the producer claims the next task under this one's loads
+//                                (produce then takes a hook, called once the first k-block is issued)
 //   task_counter(p)              the global task claim counter
 //   decode(sh, p, task)          task index -> Task (the direction's schedule builder)
 //   visit(kind, f)               f(Op{}) for the op of `kind` (its op list)
@@ -33,6 +35,7 @@ struct ForwardDir {
   using WaitT = Wait;
   using Load = gemm::TileLoad;
   static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
+  static constexpr bool kClaimAhead = false;  // the producer claims a task after the last one's loads
 
   __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
     return &p.counters[static_cast<int>(Counter::kTaskNext)];
