@@ -15,6 +15,7 @@ medians are printed with the dense-rate floor at the sustained matmul rate. benc
 each variant after its own warm-up; this tool removes that thermal bias from the ratios."""
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -212,10 +213,13 @@ def backward_rows(args, H, I, k, E, T):
 
     # The backward's comm blocks (gather of x, dy, weights): fewer and more than the default
     comm_ctx = {}
-    for n in (16, 24):
+    for n in ((16, 24) if args.explore else ()):
         wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(bwd_num_comm_sms=n))
         comm_ctx[n] = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
 
+    fwd_mini, fwd_macro = map(int, re.search(r"minibatch_size\s*=\s*(\d+) rows, macrobatch_size = (\d+)",
+                                             ws.describe()).groups())
+    print(f"{args.shape}: minibatch {fwd_mini} rows, macrobatch {fwd_macro} rows (the forward's)")
     mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     variants = {
@@ -230,16 +234,22 @@ def backward_rows(args, H, I, k, E, T):
         f"mok fwd+bwd ring={ring}": lambda: mok_fb(ws_all),
         # The same tiles as separate launches (MOK_BACKWARD_PATH=unfused): the fused kernel's gain
         "mok bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, lambda: F.backward(saved_ctx, dy)),
-        "mok bwd n_group=1": with_env({"MOK_TILE_N_GROUP": "1"}, lambda: F.backward(saved_ctx, dy)),
-        "mok bwd comm=16": lambda: F.backward(comm_ctx[16], dy),
-        "mok bwd gather=pipeline": with_env({"MOK_GATHER": "pipeline"}, lambda: F.backward(saved_ctx, dy)),
-        "mok bwd comm=16 pipeline": with_env({"MOK_GATHER": "pipeline"}, lambda: F.backward(comm_ctx[16], dy)),
-        "mok bwd comm=24": lambda: F.backward(comm_ctx[24], dy),
-        "mok bwd n_group=4": with_env({"MOK_TILE_N_GROUP": "4"}, lambda: F.backward(saved_ctx, dy)),
+        # The fused backward with the forward's minibatch (before its own rule)
+        "mok bwd mini=fwd": with_env({"MOK_BACKWARD_MINIBATCH": str(fwd_mini)}, lambda: F.backward(saved_ctx, dy)),
         "torch EP=1 fwd (graph kept)": lambda: torch_forward_grad(),
         "mok fwd (save h)": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0],
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
+    if args.explore:
+        # The knobs of the fused backward measured in session 11 (docs/perf.md): its raster, its
+        # comm blocks and their gather mode
+        variants.update({
+            "mok bwd n_group=1": with_env({"MOK_TILE_N_GROUP": "1"}, lambda: F.backward(saved_ctx, dy)),
+            "mok bwd n_group=4": with_env({"MOK_TILE_N_GROUP": "4"}, lambda: F.backward(saved_ctx, dy)),
+            "mok bwd comm=16": lambda: F.backward(comm_ctx[16], dy),
+            "mok bwd comm=24": lambda: F.backward(comm_ctx[24], dy),
+            "mok bwd gather=pipeline": with_env({"MOK_GATHER": "pipeline"}, lambda: F.backward(saved_ctx, dy)),
+        })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
@@ -297,6 +307,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
     ap.add_argument("--backward", action="store_true", help="the layer's backward and forward+backward")
+    ap.add_argument("--explore", action="store_true", help="with --backward: the fused backward's knob variants too")
     ap.add_argument("--minibatches", default="0",
                     help="forward: minibatch sizes of mok's workspaces timed side by side (0 = mok's choice)")
     ap.add_argument("--variants", default="base",

@@ -296,11 +296,21 @@ gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& 
 }
 
 // ---- the fused backward (fused/backward_kernel.cuh) ------------------------------------------
-// Its minibatch (row blocks): the forward's, grown to a divisor of the ring until the task list
-// of a worst-case plan fits the kernel's table; 0 where none does.
+// Its minibatch (row blocks): the tiles of a minibatch's dgrad-down segment must cover the grid
+// twice, so that the dgrad gate/up tiles that follow one minibatch behind find their inputs
+// done (a smaller one leaves blocks waiting on tiles claimed just before); at least the
+// forward's, a divisor of the macrobatch, and few enough that the task list of a worst-case
+// plan fits the kernel's table (0 where none does).  MOK_BACKWARD_MINIBATCH (rows) overrides.
 int32_t fused_minibatch_blocks(const DeviceWorkspace& ws, const mokConfig_t& c) {
   const int64_t ring = c.macrobatch_size / 128;
-  for (int64_t m = std::max<int64_t>(1, c.minibatch_size / 128); m <= ring; ++m)
+  const long knob = env::get_int(env::kBackwardMinibatch);
+  MOK_CHECK_ARG(knob >= 0 && knob % 128 == 0 && (knob == 0 || ring % (knob / 128) == 0),
+                env::kBackwardMinibatch.name << " = " << knob << ": a multiple of 128 rows that divides the macrobatch ("
+                                             << c.macrobatch_size << " rows), or 0");
+  const int64_t tiles_per_block = std::max<int64_t>(1, c.intermediate / 256);
+  const int64_t want = knob > 0 ? knob / 128
+                                : std::max<int64_t>(c.minibatch_size / 128, plan::ceil_div(2 * ws.grid, tiles_per_block));
+  for (int64_t m = std::max<int64_t>(1, std::min(want, ring)); m <= ring; ++m)
     if (ring % m == 0 && plan::ceil_div(ws.max_blocks, m) <= fused::bwd::kMaxMinibatches) return static_cast<int32_t>(m);
   return 0;
 }

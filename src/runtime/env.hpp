@@ -46,6 +46,10 @@ inline constexpr Knob kBackwardPath{"MOK_BACKWARD_PATH", "fused",
                                     "past its limits: docs/design.md); unfused: the same tiles as separate launches "
                                     "(the bitwise reference of the fused kernel in tests)"};
 
+inline constexpr Knob kBackwardMinibatch{"MOK_BACKWARD_MINIBATCH", "0",
+                                         "fused backward: rows per minibatch of its task list (a divisor of the "
+                                         "macrobatch; 0: its rule, docs/design.md)"};
+
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
 

@@ -274,6 +274,12 @@ std::vector<Case> cases() {
     r.shared_wgrad_down_n_blocks = c.n_shared_wgrad_down > 0 ? 1 : 0;
     out.emplace_back(std::vector<int32_t>{0, 40, 0, 1, 3, 0, 22}, 8, 4, r);
     out.emplace_back(std::vector<int32_t>(16, 17), 16, 8, r);
+    // Resident rows (the fused kernel): no drain at macrobatch boundaries, gathers never wait
+    TaskCounts res = r;
+    res.resident = 1;
+    out.emplace_back(std::vector<int32_t>{0, 40, 0, 1, 3, 0, 22}, 8, 4, res);
+    out.emplace_back(std::vector<int32_t>(16, 17), 16, 8, res);
+    out.emplace_back(std::vector<int32_t>(16, 17), 16, 16, res);
     // Many experts, every other one without rows: the wgrad ranges hold them (few segments)
     std::vector<int32_t> alternating(256);
     for (size_t e = 0; e < alternating.size(); ++e) alternating[e] = e % 2 ? 0 : static_cast<int32_t>(1 + e % 3);

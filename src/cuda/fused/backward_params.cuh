@@ -135,6 +135,7 @@ __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
   c.replay_all = p.replay;
   c.saved_all = p.replay ? 0 : 1;
   c.raster_group = p.n_group;
+  c.resident = 1;
   c.wgrad_down_n_blocks = I / 256;
   c.wgrad_gate_up_n_blocks = H / 256;
   if (Is > 0) {

@@ -53,6 +53,10 @@ struct TaskCounts {
   int32_t n_shared_wgrad_down = 0, n_shared_wgrad_gate_up = 0;
   // The forward saved h of every row (the fused backward over resident rows): no replay at all
   int32_t saved_all = 0;
+  // Every plan row keeps its own place in the row buffers (the fused backward's layout): no
+  // ring slot is reused, so a macrobatch need not drain its readers before the next one
+  // starts, and the gathers never wait
+  int32_t resident = 0;
   // The order of the tiles (decode_task): N-groups of raster_group N-blocks (0 or 1: row-block-
   // major), and the N-blocks of each wgrad kind's output grid (0: its tiles in index order)
   int32_t raster_group = 0;
@@ -239,7 +243,7 @@ MOK_HD int32_t live_macros(int32_t total_rows, int32_t ring_rows) {
 // gate/up reads dg | du, the wgrad tiles read dy, w·a, dg | du and x).
 MOK_HD int gather_waits(int32_t b, const Geometry& g, const TaskCounts& c, Wait* out) {
   const int32_t prev = g.previous_occupant(b);
-  if (prev < 0) return 0;
+  if (prev < 0 || c.resident) return 0;
   const int32_t e = g.expert_of(prev);
   out[0] = Wait{CounterArray::kDgradDownDone, prev, c.n_dgrad_down};
   out[1] = Wait{CounterArray::kDgradGateUpDone, prev, c.n_dgrad_gate_up};
@@ -325,7 +329,7 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     int32_t lo, hi;
     mini_range(p, &lo, &hi);
     // A new macrobatch overwrites the ring slots of the previous one: its readers first
-    if (lag >= 0 && g.macro_of(lag * g.minibatch_blocks) != g.macro_of(lo)) flush();
+    if (!c.resident && lag >= 0 && g.macro_of(lag * g.minibatch_blocks) != g.macro_of(lo)) flush();
     if (replays(g, c, lo)) push(static_cast<int32_t>(TaskKind::kReplay), lo, hi - lo, c.n_replay, 0);
     push(static_cast<int32_t>(TaskKind::kDgradDown), lo, hi - lo, c.n_dgrad_down, 0);
     flush();
