@@ -412,11 +412,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.group = ep_group(ws);
   p.trace = ws.trace;  // MOK_TRACE=1 at creation: the timing ring (tools/trace_forward.py --backward)
   p.trace_cap = ws.trace_cap;
-  if (ws.trace)
-    MOK_CUDA_CHECK(cudaMemsetAsync(ws.trace, 0,
-                                   static_cast<size_t>(ws.num_sms) * MOK_TRACE_RECORDERS * ws.trace_cap *
-                                       sizeof(mokTraceEvent_t),
-                                   stream));
+  clear_trace(ws, stream);
   p.counters = b.counters;
   {
     using A = fb::CounterArray;

@@ -26,6 +26,14 @@
 #include "runtime/layer.hpp"
 
 namespace mok::cuda {
+// The timing ring, zeroed before a fused launch that records into it (MOK_TRACE=1).
+void clear_trace(const DeviceWorkspace& ws, cudaStream_t stream) {
+  if (!ws.trace) return;
+  MOK_CUDA_CHECK(cudaMemsetAsync(
+      ws.trace, 0, static_cast<size_t>(ws.num_sms) * MOK_TRACE_RECORDERS * ws.trace_cap * sizeof(mokTraceEvent_t),
+      stream));
+}
+
 namespace {
 
 constexpr int kRouteErrorWords = kErrorWords;        // [0, 4)
@@ -199,11 +207,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.counters = ws.counters;
   p.trace = ws.trace;
   p.trace_cap = ws.trace_cap;
-  if (ws.trace)
-    MOK_CUDA_CHECK(cudaMemsetAsync(ws.trace, 0,
-                                   static_cast<size_t>(ws.num_sms) * MOK_TRACE_RECORDERS * ws.trace_cap *
-                                       sizeof(mokTraceEvent_t),
-                                   stream));
+  clear_trace(ws, stream);
   p.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
   p.timeout_record = ws.errors + kRouteErrorWords;
 

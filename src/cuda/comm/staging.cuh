@@ -30,4 +30,24 @@ __device__ __forceinline__ void copy_row(CommWarp& w, const void* src, void* dst
   ptx::bulk_commit();
 }
 
+// The pipelined gathers' staging: `slots` rows of row_bytes at the start of the stage memory
+// (at most 16, one barrier each), then one zero row (the padding rows' source).  Every thread
+// of the block calls it; it ends with a block barrier.
+struct StagingRows {
+  uint8_t* base;
+  int slots;
+  const uint8_t* zero_row;
+};
+template <class Stages>
+__device__ __forceinline__ StagingRows make_staging_rows(Stages& stages, uint32_t row_bytes) {
+  uint8_t* base = reinterpret_cast<uint8_t*>(&stages);
+  const int slots = min(16, static_cast<int>(sizeof(stages.a) + sizeof(stages.b)) / static_cast<int>(row_bytes) - 1);
+  uint8_t* zero_row = base + static_cast<size_t>(slots) * row_bytes;
+  for (uint32_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x)
+    reinterpret_cast<uint4*>(zero_row)[v] = make_uint4(0, 0, 0, 0);
+  ptx::fence_proxy_async_smem();
+  __syncthreads();
+  return StagingRows{base, slots, zero_row};
+}
+
 }  // namespace mok::cuda::fused

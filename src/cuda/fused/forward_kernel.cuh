@@ -66,15 +66,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     sh.num_segments = build_segments(g, counts, sh.segments, &num_tasks);
     sh.num_tasks = num_tasks;
     sh.n_group = p.n_group;
-    sh.stages.init_barriers();
-    for (int i = 0; i < 2; ++i) {
-      ptx::mbar_init(&sh.task_full[i], 1);
-      ptx::mbar_init(&sh.task_empty[i], C::kConsumers + 1);
-      ptx::mbar_init(&sh.done_full[i], C::kConsumers);
-      ptx::mbar_init(&sh.done_empty[i], 1);
-    }
-    for (int w = 0; w < 16; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
-    ptx::fence_mbar_init();
+    init_role_barriers(sh);
   }
   __syncthreads();
 
@@ -87,16 +79,9 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   if (comm) {
     if (p.gather_mode == 1) {
       // Staging rows, then one zero row, in the stage memory
-      uint8_t* base = reinterpret_cast<uint8_t*>(&sh.stages);
-      const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
-      const int slots = min(16, static_cast<int>(sizeof(sh.stages.a) + sizeof(sh.stages.b)) / static_cast<int>(row_bytes) - 1);
-      uint8_t* zero_row = base + static_cast<size_t>(slots) * row_bytes;
-      for (uint32_t v = threadIdx.x; v < row_bytes / 16; v += blockDim.x)
-        reinterpret_cast<uint4*>(zero_row)[v] = make_uint4(0, 0, 0, 0);
-      ptx::fence_proxy_async_smem();
-      __syncthreads();
+      const StagingRows st = make_staging_rows(sh.stages, static_cast<uint32_t>(p.hidden) * 2);
       if (threadIdx.x == 0)
-        comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, base, slots, zero_row);
+        comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, st.base, st.slots, st.zero_row);
     } else {
       comm_gather(sh, p, g, wait, gather_ready, counts);
     }

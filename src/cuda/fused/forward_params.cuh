@@ -88,6 +88,23 @@ struct alignas(1024) FusedShared {
 inline constexpr size_t kFusedSmemBytes = sizeof(FusedShared) + 1024;
 static_assert(kFusedSmemBytes <= 227 * 1024, "fused shared storage exceeds 227 KB");
 
+// The role hand-off barriers of a fused kernel's shared storage (both directions' Shared have
+// them): the stage ring's, producer -> consumers + signaler task hand-off, consumers ->
+// signaler tile done, and the comm warps' staging rows.  Thread 0, before the block barrier.
+template <class SharedT>
+__device__ __forceinline__ void init_role_barriers(SharedT& sh) {
+  using C = TileConfig;
+  sh.stages.init_barriers();
+  for (int i = 0; i < 2; ++i) {
+    ptx::mbar_init(&sh.task_full[i], 1);
+    ptx::mbar_init(&sh.task_empty[i], C::kConsumers + 1);
+    ptx::mbar_init(&sh.done_full[i], C::kConsumers);
+    ptx::mbar_init(&sh.done_empty[i], 1);
+  }
+  for (int w = 0; w < 16; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
+  ptx::fence_mbar_init();
+}
+
 // ---- global counters ------------------------------------------------------------------------
 __device__ __forceinline__ bool wait_counter(const int32_t* counter, int32_t expected, const gemm::WaitContext& wait,
                                              int64_t which) {

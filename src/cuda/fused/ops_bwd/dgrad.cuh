@@ -10,10 +10,7 @@
 
 namespace mok::cuda::fused::bwd::ops {
 
-struct DgradDown {
-  static constexpr TaskKind kKind = TaskKind::kDgradDown;
-  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
-  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -35,10 +32,7 @@ struct DgradDown {
   }
 };
 
-struct SharedDgradDown {
-  static constexpr TaskKind kKind = TaskKind::kSharedDgradDown;
-  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
-  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNMajor> {
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -58,10 +52,7 @@ struct SharedDgradDown {
   }
 };
 
-struct DgradGateUp {
-  static constexpr TaskKind kKind = TaskKind::kDgradGateUp;
-  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
-  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return 2 * p.inter / 64;
@@ -84,10 +75,7 @@ struct DgradGateUp {
   }
 };
 
-struct SharedDgradGateUp {
-  static constexpr TaskKind kKind = TaskKind::kSharedDgradGateUp;
-  static constexpr gemm::Operands kOps = gemm::Operands::kBNMajor;
-  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::kBNMajor> {
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return 2 * p.shared_inter / 64;

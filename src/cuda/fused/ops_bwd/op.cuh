@@ -33,4 +33,15 @@ struct Load {
   int32_t a_row, b_row, b_aux, k_split, num_k_blocks, a_col;
 };
 
+namespace ops {
+// What every op shares: its kind and orientation, and nothing to prepare (the wgrad ops find
+// their piece).
+template <TaskKind kKindV, gemm::Operands kOpsV>
+struct OpBase {
+  static constexpr TaskKind kKind = kKindV;
+  static constexpr gemm::Operands kOps = kOpsV;
+  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+};
+}  // namespace ops
+
 }  // namespace mok::cuda::fused::bwd

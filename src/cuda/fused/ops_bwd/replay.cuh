@@ -6,10 +6,7 @@
 
 namespace mok::cuda::fused::bwd::ops {
 
-struct Replay {
-  static constexpr TaskKind kKind = TaskKind::kReplay;
-  static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
-  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -28,10 +25,7 @@ struct Replay {
   }
 };
 
-struct SharedReplay {
-  static constexpr TaskKind kKind = TaskKind::kSharedReplay;
-  static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
-  __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;

@@ -45,9 +45,7 @@ __device__ __forceinline__ gemm::WgradTile wgrad_tile(const Task& t, int32_t num
 
 // Mo x No of the output per kind: down [H, I] (n blocks I/256), gate/up [2I, H] (H/256).
 template <TaskKind kKindV, bool kShared, bool kDown>
-struct WgradOp {
-  static constexpr TaskKind kKind = kKindV;
-  static constexpr gemm::Operands kOps = gemm::Operands::kMNMajor;
+struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
   __device__ __forceinline__ static int32_t num_n_blocks(const BackwardParams& p) {
     return kDown ? (kShared ? p.shared_inter : p.inter) / 256 : p.hidden / 256;
   }
@@ -64,7 +62,8 @@ struct WgradOp {
     const gemm::WgradTile w = wgrad_tile(t, num_n_blocks(p));
     const CUtensorMap* a = kShared ? (kDown ? &m.dy_mn : &m.sh_dh_mn) : (kDown ? &m.dy_rows_mn : &m.dh_mn);
     const CUtensorMap* b = kShared ? (kDown ? &m.sh_a_mn : &m.x_mn) : (kDown ? &m.wa_mn : &m.x_rows_mn);
-    return Load{static_cast<int32_t>(kOps), a, b, b, w.row0, 0, w.n_block * 256, 0, w.num_k_blocks, w.m_block * 128};
+    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0, w.n_block * 256, 0, w.num_k_blocks,
+                w.m_block * 128};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
