@@ -130,6 +130,27 @@ def experts_only(a_rows: torch.Tensor, offs: torch.Tensor, w_gateup: torch.Tenso
     return grouped_mm(h, w_down.transpose(1, 2), offs)
 
 
+def grouped_wgrad(a_t: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per group g: a_t[:, rows of g] · b[rows of g] -> [G, M, N] (a_t [M, R], b [R, N], K = rows).
+    CUDA: torch._grouped_mm 2-D x 2-D with offs. CPU (smoke mode only): a per-expert loop."""
+    if a_t.is_cuda:
+        return torch._grouped_mm(a_t, b, offs=offs)
+    outs, start = [], 0
+    for end in offs.tolist():
+        outs.append(a_t[:, start:end] @ b[start:end])
+        start = end
+    return torch.stack(outs)
+
+
+def experts_only_backward(dy_rows: torch.Tensor, dgu: torch.Tensor, x_rows: torch.Tensor, act: torch.Tensor,
+                          offs: torch.Tensor, w_gateup: torch.Tensor, w_down: torch.Tensor):
+    """The experts' four backward GEMMs on pre-gathered rows (no SwiGLU, no gather):
+    da = dy·W_down[e] [N, I], dx = [dg|du]·[W_gate; W_up][e] [N, H] (dgrad, the weights as
+    stored), dW_down = dyᵀ·act [E, H, I], [dW_gate; dW_up] = [dg|du]ᵀ·x [E, 2I, H] (wgrad)."""
+    return (grouped_mm(dy_rows, w_down, offs), grouped_mm(dgu, w_gateup, offs),
+            grouped_wgrad(dy_rows.t(), act, offs), grouped_wgrad(dgu.t(), x_rows, offs))
+
+
 def dense_floor_ms(flops: float, ceiling_tflops: float) -> float:
     """Milliseconds the FLOPs take at the dense matmul rate."""
     return flops / (ceiling_tflops * 1e9)

@@ -197,6 +197,24 @@ def bench_case(h: hz.Harness, case: LayerCase, args, mok_state: Dict[str, str]) 
 
     # Fastest correct variants; no host sync inside them
     best = {d: best_variant(h, group, f"torch ep1 {d} ", args.variants) for d in ("fwd", "fwd+bwd")}
+    bwd_flops = fb_flops - fwd_flops
+    if not args.fwd_only and best["fwd+bwd"] is not None:
+        # Torch's backward alone: autograd on the fastest variant's kept graph
+        forward, weights = torch_call(case, best["fwd+bwd"])
+
+        def setup_bwd(i, forward=forward):
+            inp = dict(case.inputs(i, with_dy=True))
+            with torch.enable_grad():
+                inp["y"] = forward(inp)
+            return inp
+
+        def run_bwd(inp, weights=weights):
+            return inp["y"], torch.autograd.grad(inp["y"], [inp["x"], inp["topk_weights"]] + weights, inp["dy"],
+                                                 retain_graph=True)
+
+        h.run(hz.Benchmark(f"torch ep1 bwd {best['fwd+bwd']}", setup_bwd, run_bwd, flops=bwd_flops,
+                           bytes=fb_bytes - fwd_bytes, check=make_check(case, tokens, grads=True), group=group,
+                           panel="bwd", meta={"variant": best["fwd+bwd"]}))
     notes["torch_best_variant"] = best
     if case.device.type == "cuda":
         for d, variant in best.items():
@@ -229,6 +247,24 @@ def bench_case(h: hz.Harness, case: LayerCase, args, mok_state: Dict[str, str]) 
                            lambda d: bl.experts_only(d["a"], d["offs"], case.w_gateup, case.w_down),
                            flops=ex_flops, bytes=ex_bytes, group=group, panel="fwd"))
 
+    # Experts only, backward: the four grouped GEMMs (dgrad and wgrad of both) on pre-gathered rows
+    if not args.fwd_only:
+        def setup_experts_bwd(i):
+            inp = case.inputs(i, with_dy=True)
+            _, token, offs, _ = bl.route_plan(inp["topk_ids"], s.E_l)
+            gen = torch.Generator(case.device).manual_seed(case.seed * 1000 + i + 700)
+            x_rows = inp["x"].detach().index_select(0, token)
+            dy_rows = inp["dy"].index_select(0, token)
+            dgu = torch.randn(x_rows.shape[0], 2 * s.I, device=case.device, dtype=x_rows.dtype, generator=gen)
+            act = torch.randn(x_rows.shape[0], s.I, device=case.device, dtype=x_rows.dtype, generator=gen)
+            return dict(x_rows=x_rows, dy_rows=dy_rows, dgu=dgu, act=act, offs=offs)
+
+        with torch.no_grad():
+            h.run(hz.Benchmark("experts only bwd (grouped GEMMs)", setup_experts_bwd,
+                               lambda d: bl.experts_only_backward(d["dy_rows"], d["dgu"], d["x_rows"], d["act"],
+                                                                  d["offs"], case.w_gateup, case.w_down),
+                               flops=2 * ex_flops, bytes=2 * ex_bytes, group=group, panel="bwd"))
+
     # Dense-rate floors
     if h.ceiling_tflops:
         h.model("dense-rate floor fwd", bl.dense_floor_ms(fwd_flops, h.ceiling_tflops), group=group, panel="fwd",
@@ -236,6 +272,9 @@ def bench_case(h: hz.Harness, case: LayerCase, args, mok_state: Dict[str, str]) 
         if not args.fwd_only:
             h.model("dense-rate floor fwd+bwd", bl.dense_floor_ms(fb_flops, h.ceiling_tflops), group=group,
                     panel="fwd+bwd", flops=fb_flops, note=f"at {h.ceiling_tflops:.4g} TFLOP/s")
+            # Twice the forward's FLOPs (the replay of h not counted: the training forward saves it)
+            h.model("dense-rate floor bwd", bl.dense_floor_ms(bwd_flops, h.ceiling_tflops), group=group,
+                    panel="bwd", flops=bwd_flops, note=f"at {h.ceiling_tflops:.4g} TFLOP/s, h saved")
 
     # mok, where it is built
     bench_mok(h, case, args, mok_state, group, tokens, setup_fwd, setup_fb,
@@ -291,6 +330,28 @@ def bench_mok(h: hz.Harness, case: LayerCase, args, mok_state, group, tokens, se
     mok_state["fwd+bwd"] = _mok_status(r)
     if r["status"] == "error":
         mok_state["failed_in"] = group
+        return
+
+    # The backward alone, on the training forward's context (its saved h)
+    def setup_bwd(i):
+        inp = dict(setup_fb(i))
+        with torch.no_grad():
+            ws = tuple(_detach(case.shared)) if case.shared is not None else (None, None, None)
+            inp["y"], inp["ctx"] = mok.functional.forward(inp["x"].detach(), inp["topk_ids"],
+                                                          inp["topk_weights"].detach(),
+                                                          *(w.detach() for w in weights), *ws)
+        return inp
+
+    def run_bwd(inp):
+        with torch.no_grad():
+            g = mok.functional.backward(inp["ctx"], inp["dy"])
+        return inp["y"], (g.dx, g.d_topk_weights)
+
+    r = h.run(hz.Benchmark("mok bwd", setup_bwd, run_bwd, flops=fb_flops - fwd_flops, bytes=fb_bytes - fwd_bytes,
+                           check=make_check(case, tokens, grads=True), group=group, panel="bwd"))
+    mok_state["bwd"] = _mok_status(r)
+    if r["status"] == "error":
+        mok_state["failed_in"] = group
 
 
 def _mok_status(record: Dict[str, Any]) -> str:
@@ -316,6 +377,8 @@ def ratios(h: hz.Harness, group: str, best: Dict[str, Optional[str]]) -> Dict[st
     fwd_same = ms(f"torch ep1 fwd {best['fwd+bwd']}")
     experts, floor = ms("experts only (grouped GEMMs)"), ms("dense-rate floor fwd")
     mok_fwd, mok_fb = ms("mok fwd"), ms("mok fwd+bwd")
+    bwd = ms(f"torch ep1 bwd {best['fwd+bwd']}")
+    mok_bwd, experts_bwd, floor_bwd = ms("mok bwd"), ms("experts only bwd (grouped GEMMs)"), ms("dense-rate floor bwd")
     return {"torch_fwd_ms": fwd, "torch_fwdbwd_ms": fb,
             "torch_bwd_ms": None if fb is None or fwd_same is None else fb - fwd_same,
             "experts_only_ms": experts, "floor_fwd_ms": floor,
@@ -323,7 +386,10 @@ def ratios(h: hz.Harness, group: str, best: Dict[str, Optional[str]]) -> Dict[st
             "experts_over_floor": div(experts, floor),
             "mok_fwd_ms": mok_fwd, "speedup_mok_fwd_vs_torch": div(fwd, mok_fwd),
             "mok_fwd_over_floor": div(mok_fwd, floor), "mok_fwdbwd_ms": mok_fb,
-            "speedup_mok_fwdbwd_vs_torch": div(fb, mok_fb)}
+            "speedup_mok_fwdbwd_vs_torch": div(fb, mok_fb),
+            "torch_bwd_alone_ms": bwd, "experts_only_bwd_ms": experts_bwd, "floor_bwd_ms": floor_bwd,
+            "mok_bwd_ms": mok_bwd, "speedup_mok_bwd_vs_torch": div(bwd, mok_bwd),
+            "mok_bwd_over_experts": div(mok_bwd, experts_bwd), "mok_bwd_over_floor": div(mok_bwd, floor_bwd)}
 
 
 def ratio_table(cases: List[Dict[str, Any]]) -> str:
@@ -331,7 +397,8 @@ def ratio_table(cases: List[Dict[str, Any]]) -> str:
     cols = [("torch_fwd_ms", "torch fwd"), ("torch_fwdbwd_ms", "fwd+bwd"), ("torch_bwd_ms", "bwd"),
             ("experts_only_ms", "experts"), ("floor_fwd_ms", "floor"), ("torch_fwd_over_experts", "t/exp"),
             ("torch_fwd_over_floor", "t/floor"), ("experts_over_floor", "exp/floor"), ("mok_fwd_ms", "mok fwd"),
-            ("speedup_mok_fwd_vs_torch", "t/mok"), ("mok_fwdbwd_ms", "mok f+b"), ("speedup_mok_fwdbwd_vs_torch", "t/mok f+b")]
+            ("speedup_mok_fwd_vs_torch", "t/mok"), ("mok_fwdbwd_ms", "mok f+b"), ("speedup_mok_fwdbwd_vs_torch", "t/mok f+b"),
+            ("mok_bwd_ms", "mok bwd"), ("speedup_mok_bwd_vs_torch", "t/mok bwd"), ("mok_bwd_over_experts", "mok/exp bwd")]
     lines = ["group".ljust(22) + "  ".join(c[1].rjust(9) for c in cols) + "  torch variant fwd, fwd+bwd"]
     for c in cases:
         r = c["ratios"]
