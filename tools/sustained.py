@@ -28,7 +28,10 @@ from bench import baselines as bl  # noqa: E402
 from mok import functional as F  # noqa: E402
 from mok import ops  # noqa: E402
 
-SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096), "glm5": (6144, 2048, 8, 16, 4096)}
+SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
+          "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
+          "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096),
+          "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}
 
 
 def interleaved(variants, heat_s, rounds):
