@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """EP ≥ 2 MoE layer benchmark (docs/benchmarks.md): one process per GPU, P = number of GPUs.
-Per shape and routing, in the same run: NCCL+PyTorch, DeepEP+PyTorch (where `deep_ep` imports), the
-experts-only grouped GEMMs on the rows each rank receives, the dense-rate floor, and mok over
+Per shape and routing, in the same run: NCCL+PyTorch (forward, and forward+backward through autograd),
+DeepEP+PyTorch (where `deep_ep` imports), the
+experts-only grouped GEMMs on the rows each rank receives, the dense-rate floor, and mok (forward, and
+forward+backward) over
 PyTorch symmetric memory (mok.functional.get_workspace(group=...)); with --sweep, mok over
 fwd_num_comm_sms × minibatch_size. Every figure is the slowest rank's median. Prints a table,
 writes DIR/bench_ep.json and DIR/bench_ep.png.
@@ -170,6 +172,15 @@ class EPCase:
             self._meta[i] = self._exchange(self._sets[i])
         return self._sets[i]
 
+    def inputs_with_dy(self, i: int) -> Dict[str, torch.Tensor]:
+        """Input set i with dy [T, H] (the same x, topk_ids, topk_weights tensors: their checks
+        find the set by x)."""
+        inp = dict(self.inputs(i))
+        gen = torch.Generator(self.device).manual_seed((self.seed * 1000 + i + 1) * 1024 + self.rank + 17)
+        inp["dy"] = torch.randn(self.shape.T, self.shape.H, device=self.device, dtype=torch.bfloat16,
+                                generator=gen).mul_(0.1)
+        return inp
+
     def meta(self, i: int) -> Dict[str, Any]:
         self.inputs(i)
         return self._meta[i]
@@ -265,8 +276,10 @@ def release_workspace(mok, case: EPCase, ws) -> str:
     return agree(not why, why, case.group)[1]
 
 
-def bench_mok(h, report, case: EPCase, state, group_name, config, name, panel, models) -> Optional[Dict[str, Any]]:
-    """mok forward with `config`: one record (skipped with the reason where it cannot run)."""
+def bench_mok(h, report, case: EPCase, state, group_name, config, name, panel, models,
+              backward: bool = False) -> Optional[Dict[str, Any]]:
+    """mok forward (backward: forward + backward) with `config`: one record (skipped with the
+    reason where it cannot run); the check is y's against float64."""
     mok = state.get("mok")
     if mok is None:
         return report.skip(name, state["mok_status"], group=group_name, panel=panel, status="not available")
@@ -282,14 +295,16 @@ def bench_mok(h, report, case: EPCase, state, group_name, config, name, panel, m
     shared = case.shared if case.shared is not None else (None, None, None)
 
     def run(inp):
-        y, _ = mok.functional.forward(inp["x"], inp["topk_ids"], inp["topk_weights"], case.w_gate, case.w_up,
-                                      case.w_down, *shared, workspace=ws)
+        y, ctx = mok.functional.forward(inp["x"], inp["topk_ids"], inp["topk_weights"], case.w_gate, case.w_up,
+                                        case.w_down, *shared, workspace=ws, save_for_backward=backward)
+        if backward:
+            mok.functional.backward(ctx, inp["dy"])
         return y
 
     meta = {"fwd_num_comm_sms": config.fwd_num_comm_sms, "minibatch_size": config.minibatch_size,
             "macrobatch_size": config.macrobatch_size, "num_blocks": config.num_blocks}
-    rec = h.run(hz.Benchmark(name, case.inputs, run, flops=fwd_flops, bytes=pull_bytes, check=case.check,
-                             group=group_name, panel=panel, meta=meta))
+    rec = h.run(hz.Benchmark(name, case.inputs_with_dy if backward else case.inputs, run, flops=fwd_flops,
+                             bytes=pull_bytes, check=case.check, group=group_name, panel=panel, meta=meta))
     device_error = release_workspace(mok, case, ws)
     if device_error and rec.get("status") == "ok":
         rec.update(status="error", error=f"device: {device_error}")
@@ -331,6 +346,26 @@ def bench_case(h: EPHarness, report: hz.Harness, case: EPCase, args, state) -> D
                                                case.w_up, case.w_down, case.group, case.shared,
                                                w_gateup=case.w_gateup)),
         flops=fwd_flops, check=case.check, group=group_name, panel="fwd"))
+
+    # NCCL all_to_all + PyTorch, forward + backward (autograd through the differentiable
+    # all_to_all): the gradients of x, topk_weights and the experts' weights
+    fb_flops = hz.moe_flops(s.T, s.k, s.H, s.I, s.I_s, direction="fwdbwd", routed_rows=meta0["valid_routes"])
+    if not args.fwd_only:
+        wgu = case.w_gateup.detach().clone().requires_grad_()
+        wd = case.w_down.detach().clone().requires_grad_()
+
+        def run_nccl_fb(inp):
+            x = inp["x"].detach().requires_grad_()
+            tw = inp["topk_weights"].detach().requires_grad_()
+            with torch.enable_grad():
+                y = bl.nccl_ep_forward(x, inp["topk_ids"], tw, case.w_gate, case.w_up, wd, case.group, case.shared,
+                                       w_gateup=wgu)
+                torch.autograd.grad(y, [x, tw, wgu, wd], inp["dy"])
+            return y.detach()
+
+        run_merged(h, report, hz.Benchmark("nccl+torch fwd+bwd", case.inputs_with_dy, run_nccl_fb, flops=fb_flops,
+                                           check=lambda inp, y: case.check(inp, y), group=group_name,
+                                           panel="fwd+bwd"))
 
     # DeepEP intranode dispatch/combine + PyTorch
     buffer = state.get("deep_ep_buffer")
@@ -374,6 +409,9 @@ def bench_case(h: EPHarness, report: hz.Harness, case: EPCase, args, state) -> D
     if mok_config is not None:
         bench_mok(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch), "mok fwd", "fwd",
                   (fwd_flops, pull_bytes))
+        if not args.fwd_only:
+            bench_mok(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch), "mok fwd+bwd",
+                      "fwd+bwd", (fb_flops, 2 * pull_bytes), backward=True)
         if args.sweep:
             # The push alternative: down rows into the ring, comm blocks push them home
             # (MOK_PUSH is read per call; every rank sets it the same way)
@@ -403,6 +441,7 @@ def ratios(report: hz.Harness, group: str) -> Dict[str, Optional[float]]:
 
     nccl, deep, experts = ms("nccl+torch fwd"), ms("deepep+torch fwd"), ms("experts only (grouped GEMMs)")
     floor, mok_fwd = ms("dense-rate floor fwd"), ms("mok fwd")
+    nccl_fb, mok_fb = ms("nccl+torch fwd+bwd"), ms("mok fwd+bwd")
     mok_rec = report.find("mok fwd", group)
     rates = ((mok_rec or {}).get("nvlink") or {}).get("pull_gbps_avg_over_call") or []
     rates = [x for x in rates if x is not None]
@@ -411,7 +450,8 @@ def ratios(report: hz.Harness, group: str) -> Dict[str, Optional[float]]:
             "speedup_mok_vs_deep_ep": div(deep, mok_fwd), "mok_over_experts": div(mok_fwd, experts),
             "mok_over_floor": div(mok_fwd, floor), "nccl_over_experts": div(nccl, experts),
             "mok_pull_gbps_avg_min": min(rates) if rates else None,
-            "mok_pull_gbps_avg_max": max(rates) if rates else None}
+            "mok_pull_gbps_avg_max": max(rates) if rates else None,
+            "nccl_fwdbwd_ms": nccl_fb, "mok_fwdbwd_ms": mok_fb, "speedup_mok_fwdbwd_vs_nccl": div(nccl_fb, mok_fb)}
 
 
 def ratio_table(cases: List[Dict[str, Any]]) -> str:
@@ -419,7 +459,8 @@ def ratio_table(cases: List[Dict[str, Any]]) -> str:
             ("floor_fwd_ms", "floor"), ("mok_fwd_ms", "mok"), ("speedup_mok_vs_nccl", "nccl/mok"),
             ("speedup_mok_vs_deep_ep", "deepep/mok"), ("mok_over_experts", "mok/exp"),
             ("mok_over_floor", "mok/floor"), ("mok_pull_gbps_avg_min", "pull GB/s*"),
-            ("mok_pull_gbps_avg_max", "(max)")]
+            ("mok_pull_gbps_avg_max", "(max)"), ("nccl_fwdbwd_ms", "nccl f+b"), ("mok_fwdbwd_ms", "mok f+b"),
+            ("speedup_mok_fwdbwd_vs_nccl", "nccl/mok f+b")]
     lines = ["group".ljust(24) + "  ".join(c[1].rjust(10) for c in cols)]
     for c in cases:
         r = c["ratios"]
@@ -580,6 +621,7 @@ def parse_args(argv=None):
     p.add_argument("--check-tokens", type=int, default=8, help="tokens per rank checked against float64")
     p.add_argument("--no-mok", action="store_true", help="do not run mok")
     p.add_argument("--no-deep-ep", action="store_true", help="do not run DeepEP even where it imports")
+    p.add_argument("--fwd-only", action="store_true", help="skip forward+backward (NCCL+PyTorch autograd, mok)")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.reps = max(20, args.reps)
