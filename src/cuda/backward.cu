@@ -360,9 +360,9 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.n_acc = static_cast<int32_t>(b.n_acc);
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   const std::string gather = env::get(env::kGather);
-  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline",
-                env::kGather.name << " = " << gather << ": expected warps or pipeline");
-  p.gather_mode = gather == "pipeline" ? 1 : 0;
+  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
+                env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
+  p.gather_mode = gather == "pipeline" ? 1 : gather == "pairs" ? 2 : 0;
   p.max_rows = R;
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;

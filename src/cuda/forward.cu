@@ -180,8 +180,8 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   const std::string gather = env::get(env::kGather);
-  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline",
-                env::kGather.name << " = " << gather << ": expected warps or pipeline");
+  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
+                env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
   p.gather_mode = gather == "pipeline" ? 1 : 0;
   const std::string push = env::get(env::kPush);
   MOK_CHECK_ARG(push == "epilogue" || push == "comm", env::kPush.name << " = " << push << ": expected epilogue or comm");

@@ -24,8 +24,10 @@ inline constexpr Knob kTrace{"MOK_TRACE", "0",
                               "(mokWorkspaceReadTrace; tools/trace_forward.py draws it)"};
 
 inline constexpr Knob kGather{"MOK_GATHER", "warps",
-                               "fused forward gather: warps (one row in flight per comm warp) or pipeline "
-                               "(one thread per comm block keeps ~8 row loads and 4 stores in flight)"};
+                               "fused kernels' gather: warps (one row in flight per comm warp), pipeline "
+                               "(one thread per comm block keeps ~8 row loads and 4 stores in flight) or pairs "
+                               "(the backward: a row's x and dy in flight together per comm warp, H <= 4096; "
+                               "the forward gathers as warps)"};
 
 inline constexpr Knob kPush{"MOK_PUSH", "epilogue",
                              "fused forward output rows: epilogue (the down GEMM's epilogue stores each row "

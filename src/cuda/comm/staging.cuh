@@ -30,6 +30,25 @@ __device__ __forceinline__ void copy_row(CommWarp& w, const void* src, void* dst
   ptx::bulk_commit();
 }
 
+// Two rows at once through two staging rows (lane 0): both loads in flight together, then
+// both stores; the same rule as copy_row for timeouts.
+__device__ __forceinline__ void copy_rows2(CommWarp& a, CommWarp& b, const void* src_a, void* dst_a, const void* src_b,
+                                           void* dst_b, const gemm::WaitContext& wait, int64_t detail) {
+  if ((threadIdx.x & 31) != 0) return;
+  ptx::bulk_wait_read<0>();  // both staging rows' previous stores have read them
+  ptx::mbar_arrive_expect_tx(a.bar, a.row_bytes);
+  ptx::bulk_load(a.slot, src_a, a.row_bytes, a.bar);
+  ptx::mbar_arrive_expect_tx(b.bar, b.row_bytes);
+  ptx::bulk_load(b.slot, src_b, b.row_bytes, b.bar);
+  if (!gemm::wait_barrier(a.bar, a.phase, wait, gemm::WaitSite::kConsumerFull, detail)) return;
+  a.phase ^= 1u;
+  ptx::bulk_store(dst_a, a.slot, a.row_bytes);
+  if (!gemm::wait_barrier(b.bar, b.phase, wait, gemm::WaitSite::kConsumerFull, detail + 500)) return;
+  b.phase ^= 1u;
+  ptx::bulk_store(dst_b, b.slot, b.row_bytes);
+  ptx::bulk_commit();
+}
+
 // The pipelined gathers' staging: `slots` rows of row_bytes at the start of the stage memory
 // (at most 16, one barrier each), then one zero row (the padding rows' source).  Every thread
 // of the block calls it; it ends with a block barrier.

@@ -25,11 +25,16 @@ namespace mok::cuda::fused::bwd {
 // ---- comm: the rows of every routed block, in order ------------------------------------------
 // Warp w copies rows w, w + 12, ... of each of its blocks through its staging row (bulk copies,
 // x then dy), zeros for padding rows, and the route weight; then releases dy_ready / x_ready.
-__device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
+// pairs (MOK_GATHER=pairs, where 24 staging rows fit: H <= 4096): each warp has two staging
+// rows and keeps a row's x and dy loads in flight together.
+__device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
+                            bool pairs) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
-  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0,
-             row_bytes};
+  uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
+  const int first = pairs ? 2 * warp : warp;
+  CommWarp w{staging + static_cast<size_t>(first) * row_bytes, &sh.gather_bar[first], 0, row_bytes};
+  CommWarp w2{staging + static_cast<size_t>(first + 1) * row_bytes, &sh.gather_bar[first + 1], 0, row_bytes};
   const int64_t row_vecs = p.hidden / 8;
   const bool peer = p.group.size > 1;
   for (int32_t b = blockIdx.x; b < g.num_blocks; b += p.num_comm) {
@@ -50,8 +55,12 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
       const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
       const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
       if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
-      copy_row(w, xs, xd, wait, 16000 + warp);
-      copy_row(w, ds, dd, wait, 17000 + warp);
+      if (pairs) {
+        copy_rows2(w, w2, xs, xd, ds, dd, wait, 16000 + warp);
+      } else {
+        copy_row(w, xs, xd, wait, 16000 + warp);
+        copy_row(w, ds, dd, wait, 17000 + warp);
+      }
     }
     // Publish this warp's rows of block b once its stores completed
     if (lane == 0) ptx::bulk_wait<0>();
@@ -220,7 +229,9 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       const StagingRows st = make_staging_rows(sh.stages, static_cast<uint32_t>(p.hidden) * 2);
       if (threadIdx.x == 0) comm_gather_pipelined(sh, p, g, wait, st.base, st.slots, st.zero_row);
     } else {
-      comm_gather(sh, p, g, wait);
+      const bool pairs = p.gather_mode == 2 &&
+                         24 * static_cast<size_t>(p.hidden) * 2 <= sizeof(sh.stages.a) + sizeof(sh.stages.b);
+      comm_gather(sh, p, g, wait, pairs);
     }
     __syncthreads();
   }

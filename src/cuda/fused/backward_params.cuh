@@ -46,7 +46,8 @@ struct BackwardParams {
   int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
   int32_t n_acc;              // fp32 accumulator slots (0: no expert spans macrobatches)
   int32_t n_group;            // the tiles' raster: N-blocks per group (MOK_TILE_N_GROUP)
-  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline (MOK_GATHER)
+  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline; 2: two
+                              // rows in flight per comm warp (MOK_GATHER=warps|pipeline|pairs)
   int64_t max_rows;
   // Plan
   const uint32_t* rows;
@@ -103,7 +104,7 @@ struct alignas(1024) Shared {
   Task tasks[2];
   Task next_task;                           // the producer's claimed-ahead task (kClaimAhead)
   uint64_t task_full[2], task_empty[2], done_full[2], done_empty[2];
-  uint64_t gather_bar[16];
+  uint64_t gather_bar[24];                  // comm: one per staging row (MOK_GATHER=pairs: two per warp)
   int32_t num_segments;
   int32_t num_tasks;
 };

@@ -101,7 +101,8 @@ __device__ __forceinline__ void init_role_barriers(SharedT& sh) {
     ptx::mbar_init(&sh.done_full[i], C::kConsumers);
     ptx::mbar_init(&sh.done_empty[i], 1);
   }
-  for (int w = 0; w < 16; ++w) ptx::mbar_init(&sh.gather_bar[w], 1);
+  for (int w = 0; w < static_cast<int>(sizeof(sh.gather_bar) / sizeof(sh.gather_bar[0])); ++w)
+    ptx::mbar_init(&sh.gather_bar[w], 1);
   ptx::fence_mbar_init();
 }
 
