@@ -253,6 +253,10 @@ def backward_rows(args, H, I, k, E, T):
             "mok bwd comm=24": lambda: F.backward(comm_ctx[24], dy),
             "mok bwd gather=pipeline": with_env({"MOK_GATHER": "pipeline"}, lambda: F.backward(saved_ctx, dy)),
             "mok bwd gather=pairs": with_env({"MOK_GATHER": "pairs"}, lambda: F.backward(saved_ctx, dy)),
+            "mok bwd pregather=mini": with_env({"MOK_BACKWARD_PREGATHER": str(fwd_mini)},
+                                               lambda: F.backward(saved_ctx, dy)),
+            "mok bwd pregather=4*mini": with_env({"MOK_BACKWARD_PREGATHER": str(4 * fwd_mini)},
+                                                 lambda: F.backward(saved_ctx, dy)),
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()

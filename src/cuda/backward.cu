@@ -87,11 +87,14 @@ struct RowSources {
   const float* topk_weights;
   ep::Group group;  // size > 1: the sources are the record's rank's region
 };
+// Rows [0, row_limit) of the plan (every row: the unfused backward; the first blocks: the fused
+// backward's MOK_BACKWARD_PREGATHER).
 __global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ rows,
                                   const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
                                   int64_t row_vecs, uint4* __restrict__ x_rows, uint4* __restrict__ dy_rows,
-                                  float* __restrict__ row_weight) {
+                                  float* __restrict__ row_weight, int64_t row_limit) {
   for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
+    if (i >= row_limit) return;
     uint4* xd = x_rows + i * row_vecs;
     uint4* dd = dy_rows + i * row_vecs;
     if (row_is_pad(rec)) {
@@ -363,6 +366,12 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
   p.gather_mode = gather == "pipeline" ? 1 : gather == "pairs" ? 2 : 0;
+  // The first row blocks gathered by a launch on every SM before the kernel (0: the comm blocks
+  // gather every block)
+  const long pregather = env::get_int(env::kBackwardPregather);
+  MOK_CHECK_ARG(pregather >= 0 && pregather % 128 == 0,
+                env::kBackwardPregather.name << " = " << pregather << ": a multiple of 128 rows, or 0");
+  p.pregathered = static_cast<int32_t>(std::min<int64_t>(pregather / 128, ws.max_blocks));
   p.max_rows = R;
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;
@@ -479,6 +488,15 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
   MOK_CUDA_CHECK(cudaFuncSetAttribute(fb::fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(fb::kSmemBytes)));
+  if (p.pregathered > 0) {
+    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
+                         in.topk_weights, p.group.size > 1 ? p.group : ep::Group{}};
+    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                               static_cast<int32_t>(k), H * 2 / 16, static_cast<uint4*>(b.x_rows),
+                                               static_cast<uint4*>(b.dy_rows), b.row_weight,
+                                               int64_t{p.pregathered} * 128);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
   fb::fused_backward_kernel<<<ws.grid, gemm::TileConfig::kThreads, fb::kSmemBytes, stream>>>(m, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
@@ -585,7 +603,7 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
                          in.topk_weights, group};
     bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
                                                static_cast<int32_t>(k), row_vecs, static_cast<uint4*>(b.x_rows),
-                                               static_cast<uint4*>(b.dy_rows), b.row_weight);
+                                               static_cast<uint4*>(b.dy_rows), b.row_weight, INT64_MAX);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 

@@ -52,6 +52,10 @@ inline constexpr Knob kBackwardMinibatch{"MOK_BACKWARD_MINIBATCH", "0",
                                          "fused backward: rows per minibatch of its task list (a divisor of the "
                                          "macrobatch; 0: its rule, docs/design.md)"};
 
+inline constexpr Knob kBackwardPregather{"MOK_BACKWARD_PREGATHER", "0",
+                                         "fused backward: rows of the first row blocks gathered by a launch on every "
+                                         "SM before the kernel (a multiple of 128; 0: the comm blocks gather all)"};
+
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
 

@@ -300,13 +300,16 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
-@pytest.mark.parametrize("gather", ["pipeline", "pairs"])
+@pytest.mark.parametrize("gather", ["pipeline", "pairs", "pregather"])
 def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T, ring, gather):
     # MOK_GATHER=pipeline: the comm blocks' one-thread bulk-copy pipeline (padding rows from a
     # zero row in shared memory); pairs: each comm warp's x and dy loads of a row in flight
     # together: the same rows
     x, ids, tw, w, dy = _layer(gen, H, 256, E, k, T, 256, masked=0.1)
     config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
-    monkeypatch.setenv("MOK_GATHER", gather)
+    if gather == "pregather":  # the first two row blocks gathered by the launch before the kernel
+        monkeypatch.setenv("MOK_BACKWARD_PREGATHER", "256")
+    else:
+        monkeypatch.setenv("MOK_GATHER", gather)
     gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))
     _assert_bitwise(f"gather={gather}: fused vs unfused", gu, gf)

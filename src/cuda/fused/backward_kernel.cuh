@@ -23,6 +23,8 @@
 namespace mok::cuda::fused::bwd {
 
 // ---- comm: the rows of every routed block, in order ------------------------------------------
+// (from block p.pregathered on: MOK_BACKWARD_PREGATHER has the launch before gather the first
+// blocks on every SM, so that the first tiles do not wait for the comm blocks)
 // Warp w copies rows w, w + 12, ... of each of its blocks through its staging row (bulk copies,
 // x then dy), zeros for padding rows, and the route weight; then releases dy_ready / x_ready.
 // pairs (MOK_GATHER=pairs, where 24 staging rows fit: H <= 4096): each warp has two staging
@@ -37,7 +39,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   CommWarp w2{staging + static_cast<size_t>(first + 1) * row_bytes, &sh.gather_bar[first + 1], 0, row_bytes};
   const int64_t row_vecs = p.hidden / 8;
   const bool peer = p.group.size > 1;
-  for (int32_t b = blockIdx.x; b < g.num_blocks; b += p.num_comm) {
+  for (int32_t b = p.pregathered + static_cast<int32_t>(blockIdx.x); b < g.num_blocks; b += p.num_comm) {
     int32_t rows_done = 0;
     for (int i = warp; i < 128; i += num_warps, ++rows_done) {
       const int64_t row = static_cast<int64_t>(b) * 128 + i;
@@ -84,12 +86,10 @@ __device__ void comm_gather_pipelined(Shared& sh, const BackwardParams& p, const
   constexpr int kStoreDepth = 4;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   const bool peer = p.group.size > 1;
-  const int32_t total = g.num_blocks;
-  const int32_t my_blocks = static_cast<int32_t>(blockIdx.x) < total
-                                ? (total - static_cast<int32_t>(blockIdx.x) + p.num_comm - 1) / p.num_comm
-                                : 0;
+  const int32_t first = p.pregathered + static_cast<int32_t>(blockIdx.x);  // this comm block's first block
+  const int32_t my_blocks = first < g.num_blocks ? (g.num_blocks - first + p.num_comm - 1) / p.num_comm : 0;
   const int64_t items = static_cast<int64_t>(my_blocks) * 256;
-  auto block_of = [&](int64_t it) { return static_cast<int32_t>(blockIdx.x + (it / 256) * p.num_comm); };
+  auto block_of = [&](int64_t it) { return static_cast<int32_t>(first + (it / 256) * p.num_comm); };
   auto plan_row = [&](int64_t it) { return static_cast<int64_t>(block_of(it)) * 128 + (it % 256) / 2; };
   auto source = [&](int64_t it, uint32_t rec) -> const __nv_bfloat16* {
     const int s = row_rank(rec);

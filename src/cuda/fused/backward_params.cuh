@@ -46,6 +46,7 @@ struct BackwardParams {
   int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
   int32_t n_acc;              // fp32 accumulator slots (0: no expert spans macrobatches)
   int32_t n_group;            // the tiles' raster: N-blocks per group (MOK_TILE_N_GROUP)
+  int32_t pregathered;        // row blocks [0, pregathered) gathered by the launch before (MOK_BACKWARD_PREGATHER)
   int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline; 2: two
                               // rows in flight per comm warp (MOK_GATHER=warps|pipeline|pairs)
   int64_t max_rows;
@@ -117,10 +118,14 @@ __device__ __forceinline__ int32_t* counter_of(const BackwardParams& p, CounterA
 
 __device__ __forceinline__ bool wait_all(const BackwardParams& p, const Wait* waits, int n,
                                          const gemm::WaitContext& wait) {
-  for (int i = 0; i < n; ++i)
+  for (int i = 0; i < n; ++i) {
+    // The rows of the first blocks came from the launch before this one (stream order)
+    const bool gathered = waits[i].array == CounterArray::kDyReady || waits[i].array == CounterArray::kXReady;
+    if (gathered && waits[i].index < p.pregathered) continue;
     if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait,
                       500000 + static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
       return false;
+  }
   return true;
 }
 
