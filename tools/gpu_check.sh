@@ -33,12 +33,22 @@ for t in build/tests/cpp/test_*; do
   echo "$name: rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' /tmp/$name.log | tr '\n' ' ')"
   [ $rc -eq 0 ] || { status=1; tail -30 /tmp/$name.log; }
 done
-echo "== compute-sanitizer (memcheck, racecheck) on virtual EP=4, small shape"
+echo "== compute-sanitizer (memcheck, racecheck) on virtual EP=4, small shape (forward and backward)"
 for tool in $([ "${SANITIZER:-1}" = 1 ] && echo memcheck racecheck); do
-  timeout 300 compute-sanitizer --tool $tool --print-limit 20 build/tests/cpp/test_ep_gpu \
+  # --error-exitcode: a reported error fails the check (the test binary's own rc alone would not)
+  timeout 300 compute-sanitizer --tool $tool --error-exitcode 17 --print-limit 50 build/tests/cpp/test_ep_gpu \
     --gtest_filter="EpGpu.SanitizerSmall*" >"$OUT/sanitizer_$tool.log" 2>&1
   rc=$?
-  echo "$tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
+  verdict="rc=$rc"
+  if [ $rc -eq 17 ] && [ "$tool" = racecheck ]; then
+    # The one known report: the fused kernels' task hand-off slot (sh.tasks), written by the
+    # producer and read by the consumers, ordered by the task_full / task_empty mbarriers, which
+    # racecheck does not order (docs/design.md, "The fused backward", Sanitizers).  Any other
+    # hazard fails the check.
+    other=$(grep -A1 "Race reported" "$OUT/sanitizer_$tool.log" | grep -E "access at" | grep -vcE "produce_tasks.*producer\.cuh|consume_tasks.*consumers\.cuh")
+    if [ "$other" -eq 0 ]; then rc=0; verdict="only the task hand-off report (known, mbarrier-ordered)"; fi
+  fi
+  echo "$tool: $verdict $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
   [ $rc -eq 0 ] || status=1
 done
 if [ -n "${GEMM_VARIANTS:-}" ]; then
