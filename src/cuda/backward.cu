@@ -567,15 +567,7 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   } else {
     backward_unfused(ws, c, in, g, dy, stream, saved, timeout);
   }
-  // Error words to pinned memory; read at the next call or at check_errors(wait)
-  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, (kErr + (kWsErrorWords - kErrorWords)) * sizeof(int64_t),
-                                 cudaMemcpyDeviceToHost, stream));
-  if (capturing) {
-    ws.captured = true;
-  } else {
-    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
-    ws.pending = true;
-  }
+  call_finish(ws, stream, capturing);
 }
 
 void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,

@@ -34,6 +34,19 @@ void clear_trace(const DeviceWorkspace& ws, cudaStream_t stream) {
       stream));
 }
 
+// The end of every call: its error words to pinned memory, read at the next call or at
+// check_errors(wait) (a captured call's copy lands at each replay).
+void call_finish(DeviceWorkspace& ws, cudaStream_t stream, bool capturing) {
+  MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, kWsErrorWords * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                 stream));
+  if (capturing) {
+    ws.captured = true;
+  } else {
+    MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
+    ws.pending = true;
+  }
+}
+
 namespace {
 
 constexpr int kRouteErrorWords = kErrorWords;        // [0, 4)
@@ -548,15 +561,7 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
       } else {
         forward_fused(ws, c, in, routing_of(ws, c, in), y, stream, save);
       }
-      // Error words to pinned memory; read at the next call or at check_errors(wait)
-      MOK_CUDA_CHECK(cudaMemcpyAsync(ws.host_errors, ws.errors, kAllErrorWords * sizeof(int64_t),
-                                     cudaMemcpyDeviceToHost, stream));
-      if (capturing) {
-        ws.captured = true;
-      } else {
-        MOK_CUDA_CHECK(cudaEventRecord(ws.errors_ready, stream));
-        ws.pending = true;
-      }
+      call_finish(ws, stream, capturing);
       return;
   }
 }

@@ -69,6 +69,8 @@ void destroy_backward_buffers(BackwardBuffers* b);
 // The phases every call shares (forward.cu): the error check and reset, EP >= 2 publication,
 // routing exchange and start barrier (dy: the backward's); the plan build.
 bool stream_capturing(void* stream);
+// The end of every call: the error words' copy to pinned memory (and the pending/captured mark).
+void call_finish(DeviceWorkspace& ws, cudaStream_t stream, bool capturing);
 // The timing ring, zeroed before a fused launch that records into it (MOK_TRACE=1).
 void clear_trace(const DeviceWorkspace& ws, cudaStream_t stream);
 void call_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, void* stream, bool capturing,
