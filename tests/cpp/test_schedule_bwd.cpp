@@ -13,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cuda/fused/schedule_bwd.cuh"
+#include "cuda/fused/ops_bwd/ops.cuh"
 
 namespace mok::cuda::fused::bwd {
 namespace {

@@ -1,7 +1,7 @@
-// The task list of the fused backward (plan of record: docs/design.md, "The fused backward"):
-// data computed from the plan's row count and expert ranges, identical on every block and on
-// the host, where tests/cpp/test_schedule_bwd.cpp checks it and runs a model of its protocol.
-// The kernel that executes it is the next step; nothing here runs on a GPU yet.
+// The task list of the fused backward (docs/design.md, "The fused backward"): data computed
+// from the plan's row count and expert ranges, identical on every block and on the host, where
+// tests/cpp/test_schedule_bwd.cpp checks it and runs a model of its protocol.  The kernel is
+// fused/backward_kernel.cuh; its ops, with what each waits on and signals, ops_bwd/.
 //
 // Processing order: macrobatches ascending (macrobatch 0 is in the ring from the forward),
 // row blocks ascending, so position q is block q.  Block b lives in ring slot b % ring_blocks;
@@ -126,88 +126,14 @@ MOK_HD bool replays(const Geometry& g, const TaskCounts& c, int32_t b) {
 }
 MOK_HD int32_t wgrad_tiles(const TaskCounts& c) { return c.n_wgrad_down + c.n_wgrad_gate_up; }
 
-// What a task waits on.  `unit` is the row block, or the expert for the wgrad kinds (with
-// `macro` its macrobatch, -1 for an expert without rows: zero tiles, no waits).
-MOK_HD int task_waits(TaskKind kind, int32_t unit, int32_t macro, const Geometry& g, const TaskCounts& c, Wait* out) {
-  switch (kind) {
-    case TaskKind::kReplay:
-      out[0] = Wait{CounterArray::kXReady, unit, 128};
-      return 1;
-    case TaskKind::kDgradDown: {
-      out[0] = Wait{CounterArray::kDyReady, unit, 128};
-      if (!replays(g, c, unit)) return 1;
-      out[1] = Wait{CounterArray::kReplayDone, unit, c.n_replay};
-      return 2;
-    }
-    case TaskKind::kDgradGateUp:
-      out[0] = Wait{CounterArray::kDgradDownDone, unit, c.n_dgrad_down};
-      return 1;
-    case TaskKind::kSharedDgradDown:
-      if (c.n_shared_replay == 0) return 0;
-      out[0] = Wait{CounterArray::kSharedReplayDone, unit, c.n_shared_replay};
-      return 1;
-    case TaskKind::kSharedDgradGateUp:
-      out[0] = Wait{CounterArray::kSharedDgradDownDone, unit, c.n_shared_dgrad_down};
-      return 1;
-    case TaskKind::kSharedWgradDown:
-    case TaskKind::kSharedWgradGateUp:
-      // Every token block's dg_s | du_s (and a_s): the running total past the last block
-      out[0] = Wait{CounterArray::kSharedDgradDownDone, c.shared_blocks, c.shared_blocks * c.n_shared_dgrad_down};
-      return 1;
-    case TaskKind::kWgradDown:
-    case TaskKind::kWgradGateUp: {
-      if (macro < 0) return 0;
-      const int32_t blocks = g.expert_hi(unit, macro) - g.expert_lo(unit, macro);
-      out[0] = Wait{CounterArray::kExpertDgradDone, unit * g.num_macro + macro, blocks * c.n_dgrad_down};
-      // The fp32 accumulator: the expert's previous macrobatch (its rows are contiguous, so
-      // that is macro - 1 when it has rows there) finished all its wgrad tiles
-      if (macro == 0 || !g.expert_in(unit, macro - 1)) return 1;
-      out[1] = Wait{CounterArray::kWgradDone, unit * g.num_macro + macro - 1, wgrad_tiles(c)};
-      return 2;
-    }
-    default:
-      return 0;
-  }
-}
-
-// What a finished tile of `kind` adds 1 to: (array, index) pairs; returns the count (host and
-// device: the kernel's signaler, and the host protocol model of tests/cpp/test_schedule_bwd.cpp).
+// What a finished tile adds 1 to: (array, index) pairs.  What each kind waits on and signals is
+// its op's (ops_bwd/: waits, signals), dispatched by task_waits / task_signals (ops_bwd/ops.cuh),
+// which the kernel and the host protocol model of tests/cpp/test_schedule_bwd.cpp both read.
 struct Signal {
   CounterArray array;
   int32_t index;
 };
 inline constexpr int kMaxSignals = 2;
-MOK_HD int task_signals(TaskKind kind, int32_t unit, int32_t macro, const Geometry& g, const TaskCounts& c,
-                        Signal* out) {
-  switch (kind) {
-    case TaskKind::kReplay:
-      out[0] = Signal{CounterArray::kReplayDone, unit};
-      return 1;
-    case TaskKind::kDgradDown:
-      // Its block, and the expert's count in the block's macrobatch (the wgrad tiles wait on it)
-      out[0] = Signal{CounterArray::kDgradDownDone, unit};
-      out[1] = Signal{CounterArray::kExpertDgradDone, g.expert_of(unit) * g.num_macro + g.macro_of(unit)};
-      return 2;
-    case TaskKind::kDgradGateUp:
-      out[0] = Signal{CounterArray::kDgradGateUpDone, unit};
-      return 1;
-    case TaskKind::kSharedReplay:
-      out[0] = Signal{CounterArray::kSharedReplayDone, unit};
-      return 1;
-    case TaskKind::kSharedDgradDown:
-      // Its token block, and the running total past the last block (the shared wgrad waits on it)
-      out[0] = Signal{CounterArray::kSharedDgradDownDone, unit};
-      out[1] = Signal{CounterArray::kSharedDgradDownDone, c.shared_blocks};
-      return 2;
-    case TaskKind::kWgradDown:
-    case TaskKind::kWgradGateUp:
-      if (macro < 0) return 0;  // an expert without rows: nothing waits on its zero tiles
-      out[0] = Signal{CounterArray::kWgradDone, unit * g.num_macro + macro};
-      return 1;
-    default:
-      return 0;  // the shared dgrad gate/up and wgrad tiles are read after the grid barrier
-  }
-}
 
 // The rows of one expert that the wgrad tiles of macrobatch m sum over, and what those tiles
 // do with the fp32 sum (gemm::kWgradAccumulate / kWgradStoreAcc / kWgradFinal; mode < 0: the

@@ -8,6 +8,14 @@
 
 namespace mok::gemm {
 
+// Operand orientations of the engine (docs/design.md, "Operand orientations"); host-visible for
+// the ops' descriptions.
+enum class Operands : int32_t {
+  kKMajor = 0,   // A K-major, B K-major: the forward (weights [N, K])
+  kBNMajor = 1,  // A K-major, B N-major: dgrad (weights as stored, [K, N])
+  kMNMajor = 2,  // A M-major, B N-major: wgrad (both row-major rows, K = rows)
+};
+
 // One tile shape of the engine: BLOCK_M x BLOCK_N outputs, two consumer warpgroups of 64 rows
 // each, operands of kElemBytes (2: bf16, 1: fp8 e4m3), K-steps of one 128-byte swizzle row of
 // them (64 bf16, 128 e4m3).  The stage ring is as deep as ~192 KB of shared memory allows.  The

@@ -130,12 +130,7 @@ __device__ __forceinline__ bool produce_tile_nmajor(StageStorageT<T>& s, Pipelin
   });
 }
 
-// Operand orientations of the engine (docs/design.md, "Operand orientations").
-enum class Operands : int32_t {
-  kKMajor = 0,   // A K-major, B K-major: the forward (weights [N, K])
-  kBNMajor = 1,  // A K-major, B N-major: dgrad (weights as stored, [K, N])
-  kMNMajor = 2,  // A M-major, B N-major: wgrad (both row-major rows, K = rows)
-};
+// Operand orientations of the engine: gemm::Operands (config.hpp).
 
 // Called by consume_tile after the MMAs of k-block kb were issued (the grouped kernels' skew
 // between their two consumer warpgroups); the default does nothing.

@@ -11,6 +11,20 @@
 namespace mok::cuda::fused::bwd::ops {
 
 struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
+  // Its block's dy rows gathered, and its h replayed where the forward did not keep it
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kDyReady, unit, 128};
+    if (!replays(g, c, unit)) return 1;
+    out[1] = Wait{CounterArray::kReplayDone, unit, c.n_replay};
+    return 2;
+  }
+  // Its block, and the expert's count in the block's macrobatch (the wgrad tiles wait on it)
+  MOK_HD static int signals(int32_t unit, int32_t, const Geometry& g, const TaskCounts&, Signal* out) {
+    out[0] = Signal{CounterArray::kDgradDownDone, unit};
+    out[1] = Signal{CounterArray::kExpertDgradDone, g.expert_of(unit) * g.num_macro + g.macro_of(unit)};
+    return 2;
+  }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -30,9 +44,23 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
     gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
                                 int64_t{t.n_block} * 256, [&](int r) { return rw[r]; });
   }
+#endif
 };
 
 struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNMajor> {
+  // Its token block's h replayed, where the forward did not keep it
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
+    if (c.n_shared_replay == 0) return 0;
+    out[0] = Wait{CounterArray::kSharedReplayDone, unit, c.n_shared_replay};
+    return 1;
+  }
+  // Its token block, and the running total past the last block (the shared wgrad waits on it)
+  MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Signal* out) {
+    out[0] = Signal{CounterArray::kSharedDgradDownDone, unit};
+    out[1] = Signal{CounterArray::kSharedDgradDownDone, c.shared_blocks};
+    return 2;
+  }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -50,9 +78,20 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
     gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
                                 int64_t{t.n_block} * 256, [](int) { return 1.0f; });
   }
+#endif
 };
 
 struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
+  // Every dgrad-down tile of its block (its dg | du rows complete)
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kDgradDownDone, unit, c.n_dgrad_down};
+    return 1;
+  }
+  MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
+    out[0] = Signal{CounterArray::kDgradGateUpDone, unit};
+    return 1;
+  }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return 2 * p.inter / 64;
@@ -73,9 +112,17 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
         [&](uint32_t rec) { return grp.size > 1 && !row_is_pad(rec) ? ep::slots_of(grp, row_rank(rec)) : local; },
         p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
   }
+#endif
 };
 
 struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::kBNMajor> {
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kSharedDgradDownDone, unit, c.n_shared_dgrad_down};
+    return 1;
+  }
+  // Read after the grid barrier (the dx sum): nothing waits on its tiles
+  MOK_HD static int signals(int32_t, int32_t, const Geometry&, const TaskCounts&, Signal*) { return 0; }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return 2 * p.shared_inter / 64;
@@ -91,6 +138,7 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
     gemm::epilogue_store(acc, consumer, p.shared_dx, p.hidden, int64_t{t.block} * 128, p.num_tokens,
                          int64_t{t.n_block} * 256);
   }
+#endif
 };
 
 }  // namespace mok::cuda::fused::bwd::ops

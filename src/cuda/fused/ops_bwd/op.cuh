@@ -5,20 +5,29 @@
 //   kKind                        the TaskKind it runs
 //   kOps                         its operand orientation (gemm::Operands): the producer's loads
 //                                and the consumers' MMA step
+//   waits(unit, macro, g, c, out)    what a tile waits on before its loads (host and device:
+//                                the producer, and the host protocol model of
+//                                tests/cpp/test_schedule_bwd.cpp); returns the count
+//   signals(unit, macro, g, c, out)  the counters a finished tile adds 1 to (host and device)
 //   prepare(p, t)                fills what the task's tile needs beyond (kind, unit, n, macro)
 //                                (wgrad: its piece), in the producer's decode
 //   k_blocks(p, g, c, t)         its K loop, in k-blocks of 64 (wgrad: the rows of the task's
 //                                piece, 0 for a tile of zeros)
 //   load(maps, p, g, c, t)       the tile's operands (Load) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
-// What a task waits on and signals is the schedule's (task_waits, task_signals in
-// ../schedule_bwd.cuh), which the host protocol model of tests/cpp/test_schedule_bwd.cpp reads.
+// The device members exist only in CUDA code: the host test sees the descriptions alone.
 #pragma once
 
+#include "cuda/fused/schedule_bwd.cuh"
+#include "cuda/gemm/config.hpp"
+
+#if defined(__CUDACC__)
 #include "cuda/fused/backward_params.cuh"
+#endif
 
 namespace mok::cuda::fused::bwd {
 
+#if defined(__CUDACC__)
 // Where one tile's operands come from, for any orientation:
 //   kKMajor   a rows a_row.., b0 / b1 rows b_row.. and b_row + b_aux (the gate and up halves)
 //   kBNMajor  a rows a_row..; B as stored: K rows b_row.. of b0 (k-blocks < k_split) then of
@@ -33,6 +42,8 @@ struct Load {
   int32_t a_row, b_row, b_aux, k_split, num_k_blocks, a_col;
 };
 
+#endif
+
 namespace ops {
 // What every op shares: its kind and orientation, and nothing to prepare (the wgrad ops find
 // their piece).
@@ -40,7 +51,9 @@ template <TaskKind kKindV, gemm::Operands kOpsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = kOpsV;
+#if defined(__CUDACC__)
   __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
+#endif
 };
 }  // namespace ops
 

@@ -7,6 +7,16 @@
 namespace mok::cuda::fused::bwd::ops {
 
 struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
+  // Its block's x rows gathered
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Wait* out) {
+    out[0] = Wait{CounterArray::kXReady, unit, 128};
+    return 1;
+  }
+  MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
+    out[0] = Signal{CounterArray::kReplayDone, unit};
+    return 1;
+  }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -23,9 +33,17 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
     gemm::epilogue_gate_up_preact(acc, consumer, p.h, 2 * int64_t{p.inter}, int64_t{t.block} * 128, p.max_rows,
                                   int64_t{t.n_block} * 128);
   }
+#endif
 };
 
 struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
+  // The rank's own tokens: nothing to wait on
+  MOK_HD static int waits(int32_t, int32_t, const Geometry&, const TaskCounts&, Wait*) { return 0; }
+  MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
+    out[0] = Signal{CounterArray::kSharedReplayDone, unit};
+    return 1;
+  }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
     return p.hidden / 64;
@@ -41,6 +59,7 @@ struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
     gemm::epilogue_gate_up_preact(acc, consumer, p.sh_h, 2 * int64_t{p.shared_inter}, int64_t{t.block} * 128,
                                   p.num_tokens, int64_t{t.n_block} * 128);
   }
+#endif
 };
 
 }  // namespace mok::cuda::fused::bwd::ops

@@ -12,6 +12,7 @@
 
 namespace mok::cuda::fused::bwd::ops {
 
+#if defined(__CUDACC__)
 // The piece of a wgrad task (the producer's decode): its k-blocks, first row, mode and slot.
 template <bool kShared>
 __device__ __forceinline__ void wgrad_prepare(const BackwardParams& p, Task& t) {
@@ -43,9 +44,33 @@ __device__ __forceinline__ gemm::WgradTile wgrad_tile(const Task& t, int32_t num
   return gemm::WgradTile{t.block, t.n_block / num_n_blocks, t.n_block % num_n_blocks, t.k_blocks, t.row0, t.mode};
 }
 
+#endif
+
 // Mo x No of the output per kind: down [H, I] (n blocks I/256), gate/up [2I, H] (H/256).
 template <TaskKind kKindV, bool kShared, bool kDown>
 struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
+  MOK_HD static int waits(int32_t unit, int32_t macro, const Geometry& g, const TaskCounts& c, Wait* out) {
+    if constexpr (kShared) {
+      // Every token block's dg_s | du_s (and a_s): the running total past the last block
+      out[0] = Wait{CounterArray::kSharedDgradDownDone, c.shared_blocks, c.shared_blocks * c.n_shared_dgrad_down};
+      return 1;
+    } else {
+      if (macro < 0) return 0;  // an expert without rows: zero tiles
+      const int32_t blocks = g.expert_hi(unit, macro) - g.expert_lo(unit, macro);
+      out[0] = Wait{CounterArray::kExpertDgradDone, unit * g.num_macro + macro, blocks * c.n_dgrad_down};
+      // The fp32 accumulator: the expert's previous macrobatch (its rows are contiguous, so
+      // that is macro - 1 when it has rows there) finished all its wgrad tiles
+      if (macro == 0 || !g.expert_in(unit, macro - 1)) return 1;
+      out[1] = Wait{CounterArray::kWgradDone, unit * g.num_macro + macro - 1, wgrad_tiles(c)};
+      return 2;
+    }
+  }
+  MOK_HD static int signals(int32_t unit, int32_t macro, const Geometry& g, const TaskCounts&, Signal* out) {
+    if (kShared || macro < 0) return 0;  // read after the grid barrier / nothing waits on zero tiles
+    out[0] = Signal{CounterArray::kWgradDone, unit * g.num_macro + macro};
+    return 1;
+  }
+#if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t num_n_blocks(const BackwardParams& p) {
     return kDown ? (kShared ? p.shared_inter : p.inter) / 256 : p.hidden / 256;
   }
@@ -74,6 +99,7 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
     if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true>(acc, consumer, wp, w, to);
     else gemm::epilogue_wgrad_to<false, true>(acc, consumer, wp, w, to);
   }
+#endif
 };
 
 using WgradDown = WgradOp<TaskKind::kWgradDown, false, true>;
