@@ -51,6 +51,14 @@ for tool in $([ "${SANITIZER:-1}" = 1 ] && echo memcheck racecheck); do
   echo "$tool: $verdict $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log")"
   [ $rc -eq 0 ] || status=1
 done
+if [ "${SANITIZER:-1}" = 1 ]; then
+  # Control for the hand-off report: the stage ring alone (tests/cpp/test_pipeline_gpu.cu: one
+  # producer writes a shared slot, mbarriers order the consumers' reads and the slot's reuse, the
+  # values are checked).  Hazards here too mean racecheck does not order mbarrier waits.
+  timeout 120 compute-sanitizer --tool racecheck --print-limit 5 build/tests/cpp/test_pipeline_gpu \
+    --gtest_filter=PipelineGpu.DummyProducerAndConsumersFinish >"$OUT/sanitizer_racecheck_pipeline.log" 2>&1
+  echo "racecheck control (mbarrier-ordered stage ring): rc=$? $(grep -E 'RACECHECK SUMMARY' "$OUT/sanitizer_racecheck_pipeline.log")"
+fi
 if [ -n "${GEMM_VARIANTS:-}" ]; then
   echo "== the backward's GEMM kinds at the sustained clock"
   for shape in dsv3 qwen3; do
