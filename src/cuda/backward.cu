@@ -318,28 +318,22 @@ int32_t fused_minibatch_blocks(const DeviceWorkspace& ws, const mokConfig_t& c) 
   return 0;
 }
 
-// Why this shape runs the unfused launches instead (empty: the fused kernel runs it).
-std::string fused_backward_limit(const DeviceWorkspace& ws, const mokConfig_t& c) {
-  std::ostringstream why;
-  const int64_t El = plan_dims(c).local_experts();
-  if (c.hidden > 8192) why << "hidden = " << c.hidden << " > 8192 (the comm warps' staging rows)";
-  else if (El > fused::bwd::kMaxExperts) why << El << " local experts > " << fused::bwd::kMaxExperts;
-  else if (fused_minibatch_blocks(ws, c) == 0)
-    why << "a plan of " << ws.max_blocks << " row blocks in macrobatches of " << c.macrobatch_size
-        << " rows needs more than " << fused::bwd::kMaxMinibatches << " minibatches";
-  else if (ws.grid < 2) why << "a grid of " << ws.grid << " block (a comm block and a compute block at least)";
-  return why.str();
-}
-
-bool use_fused_backward(const DeviceWorkspace& ws, const mokConfig_t& c) {
+// The fused backward's minibatch (row blocks) where it runs this call, 0 where the unfused
+// launches do (MOK_BACKWARD_PATH=unfused, or a shape past the kernel's limits: H > 8192 for the
+// comm warps' staging rows, more local experts than its table, a worst-case plan in more than
+// its minibatches, a grid without a comm block and a compute block).
+int32_t fused_backward_minibatch(const DeviceWorkspace& ws, const mokConfig_t& c) {
   const std::string path = env::get(env::kBackwardPath);
   MOK_CHECK_ARG(path == "fused" || path == "unfused",
                 env::kBackwardPath.name << " = " << path << ": expected fused or unfused");
-  return path == "fused" && fused_backward_limit(ws, c).empty();
+  if (path != "fused" || c.hidden > 8192 || plan_dims(c).local_experts() > fused::bwd::kMaxExperts || ws.grid < 2)
+    return 0;
+  return fused_minibatch_blocks(ws, c);
 }
 
 void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
-                    const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout) {
+                    const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout,
+                    int32_t minibatch_blocks) {
   namespace fb = fused::bwd;
   BackwardBuffers& b = *ws.bwd;
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
@@ -352,7 +346,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.topk = static_cast<int32_t>(k);
   p.num_tokens = T;
   p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / 128);
-  p.minibatch_blocks = fused_minibatch_blocks(ws, c);
+  p.minibatch_blocks = minibatch_blocks;
   const int64_t comm = c.bwd_num_comm_sms > 0 ? c.bwd_num_comm_sms : c.fwd_num_comm_sms;
   p.num_comm = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(comm, ws.grid - 1)));
   p.num_local = static_cast<int32_t>(El);
@@ -562,8 +556,8 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     case ForwardPhase::kLayer:
       break;
   }
-  if (use_fused_backward(ws, c)) {
-    backward_fused(ws, c, in, g, dy, stream, saved, timeout);
+  if (const int32_t minibatch = fused_backward_minibatch(ws, c); minibatch > 0) {
+    backward_fused(ws, c, in, g, dy, stream, saved, timeout, minibatch);
   } else {
     backward_unfused(ws, c, in, g, dy, stream, saved, timeout);
   }
