@@ -15,6 +15,7 @@ medians are printed with the dense-rate floor at the sustained matmul rate. benc
 each variant after its own warm-up; this tool removes that thermal bias from the ratios."""
 import argparse
 import os
+import random
 import re
 import sys
 import time
@@ -36,7 +37,8 @@ SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 204
 
 def interleaved(variants, heat_s, rounds):
     """Median ms of each variant: heat_s seconds of back-to-back calls of all of them, then
-    `rounds` rounds each timing one call of every variant (CUDA events)."""
+    `rounds` rounds each timing one call of every variant (CUDA events), in an order shuffled
+    per round (fixed seed), so that no variant always follows the same neighbour."""
     with torch.no_grad():
         for fn in variants.values():
             fn()
@@ -47,8 +49,11 @@ def interleaved(variants, heat_s, rounds):
                 fn()
             torch.cuda.synchronize()
         events = {name: [] for name in variants}
+        order = list(variants.items())
+        shuffle = random.Random(0).shuffle
         for _ in range(rounds):
-            for name, fn in variants.items():
+            shuffle(order)
+            for name, fn in order:
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 fn()
@@ -216,7 +221,7 @@ def backward_rows(args, H, I, k, E, T):
 
     # The backward's comm blocks (gather of x, dy, weights): fewer and more than the default
     comm_ctx = {}
-    for n in ((16, 24) if args.explore else ()):
+    for n in ((16, 24) if args.explore_gather else ()):
         wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(bwd_num_comm_sms=n))
         comm_ctx[n] = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
 
@@ -244,6 +249,23 @@ def backward_rows(args, H, I, k, E, T):
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
     if args.explore:
+        # Session 12's knobs (docs/perf.md): the consumer warpgroups meeting at every task (the
+        # kernels before), and the start gather of every block (0: none, as before; 2 minibatches)
+        bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
+        fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
+        old = {"MOK_CONSUMER_SYNC": "tile", "MOK_BACKWARD_START_GATHER": "0", "MOK_FORWARD_START_GATHER": "0"}
+        variants.update({
+            "mok bwd (repeat)": bwd,
+            "mok bwd sync=tile": with_env({"MOK_CONSUMER_SYNC": "tile"}, bwd),
+            "mok bwd start=0": with_env({"MOK_BACKWARD_START_GATHER": "0"}, bwd),
+            "mok bwd start=2": with_env({"MOK_BACKWARD_START_GATHER": "2"}, bwd),
+            "mok bwd sync=tile start=0": with_env(old, bwd),
+            "mok fwd (save h) sync=tile": with_env({"MOK_CONSUMER_SYNC": "tile"}, fwd),
+            "mok fwd (save h) start=0": with_env({"MOK_FORWARD_START_GATHER": "0"}, fwd),
+            "mok fwd (save h) sync=tile start=0": with_env(old, fwd),
+            "mok fwd+bwd sync=tile start=0": with_env(old, mok_fb),
+        })
+    if args.explore_gather:
         # The knobs of the fused backward measured in session 11 (docs/perf.md): its raster, its
         # comm blocks and their gather mode
         variants.update({
@@ -260,9 +282,10 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
+    others = [variants[v]() for v in ("mok bwd sync=tile start=0", "mok bwd start=2")] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
-        if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in (b, c, d)):
-            raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h or unfused")
+        if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
+            raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 12 * T * k * H * I  # dgrad + wgrad of the three projections
@@ -316,6 +339,8 @@ def main():
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
     ap.add_argument("--backward", action="store_true", help="the layer's backward and forward+backward")
     ap.add_argument("--explore", action="store_true", help="with --backward: the fused backward's knob variants too")
+    ap.add_argument("--explore-gather", action="store_true",
+                    help="with --backward: session 11's variants too (raster, comm blocks, gather modes)")
     ap.add_argument("--minibatches", default="0",
                     help="forward: minibatch sizes of mok's workspaces timed side by side (0 = mok's choice)")
     ap.add_argument("--variants", default="base",

@@ -64,7 +64,54 @@ def summarize(ev, num_comm, kinds=KINDS):
     comb = ev[ev[:, 2] == 5]
     if comb.numel():
         print(f"  combine: {(comb[:, 0].min().item() - t0) / 1e3:.1f} -> {(comb[:, 1].max().item() - t0) / 1e3:.1f} us")
+    barrier = ev[ev[:, 2] == 4]
+    if barrier.numel():
+        print(f"  grid barrier: blocks arrive {(barrier[:, 0].min().item() - t0) / 1e3:.1f} -> "
+              f"{(barrier[:, 0].max().item() - t0) / 1e3:.1f} us, pass by {(barrier[:, 1].max().item() - t0) / 1e3:.1f} us")
+    stalls(ev, t0, span, kinds)
     return t0
+
+
+def stalls(ev, t0, span, kinds, bins=10):
+    """Per tile: its consumers' stall for inputs (the producer's ready time past the tile's start)
+    and its run (the rest: loads, MMAs, epilogue); per time bin, how the compute blocks' time
+    splits into runs, stalls and the rest (gather, start, end)."""
+    per_kind = {}
+    runs, waits = [], []  # (begin, end) in us since t0
+    for b in ev[:, 6].unique().tolist():
+        mine = ev[ev[:, 6] == b]
+        prod = mine[mine[:, 2] == 1].tolist()
+        tiles = mine[mine[:, 2] == 3].tolist()
+        for (pb, pe, _, pk, pblk, pn, _), (tb, te, _, tk, tblk, tn, _) in zip(prod, tiles):
+            if (pk, pblk, pn) != (tk, tblk, tn):
+                print(f"  (block {b}: producer and tile events out of step; stall analysis stops there)")
+                break
+            ready = max(tb, pe)
+            d = per_kind.setdefault(tk, [0, 0.0, 0.0])
+            d[0] += 1
+            d[1] += (ready - tb) / 1e3
+            d[2] += (te - ready) / 1e3
+            waits.append(((tb - t0) / 1e3, (ready - t0) / 1e3))
+            runs.append(((ready - t0) / 1e3, (te - t0) / 1e3))
+    n_blocks = ev[:, 6].unique().numel()
+    print("  per kind: consumers' stall for inputs, and the run after it (loads + MMA + epilogue)")
+    for k in sorted(per_kind):
+        n, w, r = per_kind[k]
+        print(f"    {kinds.get(k, k):18} n={n:6d}  stall mean {w / n:7.2f} us (total {w / 1e3:7.2f} SM-ms)"
+              f"  run mean {r / n:7.2f} us (total {r / 1e3:7.2f} SM-ms)")
+    width = span / bins
+    def binned(iv):
+        out = [0.0] * bins
+        for a, e in iv:
+            i = max(0, int(a // width))
+            while i < bins and i * width < e:
+                out[i] += max(0.0, min(e, (i + 1) * width) - max(a, i * width))
+                i += 1
+        return out
+    r, w = binned(runs), binned(waits)
+    print(f"  time bins of {width:.0f} us: % of the {n_blocks} blocks' time in tile runs / input stalls / neither")
+    print("    " + "  ".join(f"{100 * r[i] / (n_blocks * width):3.0f}/{100 * w[i] / (n_blocks * width):2.0f}/"
+                            f"{100 * (1 - (r[i] + w[i]) / (n_blocks * width)):2.0f}" for i in range(bins)))
 
 
 def draw(ev, t0, path):

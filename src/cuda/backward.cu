@@ -356,6 +356,10 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
   p.n_acc = static_cast<int32_t>(b.n_acc);
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  const std::string consumer_sync = env::get(env::kConsumerSync);
+  MOK_CHECK_ARG(consumer_sync == "warpgroup" || consumer_sync == "tile",
+                env::kConsumerSync.name << " = " << consumer_sync << ": expected warpgroup or tile");
+  p.consumer_lockstep = consumer_sync == "tile" ? 1 : 0;
   const std::string gather = env::get(env::kGather);
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
@@ -366,6 +370,10 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CHECK_ARG(pregather >= 0 && pregather % 128 == 0,
                 env::kBackwardPregather.name << " = " << pregather << ": a multiple of 128 rows, or 0");
   p.pregathered = static_cast<int32_t>(std::min<int64_t>(pregather / 128, ws.max_blocks));
+  const long start_gather = env::get_int(env::kBackwardStartGather);
+  MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
+                env::kBackwardStartGather.name << " = " << start_gather << ": minibatches, 0 to 1024");
+  p.start_blocks = static_cast<int32_t>(std::min<int64_t>(start_gather * minibatch_blocks, ws.max_blocks));
   p.max_rows = R;
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;

@@ -192,6 +192,10 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
   p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  const std::string consumer_sync = env::get(env::kConsumerSync);
+  MOK_CHECK_ARG(consumer_sync == "warpgroup" || consumer_sync == "tile",
+                env::kConsumerSync.name << " = " << consumer_sync << ": expected warpgroup or tile");
+  p.consumer_lockstep = consumer_sync == "tile" ? 1 : 0;
   const std::string gather = env::get(env::kGather);
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
@@ -201,6 +205,12 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.push_mode = push == "comm" ? 1 : 0;
   MOK_CHECK_ARG(!(p.push_mode && p.gather_mode), env::kPush.name << "=comm runs with " << env::kGather.name
                                                                   << "=warps only");
+  const long start_gather = env::get_int(env::kForwardStartGather);
+  MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
+                env::kForwardStartGather.name << " = " << start_gather << ": minibatches, 0 to 1024");
+  p.start_blocks = p.push_mode || p.gather_mode
+                       ? 0
+                       : static_cast<int32_t>(std::min<int64_t>(start_gather * p.minibatch_blocks, p.max_blocks));
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;
   p.block_expert = ws.block_expert;

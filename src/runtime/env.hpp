@@ -56,6 +56,21 @@ inline constexpr Knob kBackwardPregather{"MOK_BACKWARD_PREGATHER", "0",
                                          "fused backward: rows of the first row blocks gathered by a launch on every "
                                          "SM before the kernel (a multiple of 128; 0: the comm blocks gather all)"};
 
+inline constexpr Knob kConsumerSync{"MOK_CONSUMER_SYNC", "warpgroup",
+                                    "fused kernels' two consumer warpgroups: warpgroup (each takes the next task "
+                                    "and hands its finished half on by itself, so that one's epilogue runs under "
+                                    "the other's MMAs) or tile (both meet at every task and at every tile's end)"};
+
+inline constexpr Knob kForwardStartGather{"MOK_FORWARD_START_GATHER", "1",
+                                          "fused forward: minibatches of row blocks that every block of the kernel "
+                                          "gathers at its start, before the comm blocks take the rest (0: the comm "
+                                          "blocks gather every block; MOK_GATHER=warps and MOK_PUSH=epilogue only)"};
+
+inline constexpr Knob kBackwardStartGather{"MOK_BACKWARD_START_GATHER", "1",
+                                           "fused backward: minibatches of row blocks that every block of the kernel "
+                                           "gathers at its start, before the comm blocks take the rest (0: the comm "
+                                           "blocks gather every block)"};
+
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
 

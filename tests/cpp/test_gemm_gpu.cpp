@@ -981,10 +981,15 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
       unsetenv("MOK_FORWARD_PATH");
       ASSERT_EQ(0, std::memcmp(fused.data(), unfused.data(), fused.size() * 2)) << "fused vs unfused";
     }
-    // Gather modes, and MOK_PUSH=comm (down rows into the ring, comm blocks push them home)
-    for (const char* mode : {"warps", "pipeline", "push"}) {
-      setenv("MOK_GATHER", std::string(mode) == "pipeline" ? "pipeline" : "warps", 1);
-      setenv("MOK_PUSH", std::string(mode) == "push" ? "comm" : "epilogue", 1);
+    // Gather modes, MOK_PUSH=comm (down rows into the ring, comm blocks push them home), the
+    // start gather of every block (none, or three minibatches, clamped to the ring's first
+    // pass), and the consumer warpgroups meeting at every task
+    for (const char* mode : {"warps", "pipeline", "push", "start0", "start3", "synctile"}) {
+      const std::string m = mode;
+      setenv("MOK_GATHER", m == "pipeline" ? "pipeline" : "warps", 1);
+      setenv("MOK_PUSH", m == "push" ? "comm" : "epilogue", 1);
+      setenv("MOK_FORWARD_START_GATHER", m == "start0" ? "0" : m == "start3" ? "3" : "1", 1);
+      setenv("MOK_CONSUMER_SYNC", m == "synctile" ? "tile" : "warpgroup", 1);
       for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
                                         {128, 128, 2}, {1024, 16384, 16}, {512, 512, 3}}) {
         GpuLayer g(l, mini, macro, comm);
@@ -995,6 +1000,8 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
     }
     unsetenv("MOK_GATHER");
     unsetenv("MOK_PUSH");
+    unsetenv("MOK_FORWARD_START_GATHER");
+    unsetenv("MOK_CONSUMER_SYNC");
   }
 }
 

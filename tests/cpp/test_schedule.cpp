@@ -181,6 +181,7 @@ struct ProtocolModel {
   int32_t n_group = 1;
   std::vector<int32_t> counters[5];
   int32_t task_next = 0;
+  int32_t first = 0;  // processing positions [0, first) gathered by every block at the start
 
   struct Compute {
     int32_t pending = -1;          // claimed, waiting for its inputs
@@ -199,6 +200,13 @@ struct ProtocolModel {
   ProtocolModel(Geometry geo, TaskCounts counts, int32_t group) : g(geo), c(counts), n_group(group) {
     num_segments = build_segments(g, c, seg, &num_tasks);
     for (auto& v : counters) v.assign(static_cast<size_t>(std::max(g.num_blocks, c.shared_blocks) + 1), 0);
+  }
+  // The kernel's start gather (warps mode): every block copies the first `n` positions, up to
+  // the first whose ring slot has a previous occupant, before any task; comm blocks take the rest.
+  void start_gather(int32_t n) {
+    Wait w[kMaxWaits];
+    for (first = 0; first < std::min(n, g.num_blocks) && gather_waits(g.block_at(first), g, c, w) == 0; ++first)
+      counters[0][static_cast<size_t>(g.block_at(first))] = 128;
   }
   bool ready(const Wait* w, int n) const {
     for (int i = 0; i < n; ++i)
@@ -258,9 +266,10 @@ struct ProtocolModel {
   // One step of comm block `index` of `num_comm`.  `drain`: release finished blocks before
   // waiting on a ring slot's previous occupant (the kernel does; false shows the cycle).
   bool step(Comm& cm, int index, int num_comm, bool pipelined, int lag, bool drain, std::mt19937_64& rng) {
-    const int32_t mine = index < g.num_blocks ? (g.num_blocks - index + num_comm - 1) / num_comm : 0;
+    const int32_t left = g.num_blocks - first;
+    const int32_t mine = index < left ? (left - index + num_comm - 1) / num_comm : 0;
     if (cm.next >= mine && cm.released == cm.next) return step(cm.joined, rng);
-    auto block_at = [&](int32_t i) { return g.block_at(index + i * num_comm); };
+    auto block_at = [&](int32_t i) { return g.block_at(first + index + i * num_comm); };
     auto release_upto = [&](int64_t complete_rows) {
       bool any = false;
       for (; cm.released < cm.next && (static_cast<int64_t>(cm.released) + 1) * 128 <= complete_rows; ++cm.released) {
@@ -394,11 +403,15 @@ TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
     ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
     const int num_compute = 1 + static_cast<int>(rng() % 5), num_comm = 1 + static_cast<int>(rng() % 3);
     const bool pipelined = rng() % 2;
+    // The start gather of every block (warps mode only, as the kernel): none, or 1-3 minibatches
+    const int32_t start = pipelined || rng() % 3 == 0 ? 0 : mini * (1 + static_cast<int32_t>(rng() % 3));
+    m.start_gather(start);
     std::string why;
     const uint64_t seed = rng();
     ASSERT_TRUE(run_model(m, num_compute, num_comm, pipelined, true, seed, &why))
         << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
-        << ", comm " << num_comm << (pipelined ? ", pipelined" : ", warps") << ", seed " << seed << ")";
+        << ", comm " << num_comm << (pipelined ? ", pipelined" : ", warps") << ", start " << start << ", seed " << seed
+        << ")";
   }
 }
 

@@ -149,8 +149,10 @@ void check_list(const Case& k) {
 
 // Compute blocks claim tasks in order and hold at most one claimed-but-waiting and one
 // computing; comm blocks gather their row blocks (b = index, index + num_comm, ...) in
-// order.  Random interleavings must always finish.
-bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std::string* why) {
+// order, after the first start_blocks that every block gathers at the kernel's start (no
+// waits: clamped to the ring's first pass when rows are not resident).  Random interleavings
+// must always finish.
+bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std::string* why, int32_t start_blocks = 0) {
   const Geometry g = k.geometry();
   const Expanded x = expand(g, k.c);
   std::vector<std::vector<int32_t>> counters(static_cast<size_t>(CounterArray::kNumArrays));
@@ -168,6 +170,11 @@ bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std:
   };
   std::vector<Compute> compute(static_cast<size_t>(num_compute));
   std::vector<int32_t> comm_next(static_cast<size_t>(num_comm), 0);
+  start_blocks = std::min(start_blocks, g.num_blocks);
+  if (!k.c.resident) start_blocks = std::min(start_blocks, g.ring_blocks);
+  for (int32_t b = 0; b < start_blocks; ++b)
+    counters[static_cast<size_t>(CounterArray::kDyReady)][static_cast<size_t>(b)] =
+        counters[static_cast<size_t>(CounterArray::kXReady)][static_cast<size_t>(b)] = 128;
   int32_t next_task = 0, finished = 0;
   // The fp32 accumulator of a wgrad tile (kind, expert, n) is read and written by its
   // macrobatches in ascending order: the last macrobatch that finished it
@@ -221,7 +228,7 @@ bool run_model(const Case& k, int num_compute, int num_comm, uint64_t seed, std:
         progressed = true;
       } else {
         const int i = a - num_compute;
-        const int32_t b = i + comm_next[static_cast<size_t>(i)] * num_comm;
+        const int32_t b = start_blocks + i + comm_next[static_cast<size_t>(i)] * num_comm;
         if (b >= g.num_blocks) continue;
         Wait w[kMaxWaits];
         if (!ready(w, gather_waits(b, g, k.c, w))) continue;
@@ -309,7 +316,10 @@ TEST(BackwardSchedule, ProtocolModelFinishesUnderRandomInterleavings) {
     for (int rep = 0; rep < 5; ++rep) {
       std::string why;
       const int compute = static_cast<int>(1 + rng() % 6), comm = static_cast<int>(1 + rng() % 3);
-      ASSERT_TRUE(run_model(k, compute, comm, rng(), &why)) << k.name() << " compute=" << compute << " comm=" << comm << ": " << why;
+      // The kernel's start gather: none, the first minibatch (the default), or more
+      const int32_t start = rep < 2 ? 0 : static_cast<int32_t>(rep - 1) * k.geometry().minibatch_blocks;
+      ASSERT_TRUE(run_model(k, compute, comm, rng(), &why, start))
+          << k.name() << " compute=" << compute << " comm=" << comm << " start=" << start << ": " << why;
     }
   }
   for (int trial = 0; trial < 40; ++trial) {

@@ -300,16 +300,23 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
-@pytest.mark.parametrize("gather", ["pipeline", "pairs", "pregather"])
+@pytest.mark.parametrize("gather", ["pipeline", "pairs", "pregather", "start=0", "start=3", "pregather+start=5",
+                                    "sync=tile"])
 def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T, ring, gather):
     # MOK_GATHER=pipeline: the comm blocks' one-thread bulk-copy pipeline (padding rows from a
     # zero row in shared memory); pairs: each comm warp's x and dy loads of a row in flight
-    # together: the same rows
+    # together; start=n: every block gathers the first n minibatches at the kernel's start (the
+    # default 1; 0: the comm blocks gather all; more than the ring holds is clamped to its first
+    # pass); sync=tile: both consumer warpgroups meet at every task: the same rows, the same bits
     x, ids, tw, w, dy = _layer(gen, H, 256, E, k, T, 256, masked=0.1)
     config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
-    if gather == "pregather":  # the first two row blocks gathered by the launch before the kernel
+    if gather.startswith("pregather"):  # the first two row blocks gathered by the launch before the kernel
         monkeypatch.setenv("MOK_BACKWARD_PREGATHER", "256")
-    else:
+    if "start=" in gather:
+        monkeypatch.setenv("MOK_BACKWARD_START_GATHER", gather.split("start=")[1])
+    elif gather == "sync=tile":
+        monkeypatch.setenv("MOK_CONSUMER_SYNC", "tile")
+    elif not gather.startswith("pregather"):
         monkeypatch.setenv("MOK_GATHER", gather)
     gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))
     _assert_bitwise(f"gather={gather}: fused vs unfused", gu, gf)

@@ -52,15 +52,64 @@ __device__ void push_block(CommWarp& w, const ForwardParams& p, const Geometry& 
   __syncwarp();
 }
 
-__device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
-                            int32_t* gather_ready, const TaskCounts& counts) {
-  const int warp = threadIdx.x / 32;
+// The processing positions [0, n) that every block gathers at the kernel's start: the first
+// p.start_blocks, up to the first whose ring slot has a previous occupant (none on the ring's
+// first pass).  The same on every block.
+__device__ __forceinline__ int32_t start_positions(const ForwardParams& p, const Geometry& g, const TaskCounts& counts) {
+  const int32_t n = min(p.start_blocks, g.num_blocks);
+  Wait waits[kMaxWaits];
+  for (int32_t q = 0; q < n; ++q)
+    if (gather_waits(g.block_at(q), g, counts, waits) > 0) return q;
+  return n;
+}
+
+// Every block, at the start: the rows of positions [0, start_positions) split over every warp
+// of the grid in runs of consecutive rows (so that the first gate/up tiles do not wait for the
+// comm blocks), each copied through the warp's staging row; then gather_ready of the blocks
+// the run touched.  Returns the warp's staging-barrier phase (one copy per real row), which
+// the comm gather continues from.
+__device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
+                                 const gemm::WaitContext& wait, int32_t* gather_ready) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const int64_t rows = int64_t{start_positions(p, g, counts)} * 128, warps = int64_t{gridDim.x} * num_warps;
+  const int64_t per = (rows + warps - 1) / warps;
+  const int64_t r0 = min(rows, (int64_t{blockIdx.x} * num_warps + warp) * per), r1 = min(rows, r0 + per);
+  if (r0 >= r1) return 0;
   CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
              0, static_cast<uint32_t>(p.hidden) * 2};
   TraceWriter trace(p, 3);
+  const uint64_t t_begin = ptx::globaltimer_ns();
+  for (int64_t r = r0; r < r1; ++r) {
+    const int32_t b = g.block_at(static_cast<int32_t>(r / 128));
+    const int i = static_cast<int>(r % 128);
+    const uint32_t rec = p.rows[static_cast<int64_t>(b) * 128 + i];
+    __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
+    if (row_is_pad(rec)) {
+      for (int64_t v = lane; v < p.hidden / 8; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    copy_row(w, x_row(p, rec), dst, wait, 6500 + warp);
+  }
+  if (lane == 0) ptx::bulk_wait<0>();
+  ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
+  __syncwarp();
+  if (lane == 0)
+    for (int64_t q = r0 / 128; q * 128 < r1; ++q)
+      ptx::red_release_gpu_add(&gather_ready[g.block_at(static_cast<int32_t>(q))],
+                               static_cast<int32_t>(min(r1, (q + 1) * 128) - max(r0, q * 128)));
+  if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / 128), -1);
+  return __shfl_sync(0xffffffffu, w.phase, 0);
+}
+
+__device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
+                            int32_t* gather_ready, const TaskCounts& counts, uint32_t phase) {
+  const int warp = threadIdx.x / 32;
+  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
+             phase, static_cast<uint32_t>(p.hidden) * 2};
+  TraceWriter trace(p, 3);
   Wait waits[kMaxWaits];
   if (!counts.push_by_comm) {
-    for (int32_t q = blockIdx.x; q < g.num_blocks; q += p.num_comm) {
+    for (int32_t q = start_positions(p, g, counts) + static_cast<int32_t>(blockIdx.x); q < g.num_blocks; q += p.num_comm) {
       const int32_t b = g.block_at(q);
       const uint64_t t_begin = ptx::globaltimer_ns();
       // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles

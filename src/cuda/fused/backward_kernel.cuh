@@ -22,6 +22,70 @@
 
 namespace mok::cuda::fused::bwd {
 
+// ---- one plan row: x and dy through the warp's staging row(s), and its route weight ----------
+// (a padding row: zeros and weight 0).  Every lane calls it; lane 0 copies.
+__device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row, CommWarp& w, CommWarp& w2, bool pairs,
+                                           const gemm::WaitContext& wait) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t rec = p.rows[row];
+  __nv_bfloat16* xd = p.x_rows + row * p.hidden;
+  __nv_bfloat16* dd = p.dy_rows + row * p.hidden;
+  if (row_is_pad(rec)) {
+    for (int64_t v = lane; v < p.hidden / 8; v += 32)
+      reinterpret_cast<uint4*>(xd)[v] = reinterpret_cast<uint4*>(dd)[v] = make_uint4(0, 0, 0, 0);
+    if (lane == 0) p.row_weight[row] = 0.0f;
+    return;
+  }
+  const bool peer = p.group.size > 1;
+  const int s = row_rank(rec);
+  const int64_t t = row_token(rec);
+  const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
+  const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
+  if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
+  if (pairs) {
+    copy_rows2(w, w2, xs, xd, ds, dd, wait, 16000 + warp);
+  } else {
+    copy_row(w, xs, xd, wait, 16000 + warp);
+    copy_row(w, ds, dd, wait, 17000 + warp);
+  }
+}
+
+// ---- start: every block gathers the first row blocks ------------------------------------------
+// Blocks [p.pregathered, + p.start_blocks) (the first minibatch by default), split over every
+// warp of the grid in runs of consecutive rows, so that the first dgrad-down tiles do not wait
+// for the comm blocks (8 SMs gather ~280 GB/s; the whole grid several TB/s).  Each warp copies
+// its run through its staging row, then releases dy_ready / x_ready of the blocks it touched.
+// Two copies per row leave every staging barrier at phase parity 0 for the comm gather after.
+__device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
+  const int32_t b0 = p.pregathered;
+  // (rows not resident: only the ring's first pass, whose slots have no previous occupant)
+  const int32_t nb = min(min(p.start_blocks, g.num_blocks - b0), sh.counts.resident ? INT32_MAX : g.ring_blocks - b0);
+  if (nb <= 0) return;
+  const int64_t rows = int64_t{nb} * 128, warps = int64_t{gridDim.x} * num_warps;
+  const int64_t per = (rows + warps - 1) / warps;
+  const int64_t r0 = min(rows, (int64_t{blockIdx.x} * num_warps + warp) * per), r1 = min(rows, r0 + per);
+  if (r0 >= r1) return;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
+  uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
+  CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0, row_bytes};
+  TraceWriter trace(p, 3);
+  const uint64_t t_begin = ptx::globaltimer_ns();
+  const int64_t first_row = int64_t{b0} * 128;
+  for (int64_t r = r0; r < r1; ++r) gather_row(p, first_row + r, w, w, false, wait);
+  if (lane == 0) ptx::bulk_wait<0>();
+  ptx::fence_proxy_async_global();
+  __syncwarp();
+  if (lane == 0) {
+    for (int64_t b = r0 / 128; b * 128 < r1; ++b) {
+      const int32_t n = static_cast<int32_t>(min(r1, (b + 1) * 128) - max(r0, b * 128));
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, static_cast<int32_t>(b0 + b)), n);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, static_cast<int32_t>(b0 + b)), n);
+    }
+  }
+  if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, b0 + static_cast<int32_t>(r0 / 128), -1);
+}
+
 // ---- comm: the rows of every routed block, in order ------------------------------------------
 // (from block p.pregathered on: MOK_BACKWARD_PREGATHER has the launch before gather the first
 // blocks on every SM, so that the first tiles do not wait for the comm blocks)
@@ -37,32 +101,13 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   const int first = pairs ? 2 * warp : warp;
   CommWarp w{staging + static_cast<size_t>(first) * row_bytes, &sh.gather_bar[first], 0, row_bytes};
   CommWarp w2{staging + static_cast<size_t>(first + 1) * row_bytes, &sh.gather_bar[first + 1], 0, row_bytes};
-  const int64_t row_vecs = p.hidden / 8;
-  const bool peer = p.group.size > 1;
-  for (int32_t b = p.pregathered + static_cast<int32_t>(blockIdx.x); b < g.num_blocks; b += p.num_comm) {
+  TraceWriter trace(p, 3);
+  for (int32_t b = p.pregathered + p.start_blocks + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
+       b += p.num_comm) {
+    const uint64_t t_block = ptx::globaltimer_ns();
     int32_t rows_done = 0;
     for (int i = warp; i < 128; i += num_warps, ++rows_done) {
-      const int64_t row = static_cast<int64_t>(b) * 128 + i;
-      const uint32_t rec = p.rows[row];
-      __nv_bfloat16* xd = p.x_rows + row * p.hidden;
-      __nv_bfloat16* dd = p.dy_rows + row * p.hidden;
-      if (row_is_pad(rec)) {
-        for (int64_t v = lane; v < row_vecs; v += 32)
-          reinterpret_cast<uint4*>(xd)[v] = reinterpret_cast<uint4*>(dd)[v] = make_uint4(0, 0, 0, 0);
-        if (lane == 0) p.row_weight[row] = 0.0f;
-        continue;
-      }
-      const int s = row_rank(rec);
-      const int64_t t = row_token(rec);
-      const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
-      const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
-      if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
-      if (pairs) {
-        copy_rows2(w, w2, xs, xd, ds, dd, wait, 16000 + warp);
-      } else {
-        copy_row(w, xs, xd, wait, 16000 + warp);
-        copy_row(w, ds, dd, wait, 17000 + warp);
-      }
+      gather_row(p, static_cast<int64_t>(b) * 128 + i, w, w2, pairs, wait);
     }
     // Publish this warp's rows of block b once its stores completed
     if (lane == 0) ptx::bulk_wait<0>();
@@ -72,6 +117,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
       ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), rows_done);
       ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), rows_done);
     }
+    if (threadIdx.x == 0) trace.add(mokTraceGather, t_block, ptx::globaltimer_ns(), 255, b, -1);
   }
   if (lane == 0) ptx::bulk_wait<0>();
   __syncwarp();
@@ -86,7 +132,7 @@ __device__ void comm_gather_pipelined(Shared& sh, const BackwardParams& p, const
   constexpr int kStoreDepth = 4;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   const bool peer = p.group.size > 1;
-  const int32_t first = p.pregathered + static_cast<int32_t>(blockIdx.x);  // this comm block's first block
+  const int32_t first = p.pregathered + p.start_blocks + static_cast<int32_t>(blockIdx.x);  // its first block
   const int32_t my_blocks = first < g.num_blocks ? (g.num_blocks - first + p.num_comm - 1) / p.num_comm : 0;
   const int64_t items = static_cast<int64_t>(my_blocks) * 256;
   auto block_of = [&](int64_t it) { return static_cast<int32_t>(first + (it / 256) * p.num_comm); };
@@ -149,10 +195,14 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   const bool ep = p.group.size > 1;
   const int tid = static_cast<int>(threadIdx.x) - 128;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * 256;
+  TraceWriter trace(p, 2);
+  const uint64_t t_arrive = ptx::globaltimer_ns();
+  uint64_t t_reduce = 0;
   if (threadIdx.x == 128) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
     wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9998);
+    t_reduce = ptx::globaltimer_ns();
   }
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   // d topk_weights of every routed row here: the fixed-order sum of its partials
@@ -195,6 +245,13 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
                          int64_t id;
                          return plan::check_route(p.routing, p.group.rank, t, j, &id) == RouteCheck::kOk;
                        });
+  if (p.trace) {
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    if (threadIdx.x == 128) {
+      trace.add(mokTraceGridBarrier, t_arrive, t_reduce, 255, -1, -1);
+      trace.add(mokTraceCombine, t_reduce, ptx::globaltimer_ns(), 255, -1, -1);
+    }
+  }
 }
 
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
@@ -220,6 +277,10 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // NOTES: read from shared memory where used (not held in registers beside the accumulator)
   const Geometry& g = sh.geo;
   const TaskCounts& counts = sh.counts;
+  if (p.start_blocks > 0) {
+    start_gather(sh, p, g, wait);
+    __syncthreads();  // every bulk copy completed: the stage memory is the producer's again
+  }
   // NOTES: as in the forward, the role comes through a shuffle (warp-uniform for ptxas) and
   // each role returns on its own.  A comm block joins the compute roles after its gathers:
   // its staging rows are free (every bulk copy completed), the stage barriers untouched.

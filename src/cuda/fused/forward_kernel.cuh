@@ -76,6 +76,13 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // A comm block that has gathered its share joins the compute roles: tasks are claimed
   // dynamically, so it takes what is left.  Its staging rows are free by then (every bulk
   // copy completed) and the stage barriers were never touched.
+  // Every block gathers the first minibatch (MOK_FORWARD_START_GATHER); its bulk copies are
+  // complete before the stage memory is the producer's
+  uint32_t phase = 0;
+  if (p.start_blocks > 0) {
+    phase = start_gather(sh, p, g, counts, wait, gather_ready);
+    __syncthreads();
+  }
   if (comm) {
     if (p.gather_mode == 1) {
       // Staging rows, then one zero row, in the stage memory
@@ -83,7 +90,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       if (threadIdx.x == 0)
         comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, st.base, st.slots, st.zero_row);
     } else {
-      comm_gather(sh, p, g, wait, gather_ready, counts);
+      comm_gather(sh, p, g, wait, gather_ready, counts, phase);
     }
     __syncthreads();
     if (p.push_mode) {

@@ -13,6 +13,7 @@ using gemm::TileConfig;
 enum class NamedBarrier : uint32_t {
   kBlock = 0,      // __syncthreads
   kConsumers = 1,  // both consumer warpgroups (256 threads): a tile's stores are all issued
+  kConsumer0 = 2,  // one consumer warpgroup (128 threads): kConsumer0 + its index
 };
 
 // The role table's threads (every fused kernel): thread 0 of warpgroup 0 produces, thread 32
@@ -38,6 +39,9 @@ struct ForwardParams {
   int32_t max_blocks, shared_blocks;
   int32_t n_group;            // raster: N-blocks per group within a segment
   int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline
+  int32_t consumer_lockstep;  // 1: both consumer warpgroups meet at every task (MOK_CONSUMER_SYNC=tile)
+  int32_t start_blocks;       // processing positions [0, start_blocks) gathered by every block at the start
+                              // (MOK_FORWARD_START_GATHER minibatches); the comm blocks gather the rest
   int32_t push_mode;          // 0: the down epilogue stores rows to their slots; 1: it stores them
                               // into the ring and the comm blocks push them home (MOK_PUSH=comm)
   // Plan

@@ -16,6 +16,13 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
   gemm::PipelineState<C::kStages> stage;
   gemm::PipelineState<2> handoff, done_state;
   const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
+  // NOTES: each warpgroup takes tasks and hands its half of a tile on by itself (the hand-off
+  // barriers count one arrival per warpgroup), so that the two drift apart by up to the stage
+  // ring and one's epilogue runs under the other's MMAs; p.consumer_lockstep makes them meet
+  // at every task instead (MOK_CONSUMER_SYNC=tile).  One bar.sync with register operands.
+  const uint32_t bar_id = p.consumer_lockstep ? static_cast<uint32_t>(NamedBarrier::kConsumers)
+                                              : static_cast<uint32_t>(NamedBarrier::kConsumer0) + consumer;
+  const uint32_t bar_threads = p.consumer_lockstep ? 256u : 128u;
   float acc[C::kAccRegs];
   for (;;) {
     // Take the next task from the producer
@@ -27,7 +34,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     info.kind = __shfl_sync(0xffffffffu, info.kind, 0);
     info.block = __shfl_sync(0xffffffffu, info.block, 0);
     info.n_block = __shfl_sync(0xffffffffu, info.n_block, 0);
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    ptx::named_barrier_sync(bar_id, bar_threads);
     if (leader) ptx::mbar_arrive(&sh.task_empty[handoff.index]);
     handoff.advance();
     if (info.kind == Dir::kDone) break;
@@ -37,7 +44,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     Dir::epilogue(acc, consumer, p, g, counts, info);
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    ptx::named_barrier_sync(bar_id, bar_threads);
     if (warp_in_group == 0) {
       if (!gemm::wait_barrier_warp(&sh.done_empty[done_state.index], done_state.phase ^ 1u, wait,
                                    gemm::WaitSite::kProducerEmpty, -2))
