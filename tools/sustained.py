@@ -264,6 +264,20 @@ def backward_rows(args, H, I, k, E, T):
             "mok fwd (save h) start=0": with_env({"MOK_FORWARD_START_GATHER": "0"}, fwd),
             "mok fwd (save h) sync=tile start=0": with_env(old, fwd),
             "mok fwd+bwd sync=tile start=0": with_env(old, mok_fb),
+            "mok bwd start=4": with_env({"MOK_BACKWARD_START_GATHER": "4"}, bwd),
+            "mok bwd start=all": with_env({"MOK_BACKWARD_START_GATHER": "1024"}, bwd),
+            "mok bwd mini=ring/2": with_env({"MOK_BACKWARD_MINIBATCH": str(fwd_macro // 2)}, bwd),
+            "mok bwd mini=ring": with_env({"MOK_BACKWARD_MINIBATCH": str(fwd_macro)}, bwd),
+            f"mok bwd ring={ring} start=2": with_env({"MOK_BACKWARD_START_GATHER": "2"},
+                                                    lambda: F.backward(saved_all, dy)),
+            f"mok bwd ring={ring} unfused": with_env({"MOK_BACKWARD_PATH": "unfused"},
+                                                    lambda: F.backward(saved_all, dy)),
+            f"mok fwd+bwd ring={ring} start=2": with_env({"MOK_BACKWARD_START_GATHER": "2"}, lambda: mok_fb(ws_all)),
+            f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
+            f"mok bwd ring={ring} start=2 mini=ring": with_env(
+                {"MOK_BACKWARD_START_GATHER": "2", "MOK_BACKWARD_MINIBATCH": str(ring)}, lambda: F.backward(saved_all, dy)),
+            f"mok fwd+bwd ring={ring} start=2 mini=ring": with_env(
+                {"MOK_BACKWARD_START_GATHER": "2", "MOK_BACKWARD_MINIBATCH": str(ring)}, lambda: mok_fb(ws_all)),
         })
     if args.explore_gather:
         # The knobs of the fused backward measured in session 11 (docs/perf.md): its raster, its
