@@ -279,6 +279,19 @@ def backward_rows(args, H, I, k, E, T):
             f"mok fwd+bwd ring={ring} start=2 mini=ring": with_env(
                 {"MOK_BACKWARD_START_GATHER": "2", "MOK_BACKWARD_MINIBATCH": str(ring)}, lambda: mok_fb(ws_all)),
         })
+    if args.explore_comm:
+        # Fewer comm blocks in both directions now that every block gathers the first minibatch
+        # (the comm blocks only have to stay ahead of the tiles), with the ring for every row
+        for n in (4, 6):
+            cfg = F.MoKConfig(fwd_num_comm_sms=n, bwd_num_comm_sms=n, minibatch_size=2048, macrobatch_size=ring)
+            wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
+            ctx_n = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
+            variants.update({
+                f"mok bwd ring={ring} comm={n}": (lambda c=ctx_n: F.backward(c, dy)),
+                f"mok fwd ring={ring} comm={n}": (lambda w=wsn: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0]),
+                f"mok fwd+bwd ring={ring} comm={n}": (lambda w=wsn: mok_fb(w)),
+            })
+        variants[f"mok fwd ring={ring}"] = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0]
     if args.explore_gather:
         # The knobs of the fused backward measured in session 11 (docs/perf.md): its raster, its
         # comm blocks and their gather mode
@@ -353,6 +366,8 @@ def main():
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
     ap.add_argument("--backward", action="store_true", help="the layer's backward and forward+backward")
     ap.add_argument("--explore", action="store_true", help="with --backward: the fused backward's knob variants too")
+    ap.add_argument("--explore-comm", action="store_true",
+                    help="with --backward: 4 and 6 comm blocks in both directions (ring for every row)")
     ap.add_argument("--explore-gather", action="store_true",
                     help="with --backward: session 11's variants too (raster, comm blocks, gather modes)")
     ap.add_argument("--minibatches", default="0",
