@@ -256,6 +256,8 @@ def backward_rows(args, H, I, k, E, T):
         old = {"MOK_CONSUMER_SYNC": "tile", "MOK_BACKWARD_START_GATHER": "0", "MOK_FORWARD_START_GATHER": "0"}
         variants.update({
             "mok bwd (repeat)": bwd,
+            "mok bwd prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, bwd),
+            "mok fwd (save h) prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, fwd),
             "mok bwd sync=tile": with_env({"MOK_CONSUMER_SYNC": "tile"}, bwd),
             "mok bwd start=0": with_env({"MOK_BACKWARD_START_GATHER": "0"}, bwd),
             "mok bwd start=2": with_env({"MOK_BACKWARD_START_GATHER": "2"}, bwd),

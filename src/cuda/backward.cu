@@ -360,6 +360,10 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CHECK_ARG(consumer_sync == "warpgroup" || consumer_sync == "tile",
                 env::kConsumerSync.name << " = " << consumer_sync << ": expected warpgroup or tile");
   p.consumer_lockstep = consumer_sync == "tile" ? 1 : 0;
+  const std::string prefetch = env::get(env::kTensormapPrefetch);
+  MOK_CHECK_ARG(prefetch == "none" || prefetch == "start",
+                env::kTensormapPrefetch.name << " = " << prefetch << ": expected none or start");
+  p.tensormap_prefetch = prefetch == "start" ? 1 : 0;
   const std::string gather = env::get(env::kGather);
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");

@@ -71,6 +71,11 @@ inline constexpr Knob kBackwardStartGather{"MOK_BACKWARD_START_GATHER", "1",
                                            "gathers at its start, before the comm blocks take the rest (0: the comm "
                                            "blocks gather every block)"};
 
+inline constexpr Knob kTensormapPrefetch{"MOK_TENSORMAP_PREFETCH", "none",
+                                         "fused kernels' producer: none, or start (prefetch.tensormap of every "
+                                         "tensor map of the kernel before the first task, as the standalone launches "
+                                         "do for theirs; not yet measured)"};
+
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};
 
