@@ -31,6 +31,7 @@
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/forward.hpp"
+#include "cuda/fused/engine_knobs.hpp"
 #include "cuda/fused/backward_kernel.cuh"
 #include "cuda/fused/schedule_bwd.cuh"
 #include "cuda/gemm/launch.hpp"
@@ -356,14 +357,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
   p.n_acc = static_cast<int32_t>(b.n_acc);
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  const std::string consumer_sync = env::get(env::kConsumerSync);
-  MOK_CHECK_ARG(consumer_sync == "warpgroup" || consumer_sync == "tile",
-                env::kConsumerSync.name << " = " << consumer_sync << ": expected warpgroup or tile");
-  p.consumer_lockstep = consumer_sync == "tile" ? 1 : 0;
-  const std::string prefetch = env::get(env::kTensormapPrefetch);
-  MOK_CHECK_ARG(prefetch == "none" || prefetch == "start",
-                env::kTensormapPrefetch.name << " = " << prefetch << ": expected none or start");
-  p.tensormap_prefetch = prefetch == "start" ? 1 : 0;
+  fused::set_engine_knobs(p);
   const std::string gather = env::get(env::kGather);
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");

@@ -18,6 +18,7 @@
 #include "cuda/comm/plan_rows.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/ep.hpp"
+#include "cuda/fused/engine_knobs.hpp"
 #include "cuda/fused/forward_kernel.cuh"
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/tensor_map.hpp"
@@ -192,14 +193,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
   p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  const std::string consumer_sync = env::get(env::kConsumerSync);
-  MOK_CHECK_ARG(consumer_sync == "warpgroup" || consumer_sync == "tile",
-                env::kConsumerSync.name << " = " << consumer_sync << ": expected warpgroup or tile");
-  p.consumer_lockstep = consumer_sync == "tile" ? 1 : 0;
-  const std::string prefetch = env::get(env::kTensormapPrefetch);
-  MOK_CHECK_ARG(prefetch == "none" || prefetch == "start",
-                env::kTensormapPrefetch.name << " = " << prefetch << ": expected none or start");
-  p.tensormap_prefetch = prefetch == "start" ? 1 : 0;
+  fused::set_engine_knobs(p);
   const std::string gather = env::get(env::kGather);
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
