@@ -37,12 +37,20 @@ def main():
     block_expert = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(rows // 128)
     da, dh, wa = torch.empty(M, I, **bf), torch.empty(M, 2 * I, **bf), torch.empty(M, I, **bf)
     parts = torch.empty(M, I // 128, device=dev, dtype=torch.float32)
+    # The wgrad kinds (K-grouped over each expert's rows): dW_down = dyᵀ·a, [dW_gate; dW_up] = [dg|du]ᵀ·x
+    act = torch.randn(M, I, device=dev, generator=g).bfloat16()
+    x = torch.randn(M, H, device=dev, generator=g).bfloat16()
+    ex_off = torch.arange(E + 1, device=dev, dtype=torch.int32) * rows
+    ex_cnt = torch.full((E,), rows, device=dev, dtype=torch.int32)
+    gwd, gwgu = torch.empty(E, H, I, **bf), torch.empty(E, 2 * I, H, **bf)
     run = {
         "dgrad_down": lambda: ops.grouped_mm(dy, wd, block_expert, out=da, kind="dgrad_down"),
         "dgrad_down_swiglu": lambda: ops.grouped_mm(dy, wd, block_expert, out=dh, kind="dgrad_down_swiglu", h=h,
                                                     row_weight=rw, wa=wa, dtw_partials=parts),
         "dgrad_down_swiglu_dh_only": lambda: ops.grouped_mm(dy, wd, block_expert, out=dh, kind="dgrad_down_swiglu",
                                                             h=h, row_weight=rw),
+        "wgrad_down": lambda: ops.grouped_wgrad(dy, act, ex_off, ex_cnt, out=gwd),
+        "wgrad_gate_up": lambda: ops.grouped_wgrad(h, x, ex_off, ex_cnt, out=gwgu),
     }
     kinds = args.kinds.split(",")
     for name in kinds:

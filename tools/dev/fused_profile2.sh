@@ -18,3 +18,10 @@ timeout 300 ncu --section WarpStateStats --section SourceCounters -k regex:fused
 ncu -i /tmp/fb.ncu-rep --page source --csv --print-source sass >/tmp/fb_src.csv 2>>"$OUT/ncu_run.log"
 python3 tools/dev/ncu_source_top.py /tmp/fb_src.csv 80 >"$OUT/fb_source_top.txt" 2>&1
 head -40 "$OUT/fb_source_top.txt"
+# The same samples of the standalone wgrad gate/up kind (the fused kernel's wgrad tiles ran
+# 9 % longer than these in session 12): its stage waits against the fused kernel's
+timeout 200 ncu --section WarpStateStats --section SourceCounters -k regex:grouped_wgrad --launch-skip 1 --launch-count 1 \
+  -o /tmp/wg -f python3 tools/profile_kinds.py dsv3 --kinds wgrad_gate_up >>"$OUT/ncu_run.log" 2>&1
+ncu -i /tmp/wg.ncu-rep --page source --csv --print-source sass >/tmp/wg_src.csv 2>>"$OUT/ncu_run.log"
+python3 tools/dev/ncu_source_top.py /tmp/wg_src.csv 40 >"$OUT/wgrad_source_top.txt" 2>&1
+head -30 "$OUT/wgrad_source_top.txt"
