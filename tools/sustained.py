@@ -212,11 +212,12 @@ def backward_rows(args, H, I, k, E, T):
         _, c = F.forward(x, ids, tw, wg, wu, wd, workspace=w)
         return F.backward(c, dy)
 
-    # The ring holding every routed row (one macrobatch: no fp32 partial sums between them)
-    max_rows = F.plan_capacity(E, k, T)[0]
-    ring = -(-max_rows // 2048) * 2048
+    # The ring holding every routed row (one macrobatch: no fp32 partial sums between them):
+    # MACROBATCH_ALL_ROWS, the recommended training configuration (until session 12 this row
+    # used minibatch_size = 2048 and the ring rounded up to it)
     ws_all = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda",
-                                config=F.MoKConfig(minibatch_size=2048, macrobatch_size=ring))
+                                config=F.MoKConfig(macrobatch_size=F.MACROBATCH_ALL_ROWS))
+    ring = ws_all.c_config().macrobatch_size
     _, saved_all = F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)
 
     # The backward's comm blocks (gather of x, dy, weights): fewer and more than the default
@@ -285,7 +286,7 @@ def backward_rows(args, H, I, k, E, T):
         # Fewer comm blocks in both directions now that every block gathers the first minibatch
         # (the comm blocks only have to stay ahead of the tiles), with the ring for every row
         for n in (4, 6):
-            cfg = F.MoKConfig(fwd_num_comm_sms=n, bwd_num_comm_sms=n, minibatch_size=2048, macrobatch_size=ring)
+            cfg = F.MoKConfig(fwd_num_comm_sms=n, bwd_num_comm_sms=n, macrobatch_size=F.MACROBATCH_ALL_ROWS)
             wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
             ctx_n = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
             variants.update({

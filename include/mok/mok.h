@@ -110,7 +110,8 @@ typedef struct mokConfig_t {
   int64_t fwd_num_comm_sms;
   int64_t bwd_num_comm_sms;
   int64_t minibatch_size;       /* rows; multiple of block_m; 0 = chosen by mok */
-  int64_t macrobatch_size;      /* rows of the ring buffer; multiple of minibatch_size; 0 = chosen */
+  int64_t macrobatch_size;      /* rows of the ring buffer; multiple of minibatch_size; 0 = chosen;
+                                   MOK_MACROBATCH_ALL_ROWS = every row of a worst-case plan */
   int64_t block_m;              /* GEMM row block the plan pads to (128 on Hopper) */
   int64_t precision;            /* mokPrecision_t */
   double schedule_capacity_multiplier; /* accepted for MoK compatibility; sizes are worst-case */
@@ -129,6 +130,11 @@ typedef struct mokConfig_t {
 #define MOK_DEFAULT_BWD_NUM_COMM_SMS 8
 #define MOK_DEFAULT_MINIBATCH_SIZE 0   /* 0 = chosen by mok from the shape (docs/design.md) */
 #define MOK_DEFAULT_MACROBATCH_SIZE 0  /* 0 = chosen by mok */
+/* macrobatch_size = MOK_MACROBATCH_ALL_ROWS: the ring holds every row of a worst-case plan (one
+ * macrobatch: no expert's weight-gradient sum is split into fp32 pieces), the smallest whole
+ * number of minibatches that does; the training configuration docs/perf.md measured fastest,
+ * at macrobatch_size * (H + I) * 2 bytes of ring. */
+#define MOK_MACROBATCH_ALL_ROWS (-1)
 #define MOK_DEFAULT_BLOCK_M 128
 #define MOK_DEFAULT_TIMEOUT_S 60.0
 

@@ -32,6 +32,10 @@ def _alloc(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> to
 # mokGetDefaultConfig. MoKConfig, mok.ops and the benchmarks take them from here; write no
 # literal default elsewhere.
 DEFAULTS = _lib.config_defaults()
+# macrobatch_size = MACROBATCH_ALL_ROWS (mok.h's MOK_MACROBATCH_ALL_ROWS): the ring holds every
+# row of a worst-case plan, one macrobatch (the training configuration docs/perf.md measured
+# fastest; its ring costs macrobatch_size * (H + I) * 2 bytes)
+MACROBATCH_ALL_ROWS = -1
 PRECISION_NAMES = {code: name for name, code in _lib.PRECISIONS.items()}
 
 
@@ -41,7 +45,9 @@ class MoKConfig:
     to libmok's (DEFAULTS, from mokGetDefaultConfig).
 
     num_blocks: grid of the persistent CUDA kernels; 0 = one block per SM (a VirtualGroup
-    turns 0 into SMs // P, so that the P ranks' kernels are resident at once)."""
+    turns 0 into SMs // P, so that the P ranks' kernels are resident at once).
+    macrobatch_size: rows of the ring; 0 = chosen by mok; MACROBATCH_ALL_ROWS = every row of a
+    worst-case plan (recommended for training: no expert's weight gradient split into pieces)."""
 
     fwd_num_comm_sms: int = DEFAULTS["fwd_num_comm_sms"]
     bwd_num_comm_sms: int = DEFAULTS["bwd_num_comm_sms"]

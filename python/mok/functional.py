@@ -29,7 +29,8 @@ from . import _lib
 from .args import (ROUTED_NAMES, WEIGHT_NAMES, ForwardContext, Gradients, _backward_args,  # noqa: F401
                    _check_main_grads, _forward_args, _grad_buffers, _saved_args, _saved_buffers, _shape_of,
                    _weights_dict)
-from .config import LayerDims, MoKConfig, Workspace, _alloc, _c_config, _canonical_device, _check_regions  # noqa: F401
+from .config import (MACROBATCH_ALL_ROWS, LayerDims, MoKConfig, Workspace, _alloc, _c_config,  # noqa: F401
+                     _canonical_device, _check_regions)
 from .emulated import (RankInputs, _emulated_config, _rank_context, _rank_inputs, backward_emulated,  # noqa: F401
                        forward_emulated)
 from .schedule import (NO_ERROR, PAD_ROW, ROUTE_CHECK_NAMES, SLOT_BITS, TOKEN_BITS, Schedule,  # noqa: F401

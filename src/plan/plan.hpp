@@ -33,6 +33,7 @@ inline constexpr int64_t kMaxMinibatches = 511;
 // kAutoMacrobatchRows, a whole number of minibatches.
 inline constexpr int64_t kWavesPerMinibatch = 2;
 inline constexpr int64_t kAutoMacrobatchRows = 16384;
+inline constexpr int64_t kMacrobatchAllRows = MOK_MACROBATCH_ALL_ROWS;
 // The grid the rule assumes where the device is not known (host-memory configs): the SM
 // count of an H100 / H200 SXM.
 inline constexpr int64_t kNominalGrid = 132;
@@ -85,7 +86,9 @@ struct BatchRule {
   int64_t grid = kNominalGrid;
 };
 
-// Fills minibatch_size / macrobatch_size left at 0 ("chosen by mok"); explicit values stay
+// Fills minibatch_size / macrobatch_size left at 0 ("chosen by mok"), and a macrobatch_size of
+// kMacrobatchAllRows (MOK_MACROBATCH_ALL_ROWS: every row of a worst-case plan, rounded up to
+// the minibatch, which is chosen as for an unknown ring); explicit values stay
 // (check_plan_dims reports bad ones).  Needs a valid block_m.
 inline void resolve_batch_sizes(PlanDims& d, const BatchRule& rule) {
   if (d.block_m < 1) return;
@@ -106,6 +109,7 @@ inline void resolve_batch_sizes(PlanDims& d, const BatchRule& rule) {
   if (d.macrobatch_size == 0 && d.minibatch_size > 0)
     d.macrobatch_size = round_up(kAutoMacrobatchRows > d.minibatch_size ? kAutoMacrobatchRows : d.minibatch_size,
                                  d.minibatch_size);
+  if (d.macrobatch_size == kMacrobatchAllRows && d.minibatch_size > 0) d.macrobatch_size = round_up(rows, d.minibatch_size);
 }
 MOK_HD int64_t max_blocks(const PlanDims& d) { return max_rows(d) / d.block_m; }
 MOK_HD int64_t padded_rows(int64_t count, int32_t block_m) { return round_up(count, block_m); }

@@ -101,3 +101,24 @@ def test_batch_sizes_chosen_by_mok_for_any_token_count():
     assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (4224, 16896)
     ws = F.create_workspace(64, 32, 8, 2, 64, config=F.MoKConfig(minibatch_size=256, macrobatch_size=512))
     assert (ws.c_config().minibatch_size, ws.c_config().macrobatch_size) == (256, 512)
+
+def test_macrobatch_of_every_row():
+    # macrobatch_size = MACROBATCH_ALL_ROWS: the ring holds every row of a worst-case plan (one
+    # macrobatch), a whole number of minibatches; the minibatch as for an unknown ring, or the
+    # caller's; other negative sizes are refused with the field named
+    assert F.MACROBATCH_ALL_ROWS == -1
+    rows = F.plan_capacity(16, 8, 4096)[0]  # dsv3: 4096 * 8 + 16 * 127, in whole row blocks
+    assert rows == 34688
+    ws = F.create_workspace(7168, 2048, 16, 8, 4096, config=F.MoKConfig(macrobatch_size=F.MACROBATCH_ALL_ROWS))
+    c = ws.c_config()
+    assert c.minibatch_size == 17 * 128  # min(2048/128, 7168/256) = 16 tiles -> ceil(264/16) blocks
+    assert c.macrobatch_size == 16 * 2176 >= rows  # 15.9 minibatches of rows, rounded up
+    assert "macrobatch_size = 34816" in ws.describe()
+    ws = F.create_workspace(256, 128, 8, 2, 1000,
+                            config=F.MoKConfig(minibatch_size=384, macrobatch_size=F.MACROBATCH_ALL_ROWS))
+    rows = F.plan_capacity(8, 2, 1000)[0]
+    assert ws.c_config().macrobatch_size == -(-rows // 384) * 384 >= rows
+    ws = F.create_workspace(256, 128, 8, 2, 0, config=F.MoKConfig(macrobatch_size=F.MACROBATCH_ALL_ROWS))
+    assert ws.c_config().macrobatch_size == ws.c_config().minibatch_size  # T = 0: one minibatch
+    with pytest.raises(ValueError, match="macrobatch_size = -2"):
+        F.create_workspace(256, 128, 8, 2, 64, config=F.MoKConfig(macrobatch_size=-2))

@@ -276,3 +276,23 @@ def test_grouped_mm_needs_cuda_tensors():
     b = torch.zeros(1, 256, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA tensors"):
         mok.ops.grouped_mm(a, b, torch.zeros(1, dtype=torch.int32))
+
+
+def test_ring_of_every_row_matches_the_oracle(gen):
+    # macrobatch_size = MACROBATCH_ALL_ROWS (the training configuration): the same layer as the
+    # default ring, against the oracle, and y bitwise equal to the default ring's (the forward's
+    # sums do not depend on the ring)
+    x, ids, tw, w = _layer(gen, 64, 128, 64, 16, 4, 32, torch.int32)
+    dy = make_x(gen, 64, 128)
+    ws = F.create_workspace(128, 64, 16, 4, 64, shared_intermediate=32,
+                            config=F.MoKConfig(minibatch_size=128, macrobatch_size=F.MACROBATCH_ALL_ROWS))
+    assert ws.c_config().macrobatch_size >= F.plan_capacity(16, 4, 64)[0]
+    y, ctx = F.forward(*_args(x, ids, tw, w), workspace=ws)
+    g = F.backward(ctx, dy)
+    y_default, _ = F.forward(*_args(x, ids, tw, w))
+    assert torch.equal(y, y_default)
+    y_ref, g_ref = reference(x, ids, tw, w, dy)
+    assert_close("y", y, y_ref)
+    assert_close("dx", g.dx, g_ref["dx"])
+    for name in WEIGHTS:
+        assert_close(f"grad {name}", getattr(g, name), g_ref[name])
