@@ -43,10 +43,14 @@ def test_every_name_still_resolves(name):
 
 def test_poison_outputs_reaches_the_allocator(monkeypatch):
     # Tests poison every output through mok.config (conftest); MOK_POISON_OUTPUTS=1 does it too.
-    monkeypatch.setattr(mok.config, "poison_outputs", False)
-    assert not F._alloc((2,), torch.float32, "cpu").isnan().any()
     monkeypatch.setattr(mok.config, "poison_outputs", True)
     assert F._alloc((2,), torch.float32, "cpu").isnan().all()
+    assert (F._alloc((2,), torch.int32, "cpu") == -559038737).all()
+    # Off: no fill at all (torch.empty, whose contents are whatever the allocator hands back:
+    # after poisoned tensors were freed that can be NaN, so the contents prove nothing)
+    monkeypatch.setattr(mok.config, "poison_outputs", False)
+    monkeypatch.setattr(torch, "full", lambda *a, **k: pytest.fail("an output filled with poison off"))
+    assert F._alloc((2,), torch.float32, "cpu").shape == (2,)
 
 
 def test_lower_modules_do_not_import_functional():
