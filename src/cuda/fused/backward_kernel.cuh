@@ -51,6 +51,15 @@ __device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row,
 }
 
 // ---- start: every block gathers the first row blocks ------------------------------------------
+// How many: p.start_blocks from p.pregathered, within the plan, and (rows not resident) within
+// the ring's first pass, whose slots have no previous occupant.  The comm blocks start after
+// exactly these, so every caller takes the count from here.
+__device__ __forceinline__ int32_t start_block_count(const BackwardParams& p, const Geometry& g, const TaskCounts& c) {
+  const int32_t b0 = p.pregathered;
+  const int32_t nb = min(min(p.start_blocks, g.num_blocks - b0), c.resident ? INT32_MAX : g.ring_blocks - b0);
+  return nb > 0 ? nb : 0;
+}
+
 // Blocks [p.pregathered, + p.start_blocks) (the first minibatch by default), split over every
 // warp of the grid in runs of consecutive rows, so that the first dgrad-down tiles do not wait
 // for the comm blocks (8 SMs gather ~280 GB/s; the whole grid several TB/s).  Each warp copies
@@ -59,9 +68,8 @@ __device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row,
 __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const int32_t b0 = p.pregathered;
-  // (rows not resident: only the ring's first pass, whose slots have no previous occupant)
-  const int32_t nb = min(min(p.start_blocks, g.num_blocks - b0), sh.counts.resident ? INT32_MAX : g.ring_blocks - b0);
-  if (nb <= 0) return;
+  const int32_t nb = start_block_count(p, g, sh.counts);
+  if (nb == 0) return;
   const int64_t rows = int64_t{nb} * 128, warps = int64_t{gridDim.x} * num_warps;
   const int64_t per = (rows + warps - 1) / warps;
   const int64_t r0 = min(rows, (int64_t{blockIdx.x} * num_warps + warp) * per), r1 = min(rows, r0 + per);
@@ -102,7 +110,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   CommWarp w{staging + static_cast<size_t>(first) * row_bytes, &sh.gather_bar[first], 0, row_bytes};
   CommWarp w2{staging + static_cast<size_t>(first + 1) * row_bytes, &sh.gather_bar[first + 1], 0, row_bytes};
   TraceWriter trace(p, 3);
-  for (int32_t b = p.pregathered + p.start_blocks + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
+  for (int32_t b = p.pregathered + start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
        b += p.num_comm) {
     const uint64_t t_block = ptx::globaltimer_ns();
     int32_t rows_done = 0;
@@ -132,7 +140,7 @@ __device__ void comm_gather_pipelined(Shared& sh, const BackwardParams& p, const
   constexpr int kStoreDepth = 4;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   const bool peer = p.group.size > 1;
-  const int32_t first = p.pregathered + p.start_blocks + static_cast<int32_t>(blockIdx.x);  // its first block
+  const int32_t first = p.pregathered + start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x);
   const int32_t my_blocks = first < g.num_blocks ? (g.num_blocks - first + p.num_comm - 1) / p.num_comm : 0;
   const int64_t items = static_cast<int64_t>(my_blocks) * 256;
   auto block_of = [&](int64_t it) { return static_cast<int32_t>(first + (it / 256) * p.num_comm); };
