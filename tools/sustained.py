@@ -258,6 +258,7 @@ def backward_rows(args, H, I, k, E, T):
         variants.update({
             "mok bwd (repeat)": bwd,
             "mok bwd prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, bwd),
+            "mok bwd producer_regs=64": with_env({"MOK_PRODUCER_REGS": "64"}, bwd),
             "mok fwd (save h) prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, fwd),
             "mok bwd sync=tile": with_env({"MOK_CONSUMER_SYNC": "tile"}, bwd),
             "mok bwd start=0": with_env({"MOK_BACKWARD_START_GATHER": "0"}, bwd),

@@ -336,6 +336,9 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
                     const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout,
                     int32_t minibatch_blocks) {
   namespace fb = fused::bwd;
+  const long producer_regs = env::get_int(env::kProducerRegs);
+  MOK_CHECK_ARG(producer_regs == 40 || producer_regs == 64,
+                env::kProducerRegs.name << " = " << producer_regs << ": expected 40 or 64");
   BackwardBuffers& b = *ws.bwd;
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
   const int64_t El = plan_dims(c).local_experts(), R = ws.max_rows;
@@ -486,7 +489,8 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(fb::fused_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto* const kernel = producer_regs == 64 ? fb::fused_backward_kernel<64, 216> : fb::fused_backward_kernel<>;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(fb::kSmemBytes)));
   if (p.pregathered > 0) {
     const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
@@ -497,7 +501,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
                                                int64_t{p.pregathered} * 128);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
-  fb::fused_backward_kernel<<<ws.grid, gemm::TileConfig::kThreads, fb::kSmemBytes, stream>>>(m, p);
+  kernel<<<ws.grid, gemm::TileConfig::kThreads, fb::kSmemBytes, stream>>>(m, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -513,7 +517,8 @@ void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_tables_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<64, 216>));
   gemm::load_backward_kernels();
   ep_load_kernels();
   load_plan_kernels();

@@ -262,9 +262,16 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   }
 }
 
+// kProducerRegs / kConsumerRegs: the registers setmaxnreg gives warpgroup 0 and the consumer
+// warpgroups (MOK_PRODUCER_REGS: 40 / 232 by default; 64 / 216 gives the producer room for
+// its tile's coordinates, which it otherwise reloads from local memory between TMA issues).
+template <int kProducerRegs = TileConfig::kProducerRegs, int kConsumerRegs = TileConfig::kConsumerRegs>
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
   using C = TileConfig;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * C::kConsumers <= 65536 && kProducerRegs % 8 == 0 &&
+                    kConsumerRegs % 8 == 0,
+                "register budgets: multiples of 8 within the register file");
   extern __shared__ uint8_t smem_raw[];
   auto& sh = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
@@ -306,12 +313,12 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == kProducerWarpgroup) {
-    ptx::setmaxnreg_dec<C::kProducerRegs>();
+    ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<BackwardDir>(sh, maps, p, g, counts, wait);
     if (threadIdx.x == kSignalerThread) signal_tasks<BackwardDir>(sh, p, g, counts, wait);
     return;
   }
-  ptx::setmaxnreg_inc<C::kConsumerRegs>();
+  ptx::setmaxnreg_inc<kConsumerRegs>();
   consume_tasks<BackwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
