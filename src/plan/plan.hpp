@@ -112,6 +112,24 @@ inline void resolve_batch_sizes(PlanDims& d, const BatchRule& rule) {
   if (d.macrobatch_size == kMacrobatchAllRows && d.minibatch_size > 0) d.macrobatch_size = round_up(rows, d.minibatch_size);
 }
 MOK_HD int64_t max_blocks(const PlanDims& d) { return max_rows(d) / d.block_m; }
+
+// Worker w of n takes the run of consecutive rows [begin, end) of [0, rows): ceil(rows / n)
+// each, the last workers' runs possibly short or empty (the fused kernels' start gather: one
+// run per warp of the grid).
+struct RowRun {
+  int64_t begin, end;
+  // How many of its rows lie in row block b (block_rows rows each)
+  MOK_HD int64_t rows_in(int64_t b, int64_t block_rows) const {
+    const int64_t lo = begin > b * block_rows ? begin : b * block_rows;
+    const int64_t hi = end < (b + 1) * block_rows ? end : (b + 1) * block_rows;
+    return hi > lo ? hi - lo : 0;
+  }
+};
+MOK_HD RowRun row_run(int64_t rows, int64_t worker, int64_t workers) {
+  const int64_t per = ceil_div(rows, workers);
+  const int64_t begin = min64(rows, worker * per);
+  return RowRun{begin, min64(rows, begin + per)};
+}
 MOK_HD int64_t padded_rows(int64_t count, int32_t block_m) { return round_up(count, block_m); }
 
 MOK_HD int64_t num_minibatches(int64_t total_rows, int64_t minibatch_size) {

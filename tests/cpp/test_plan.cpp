@@ -290,5 +290,32 @@ TEST(Plan, MinibatchGeometry) {
   EXPECT_EQ(plan::ring_slot(1500, 1024), 476);
 }
 
+// The start gather's runs (plan::row_run): the workers' runs tile [0, rows) in order, each row
+// once, no run longer than ceil(rows / workers); rows_in splits a run over row blocks exactly.
+TEST(Plan, RowRunsTileTheRowsInOrder) {
+  for (int64_t rows : {0, 1, 127, 128, 4224, 4352, 100000})
+    for (int64_t workers : {1, 3, 12, 1584}) {
+      int64_t next = 0;
+      std::map<int64_t, int64_t> per_block;
+      for (int64_t w = 0; w < workers; ++w) {
+        const plan::RowRun r = plan::row_run(rows, w, workers);
+        ASSERT_LE(r.begin, r.end);
+        if (r.begin == r.end) continue;
+        ASSERT_EQ(r.begin, next) << "rows " << rows << " workers " << workers << " worker " << w;
+        ASSERT_LE(r.end - r.begin, plan::ceil_div(rows, workers));
+        next = r.end;
+        int64_t sum = 0;
+        for (int64_t b = r.begin / 128; b * 128 < r.end; ++b) {
+          sum += r.rows_in(b, 128);
+          per_block[b] += r.rows_in(b, 128);
+        }
+        ASSERT_EQ(sum, r.end - r.begin);
+        ASSERT_EQ(r.rows_in(r.end / 128 + 1, 128), 0);
+      }
+      ASSERT_EQ(next, rows);
+      for (const auto& [b, n] : per_block) ASSERT_EQ(n, std::min<int64_t>(128, rows - b * 128)) << "block " << b;
+    }
+}
+
 }  // namespace
 }  // namespace mok::test

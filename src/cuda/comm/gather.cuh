@@ -71,9 +71,9 @@ __device__ __forceinline__ int32_t start_positions(const ForwardParams& p, const
 __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
                                  const gemm::WaitContext& wait, int32_t* gather_ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const int64_t rows = int64_t{start_positions(p, g, counts)} * 128, warps = int64_t{gridDim.x} * num_warps;
-  const int64_t per = (rows + warps - 1) / warps;
-  const int64_t r0 = min(rows, (int64_t{blockIdx.x} * num_warps + warp) * per), r1 = min(rows, r0 + per);
+  const plan::RowRun run = plan::row_run(int64_t{start_positions(p, g, counts)} * 128,
+                                         int64_t{blockIdx.x} * num_warps + warp, int64_t{gridDim.x} * num_warps);
+  const int64_t r0 = run.begin, r1 = run.end;
   if (r0 >= r1) return 0;
   CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
              0, static_cast<uint32_t>(p.hidden) * 2};
@@ -96,7 +96,7 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
   if (lane == 0)
     for (int64_t q = r0 / 128; q * 128 < r1; ++q)
       ptx::red_release_gpu_add(&gather_ready[g.block_at(static_cast<int32_t>(q))],
-                               static_cast<int32_t>(min(r1, (q + 1) * 128) - max(r0, q * 128)));
+                               static_cast<int32_t>(run.rows_in(q, 128)));
   if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / 128), -1);
   return __shfl_sync(0xffffffffu, w.phase, 0);
 }

@@ -70,9 +70,9 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
   const int32_t b0 = p.pregathered;
   const int32_t nb = start_block_count(p, g, sh.counts);
   if (nb == 0) return;
-  const int64_t rows = int64_t{nb} * 128, warps = int64_t{gridDim.x} * num_warps;
-  const int64_t per = (rows + warps - 1) / warps;
-  const int64_t r0 = min(rows, (int64_t{blockIdx.x} * num_warps + warp) * per), r1 = min(rows, r0 + per);
+  const plan::RowRun run =
+      plan::row_run(int64_t{nb} * 128, int64_t{blockIdx.x} * num_warps + warp, int64_t{gridDim.x} * num_warps);
+  const int64_t r0 = run.begin, r1 = run.end;
   if (r0 >= r1) return;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
@@ -86,7 +86,7 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
   __syncwarp();
   if (lane == 0) {
     for (int64_t b = r0 / 128; b * 128 < r1; ++b) {
-      const int32_t n = static_cast<int32_t>(min(r1, (b + 1) * 128) - max(r0, b * 128));
+      const int32_t n = static_cast<int32_t>(run.rows_in(b, 128));
       ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, static_cast<int32_t>(b0 + b)), n);
       ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, static_cast<int32_t>(b0 + b)), n);
     }
