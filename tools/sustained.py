@@ -250,16 +250,26 @@ def backward_rows(args, H, I, k, E, T):
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
     if args.explore:
-        # Session 12's knobs (docs/perf.md): the consumer warpgroups meeting at every task (the
-        # kernels before), and the start gather of every block (0: none, as before; 2 minibatches)
+        # Session 13's A/Bs (docs/perf.md): the producer's registers and the tensor-map prefetch
         bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
         fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
-        old = {"MOK_CONSUMER_SYNC": "tile", "MOK_BACKWARD_START_GATHER": "0", "MOK_FORWARD_START_GATHER": "0"}
+        new = {"MOK_TENSORMAP_PREFETCH": "start", "MOK_PRODUCER_REGS": "64"}
         variants.update({
             "mok bwd (repeat)": bwd,
             "mok bwd prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, bwd),
             "mok bwd producer_regs=64": with_env({"MOK_PRODUCER_REGS": "64"}, bwd),
+            "mok bwd prefetch+regs64": with_env(new, bwd),
+            f"mok bwd ring={ring} prefetch+regs64": with_env(new, lambda: F.backward(saved_all, dy)),
+            f"mok fwd+bwd ring={ring} prefetch+regs64": with_env(new, lambda: mok_fb(ws_all)),
             "mok fwd (save h) prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, fwd),
+        })
+    if args.explore_v5:
+        # Session 12's knobs: the consumer warpgroups meeting at every task (the kernels before),
+        # the start gather of every block (0: none, as before; 2 minibatches), minibatch and ring
+        bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
+        fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
+        old = {"MOK_CONSUMER_SYNC": "tile", "MOK_BACKWARD_START_GATHER": "0", "MOK_FORWARD_START_GATHER": "0"}
+        variants.update({
             "mok bwd sync=tile": with_env({"MOK_CONSUMER_SYNC": "tile"}, bwd),
             "mok bwd start=0": with_env({"MOK_BACKWARD_START_GATHER": "0"}, bwd),
             "mok bwd start=2": with_env({"MOK_BACKWARD_START_GATHER": "2"}, bwd),
@@ -313,7 +323,7 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd sync=tile start=0", "mok bwd start=2")] if args.explore else []
+    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd producer_regs=64")] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")
@@ -370,6 +380,8 @@ def main():
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
     ap.add_argument("--backward", action="store_true", help="the layer's backward and forward+backward")
     ap.add_argument("--explore", action="store_true", help="with --backward: the fused backward's knob variants too")
+    ap.add_argument("--explore-v5", action="store_true",
+                    help="with --backward: session 12's variants (consumer sync, start gather, minibatch, ring)")
     ap.add_argument("--explore-comm", action="store_true",
                     help="with --backward: 4 and 6 comm blocks in both directions (ring for every row)")
     ap.add_argument("--explore-gather", action="store_true",
