@@ -253,15 +253,13 @@ def backward_rows(args, H, I, k, E, T):
         # Session 13's A/Bs (docs/perf.md): the producer's registers and the tensor-map prefetch
         bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
         fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
-        new = {"MOK_TENSORMAP_PREFETCH": "start", "MOK_PRODUCER_REGS": "64"}
+        pre = {"MOK_TENSORMAP_PREFETCH": "start"}
         variants.update({
             "mok bwd (repeat)": bwd,
-            "mok bwd prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, bwd),
-            "mok bwd producer_regs=64": with_env({"MOK_PRODUCER_REGS": "64"}, bwd),
-            "mok bwd prefetch+regs64": with_env(new, bwd),
-            f"mok bwd ring={ring} prefetch+regs64": with_env(new, lambda: F.backward(saved_all, dy)),
-            f"mok fwd+bwd ring={ring} prefetch+regs64": with_env(new, lambda: mok_fb(ws_all)),
-            "mok fwd (save h) prefetch=start": with_env({"MOK_TENSORMAP_PREFETCH": "start"}, fwd),
+            "mok bwd producer_regs=40": with_env({"MOK_PRODUCER_REGS": "40"}, bwd),
+            "mok bwd prefetch=start": with_env(pre, bwd),
+            f"mok bwd ring={ring} prefetch=start": with_env(pre, lambda: F.backward(saved_all, dy)),
+            "mok fwd (save h) prefetch=start": with_env(pre, fwd),
         })
     if args.explore_v5:
         # Session 12's knobs: the consumer warpgroups meeting at every task (the kernels before),
@@ -323,7 +321,7 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd producer_regs=64")] if args.explore else []
+    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd producer_regs=40")] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")

@@ -148,6 +148,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--warm", type=int, default=3, help="untraced calls first (sustained load: 30+)")
     ap.add_argument("--backward", action="store_true", help="trace the fused backward (of the saving forward)")
+    ap.add_argument("--ring-all", action="store_true", help="the ring for every routed row (MACROBATCH_ALL_ROWS)")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -156,7 +157,8 @@ def main():
     w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
          (torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
          (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
-    cfg = F.MoKConfig(fwd_num_comm_sms=args.comm, minibatch_size=args.minibatch)
+    cfg = F.MoKConfig(fwd_num_comm_sms=args.comm, minibatch_size=args.minibatch,
+                      macrobatch_size=F.MACROBATCH_ALL_ROWS if args.ring_all else 0)
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
     if args.backward:
         dy = (torch.randn(T, H, device="cuda", generator=g) * 0.1).bfloat16()

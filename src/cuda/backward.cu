@@ -489,7 +489,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-  auto* const kernel = producer_regs == 64 ? fb::fused_backward_kernel<64, 216> : fb::fused_backward_kernel<>;
+  auto* const kernel = producer_regs == 64 ? fb::fused_backward_kernel<64, 216> : fb::fused_backward_kernel<40, 232>;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(fb::kSmemBytes)));
   if (p.pregathered > 0) {

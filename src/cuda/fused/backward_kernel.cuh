@@ -263,8 +263,9 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
 }
 
 // kProducerRegs / kConsumerRegs: the registers setmaxnreg gives warpgroup 0 and the consumer
-// warpgroups (MOK_PRODUCER_REGS: 40 / 232 by default; 64 / 216 gives the producer room for
-// its tile's coordinates, which it otherwise reloads from local memory between TMA issues).
+// warpgroups (MOK_PRODUCER_REGS: 64 / 216 by default, room for the producer's tile coordinates;
+// at 40 / 232, the forward's split, it reloads them from local memory between TMA issues and
+// the backward is 3-4 % slower, docs/perf.md session 13).
 template <int kProducerRegs = TileConfig::kProducerRegs, int kConsumerRegs = TileConfig::kConsumerRegs>
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
