@@ -44,6 +44,7 @@ struct SwiGLUBwdArgs {
   __nv_bfloat16* wa;       // [rows, I] or null
   float* dtw_partials;     // [partial rows, I / 128] or null
   int64_t inter;           // I (a multiple of 128)
+  int32_t io_pairs;        // MOK_EPILOGUE_IO=pairs: 4-byte loads, lane-pair 8-byte stores
 };
 
 // The element math of the epilogue (see the header comment for the order of record).
@@ -95,6 +96,56 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
   // per tile of straight-line code, more than the instruction cache holds next to the main
   // loop (ncu: 28 % of warp cycles stalled on no_instruction, the kernel 1.9x the plain
   // dgrad-down's time); rolled, one (half, chunk) body is resident for all four passes.
+  if (e.io_pairs) {
+    // MOK_EPILOGUE_IO=pairs: h read in the fragment's own layout (one 4-byte load per pair, no
+    // quad transpose), dg / du / wa stored through lane-pair swaps (store_block_pair_8b); the
+    // same element math and partial-sum order, so the same bits
+    constexpr int kChunkBlocks = kDtwChunk / 8;  // 16 n8 blocks per chunk
+#pragma unroll 1
+    for (int it = 0; it < 2 * kChunks; ++it) {
+      const int half = it / kChunks, c = it % kChunks;
+      const int r = fragment_row(consumer, half);
+      const bool valid = r < valid_rows;
+      const int64_t row = row0 + r;
+      const float w = valid ? weight(r) : 0.0f;
+      const int64_t col = ch0 + c * kDtwChunk;  // the chunk's first channel
+      const __nv_bfloat16* g_row = e.h + row * ld_h + col;
+      const __nv_bfloat16* u_row = g_row + inter;
+      __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
+      __nv_bfloat16* du_row = dg_row + inter;
+      __nv_bfloat16* wa_row = e.wa + row * inter + col;
+      uint32_t gw[kChunkBlocks], uw[kChunkBlocks];
+#pragma unroll
+      for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
+        gw[n8] = ptx::ld_global_b32_pred(g_row + n8 * 8 + 2 * t, valid);
+        uw[n8] = ptx::ld_global_b32_pred(u_row + n8 * 8 + 2 * t, valid);
+      }
+      float s = 0.0f;
+#pragma unroll
+      for (int b = 0; b < kChunkBlocks; b += 2) {
+        uint32_t dgp[2], dup[2], wap[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int n8 = b + j;
+          const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[n8]), bf16_lo(uw[n8]), w);
+          const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[n8]), bf16_hi(uw[n8]), w);
+          s = __fadd_rn(s, x0.da_a);
+          s = __fadd_rn(s, x1.da_a);
+          dgp[j] = pack_bf16x2(x0.dg, x1.dg);
+          dup[j] = pack_bf16x2(x0.du, x1.du);
+          wap[j] = pack_bf16x2(x0.wa, x1.wa);
+        }
+        store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], valid);
+        store_block_pair_8b(du_row + b * 8, dup[0], dup[1], valid);
+        if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], valid);
+      }
+      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
+      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
+      if (e.dtw_partials != nullptr && valid && t == 0)
+        e.dtw_partials[(part_row0 + r) * n_chunks + ch0 / kDtwChunk + c] = s;
+    }
+    return;
+  }
 #pragma unroll 1
   for (int it = 0; it < 2 * kChunks; ++it) {
     const int half = it / kChunks, c = it % kChunks;

@@ -68,6 +68,7 @@ struct GroupedGemmSwiGLUBwdParams : GroupedGemmParams {
   __nv_bfloat16* wa;         // [rows, I] bf16 or null
   float* dtw_partials;       // [rows, I / 128] fp32 or null
   int64_t inter;             // I
+  int32_t io_pairs;          // MOK_EPILOGUE_IO=pairs
 };
 template <bool kSwiGLUBwd>
 using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdParams, GroupedGemmParams>;
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     if constexpr (kSwiGLUBwd) {
       static_assert(kBNMajor, "the SwiGLU-backward epilogue belongs to the dgrad-down kind");
-      const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter};
+      const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter, p.io_pairs};
       const int64_t left = p.out_rows - row0;
       const int valid_rows = left < C::kBlockM ? static_cast<int>(left) : C::kBlockM;
       const float* __restrict__ rw = p.row_weight + row0;

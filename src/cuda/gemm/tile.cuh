@@ -319,6 +319,25 @@ __device__ __forceinline__ void store_row_16b(__nv_bfloat16* dst, bool write, Pa
   }
 }
 
+// The pairs p0, p1 of n8 blocks b (even) and b + 1 of this thread's row, stored at row + 8b in
+// 8-byte pieces: lanes t and t^1 of the quad swap one pair (one shuffle), so even lanes hold
+// block b's columns 4(t/2) .. +3 and odd lanes block b+1's; one warp store then writes 32
+// contiguous bytes (a whole sector) of each of its 8 rows.  Every lane must call it.
+__device__ __forceinline__ void store_block_pair_8b(__nv_bfloat16* row_b, uint32_t p0, uint32_t p1, bool write) {
+  const int t = threadIdx.x & 3;
+  const bool odd = (t & 1) != 0;
+  const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
+  ptx::st_global_v2_pred(row_b + (odd ? 8 : 0) + 4 * (t >> 1), odd ? got : p0, odd ? p1 : got, write);
+}
+
+// store_row_16b's row through store_block_pair_8b: 1 shuffle per two pairs instead of the
+// quad transpose's 4 shuffles and 28 selects per four (MOK_EPILOGUE_IO=pairs).
+template <int kBlocks, typename Pair>
+__device__ __forceinline__ void store_row_8b(__nv_bfloat16* dst, bool write, Pair pair) {
+#pragma unroll
+  for (int b = 0; b < kBlocks; b += 2) store_block_pair_8b(dst + b * 8, pair(b), pair(b + 1), write);
+}
+
 // Epilogues take the accumulator of any tile shape: kRegs = BLOCK_N / 2 registers, the tile's
 // BLOCK_N / 8 n8 blocks.
 // out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < BLOCK_N / 2

@@ -53,6 +53,7 @@ struct WgradParams {
   int64_t out_split;           // 0: one output; else rows of out / main_grad per expert
   __nv_bfloat16* out1;         // [E, Mo - out_split, No] (out_split > 0)
   float* main_grad1;
+  int32_t io_pairs;            // MOK_EPILOGUE_IO=pairs: the bf16 output in lane-pair 8-byte stores
 };
 
 
@@ -163,11 +164,14 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
       return v;
     };
     // bf16 out: every lane takes part in the shuffles
-    if (out)
-      store_row_16b<C::kBlockN / 8>(out + out_row_off, true, [&](int n8) {
-        const float2 v = total(n8);
-        return pack_bf16x2(v.x, v.y);
-      });
+    auto pair = [&](int n8) {
+      const float2 v = total(n8);
+      return pack_bf16x2(v.x, v.y);
+    };
+    if (out && p.io_pairs)
+      store_row_8b<C::kBlockN / 8>(out + out_row_off, true, pair);
+    else if (out)
+      store_row_16b<C::kBlockN / 8>(out + out_row_off, true, pair);
     // fp32: the accumulator and main_grad
     if (store_acc || main_grad) {
       float* acc_row = p.acc ? p.acc + acc_row_off + lane_col : nullptr;

@@ -166,6 +166,21 @@ __device__ __forceinline__ void st_global_v4_pred(void* p, uint4 v, bool pred) {
                : "memory");
 }
 
+// 4-byte load and 8-byte store under a predicate (MOK_EPILOGUE_IO=pairs: the epilogues' reads
+// in the fragment's own layout and their lane-pair stores); the same volatile-asm ordering.
+__device__ __forceinline__ uint32_t ld_global_b32_pred(const void* p, bool pred) {
+  uint32_t v = 0u;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.b32 %0, [%1];\n}"
+               : "+r"(v)
+               : "l"(p), "r"(static_cast<uint32_t>(pred)));
+  return v;
+}
+__device__ __forceinline__ void st_global_v2_pred(void* p, uint32_t lo, uint32_t hi, bool pred) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p st.global.v2.b32 [%0], {%1, %2};\n}" ::"l"(p),
+               "r"(lo), "r"(hi), "r"(static_cast<uint32_t>(pred))
+               : "memory");
+}
+
 // ---- scoped memory operations ------------------------------------------------------------
 __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
   int32_t v;
