@@ -254,13 +254,16 @@ def backward_rows(args, H, I, k, E, T):
         bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
         fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
         pre = {"MOK_TENSORMAP_PREFETCH": "start"}
-        pairs = {"MOK_EPILOGUE_IO": "pairs"}
+        quad = {"MOK_EPILOGUE_IO": "quad"}
         variants.update({
             "mok bwd (repeat)": bwd,
             f"mok bwd ring={ring} (repeat)": lambda: F.backward(saved_all, dy),
-            "mok bwd io=pairs": with_env(pairs, bwd),
-            f"mok bwd ring={ring} io=pairs": with_env(pairs, lambda: F.backward(saved_all, dy)),
-            f"mok fwd+bwd ring={ring} io=pairs": with_env(pairs, lambda: mok_fb(ws_all)),
+            "mok bwd io=quad": with_env(quad, bwd),
+            f"mok bwd ring={ring} io=quad": with_env(quad, lambda: F.backward(saved_all, dy)),
+            f"mok fwd+bwd ring={ring} io=quad": with_env(quad, lambda: mok_fb(ws_all)),
+            "mok fwd (save h) io=quad": with_env(quad, fwd),
+            f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
+            f"mok fwd ring={ring} io=quad": with_env(quad, lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0]),
             "mok bwd producer_regs=40": with_env({"MOK_PRODUCER_REGS": "40"}, bwd),
             "mok bwd prefetch=start": with_env(pre, bwd),
             f"mok bwd ring={ring} prefetch=start": with_env(pre, lambda: F.backward(saved_all, dy)),
@@ -326,7 +329,7 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd producer_regs=40", "mok bwd io=pairs")] if args.explore else []
+    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd producer_regs=40", "mok bwd io=quad")] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")
@@ -392,7 +395,8 @@ def main():
     ap.add_argument("--minibatches", default="0",
                     help="forward: minibatch sizes of mok's workspaces timed side by side (0 = mok's choice)")
     ap.add_argument("--variants", default="base",
-                    help="--gemm: name[:ENV=VAL[;ENV=VAL]],... knob settings of mok timed side by side")
+                    help="--gemm and the forward: name[:ENV=VAL[;ENV=VAL]],... knob settings of mok timed "
+                         "side by side")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
     if args.gemm:
@@ -433,6 +437,17 @@ def main():
         if mb == 0:  # the training forward: h = [g | u] kept for the backward
             variants[name + " +save h"] = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0])(ws)
             mok_names.append(name + " +save h")
+            # --variants: mok's workspace under other knob settings (the same bits checked first)
+            for vname, env in parse_variants(args.variants).items():
+                if not env:
+                    continue
+                fwd = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w, save_for_backward=False)[0])(ws)
+                fwd_h = (lambda w: lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0])(ws)
+                if not torch.equal(with_env(env, fwd)(), first_y):
+                    raise SystemExit(f"{vname}: output differs from {mok_names[0]}")
+                variants[f"{name} {vname}"] = with_env(env, fwd)
+                variants[f"{name} +save h {vname}"] = with_env(env, fwd_h)
+                mok_names += [f"{name} {vname}", f"{name} +save h {vname}"]
     ms = interleaved(variants, args.heat_s, args.rounds)
     mm_tflops = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 6 * T * k * H * I

@@ -57,6 +57,7 @@ struct GroupedGemmParams {
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
   int32_t skew_k_blocks;     // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
+  int32_t io_pairs;          // MOK_EPILOGUE_IO=pairs: lane-pair 8-byte stores (tile.cuh: store_row)
 };
 
 // The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
@@ -68,7 +69,6 @@ struct GroupedGemmSwiGLUBwdParams : GroupedGemmParams {
   __nv_bfloat16* wa;         // [rows, I] bf16 or null
   float* dtw_partials;       // [rows, I / 128] fp32 or null
   int64_t inter;             // I
-  int32_t io_pairs;          // MOK_EPILOGUE_IO=pairs
 };
 template <bool kSwiGLUBwd>
 using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdParams, GroupedGemmParams>;
@@ -158,16 +158,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     } else {
       switch (p.epilogue) {
         case Epilogue::kSwiGLU:
-          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
+          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2), p.io_pairs != 0);
           break;
         case Epilogue::kGateUpPreact:
-          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
+          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2), p.io_pairs != 0);
           break;
         case Epilogue::kStore:
-          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
+          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN, p.io_pairs != 0);
           break;
         case Epilogue::kScatter:
-          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
+          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN, p.io_pairs != 0);
           break;
       }
     }
@@ -291,17 +291,17 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads
       const int64_t row0 = static_cast<int64_t>(t.m_block) * C::kBlockM;
       switch (p.epilogue) {
         case Epilogue::kSwiGLU:
-          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
+          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128, p.io_pairs != 0);
           break;
         case Epilogue::kGateUpPreact:
-          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
+          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128, p.io_pairs != 0);
           break;
         case Epilogue::kStore:
-          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN);
+          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN, p.io_pairs != 0);
           break;
         case Epilogue::kScatter:
           epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
-                           int64_t{t.n_block} * C::kBlockN);
+                           int64_t{t.n_block} * C::kBlockN, p.io_pairs != 0);
           break;
       }
     }

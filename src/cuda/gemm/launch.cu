@@ -147,6 +147,7 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
+  p.io_pairs = epilogue_io_pairs() ? 1 : 0;
   return p;
 }
 
@@ -159,7 +160,6 @@ GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
   p.wa = static_cast<__nv_bfloat16*>(g.wa);
   p.dtw_partials = g.dtw_partials;
   p.inter = g.n;
-  p.io_pairs = epilogue_io_pairs() ? 1 : 0;
   return p;
 }
 

@@ -337,6 +337,14 @@ __device__ __forceinline__ void store_row_8b(__nv_bfloat16* dst, bool write, Pai
 #pragma unroll
   for (int b = 0; b < kBlocks; b += 2) store_block_pair_8b(dst + b * 8, pair(b), pair(b + 1), write);
 }
+// Either, by MOK_EPILOGUE_IO (pairs: a warp-uniform flag of the launch)
+template <int kBlocks, typename Pair>
+__device__ __forceinline__ void store_row(__nv_bfloat16* dst, bool write, bool pairs, Pair pair) {
+  if (pairs)
+    store_row_8b<kBlocks>(dst, write, pair);
+  else
+    store_row_16b<kBlocks>(dst, write, pair);
+}
 
 // Epilogues take the accumulator of any tile shape: kRegs = BLOCK_N / 2 registers, the tile's
 // BLOCK_N / 8 n8 blocks.
@@ -345,12 +353,12 @@ __device__ __forceinline__ void store_row_8b(__nv_bfloat16* dst, bool write, Pai
 template <int kRegs>
 __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int consumer,
                                                 __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
-                                                int64_t ch0) {
+                                                int64_t ch0, bool pairs) {
   constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row_16b<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, [&](int n8) {
+    store_row<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, pairs, [&](int n8) {
       const float g0 = acc[n8 * 4 + half * 2], g1 = acc[n8 * 4 + half * 2 + 1];
       const float u0 = acc[(n8 + kHalfBlocks) * 4 + half * 2], u1 = acc[(n8 + kHalfBlocks) * 4 + half * 2 + 1];
       return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
@@ -364,14 +372,14 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
 template <int kRegs>
 __device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs], int consumer,
                                                         __nv_bfloat16* out, int64_t ld, int64_t row0,
-                                                        int64_t rows_limit, int64_t ch0) {
+                                                        int64_t rows_limit, int64_t ch0, bool pairs) {
   constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
 #pragma unroll
     for (int part = 0; part < 2; ++part)
-      store_row_16b<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, [&](int n8) {
+      store_row<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, pairs, [&](int n8) {
         const int r = (n8 + part * kHalfBlocks) * 4 + half * 2;
         return pack_bf16x2(acc[r], acc[r + 1]);
       });
@@ -382,11 +390,11 @@ __device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs
 template <int kRegs>
 __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int consumer,
                                                __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
-                                               int64_t col0) {
+                                               int64_t col0, bool pairs) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row_16b<kRegs / 4>(out + row * ld + col0, row < rows_limit,
+    store_row<kRegs / 4>(out + row * ld + col0, row < rows_limit, pairs,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
@@ -395,14 +403,14 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int co
 // slot array of the record's home rank; EP >= 2 pushes to a peer); padding rows are skipped.
 template <int kRegs, typename Slots>
 __device__ __forceinline__ void epilogue_scatter(const float (&acc)[kRegs], int consumer, Slots slots,
-                                                 int64_t ld, const uint32_t* tile_rows, int topk, int64_t col0) {
+                                                 int64_t ld, const uint32_t* tile_rows, int topk, int64_t col0, bool pairs) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const uint32_t rec = tile_rows[fragment_row(consumer, half)];
     const bool pad = row_is_pad(rec);
     const int64_t row = pad ? 0 : row_token(rec) * topk + row_slot(rec);
     __nv_bfloat16* out = slots(pad ? kPadRow : rec);
-    store_row_16b<kRegs / 4>(out + row * ld + col0, !pad,
+    store_row<kRegs / 4>(out + row * ld + col0, !pad, pairs,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
