@@ -300,8 +300,16 @@ def backward_rows(args, H, I, k, E, T):
                 {"MOK_BACKWARD_START_GATHER": "2", "MOK_BACKWARD_MINIBATCH": str(ring)}, lambda: mok_fb(ws_all)),
         })
     if args.explore_comm:
-        # Fewer comm blocks in both directions now that every block gathers the first minibatch
-        # (the comm blocks only have to stay ahead of the tiles), with the ring for every row
+        # Fewer comm blocks in the forward (the backward keeps its default), then in both
+        # directions, with the ring for every row: the forward gathers x only, 2H bytes a row
+        # against 6HI FLOPs, so its comm share falls as I grows
+        for n in (4, 6):
+            cfg = F.MoKConfig(fwd_num_comm_sms=n, macrobatch_size=F.MACROBATCH_ALL_ROWS)
+            wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
+            variants.update({
+                f"mok fwd ring={ring} fwd comm={n}": (lambda w=wsn: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0]),
+                f"mok fwd+bwd ring={ring} fwd comm={n}": (lambda w=wsn: mok_fb(w)),
+            })
         for n in (4, 6):
             cfg = F.MoKConfig(fwd_num_comm_sms=n, bwd_num_comm_sms=n, macrobatch_size=F.MACROBATCH_ALL_ROWS)
             wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
