@@ -400,8 +400,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.dx = bf(g.dx);
   p.d_topk_weights = g.d_topk_weights;
   // The weight gradients' targets (the unfused launch_wgrad_pair's)
-  // MOK_EPILOGUE_IO: the wgrad epilogues' (p.io_pairs: the others')
-  const int32_t io_pairs = gemm::epilogue_io_pairs() ? 1 : 0;
   auto wgrad = [&](int64_t mo, int64_t no, void* out, float* main_grad, void* out1, float* main_grad1, int64_t split,
                    float* acc) {
     gemm::WgradParams w{};
@@ -413,7 +411,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     w.main_grad1 = main_grad1;
     w.out_split = split;
     w.acc = acc;
-    w.io_pairs = io_pairs;
     return w;
   };
   float* const acc_dn = b.n_acc > 0 ? b.acc_dn : nullptr;

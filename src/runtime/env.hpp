@@ -71,11 +71,6 @@ inline constexpr Knob kBackwardStartGather{"MOK_BACKWARD_START_GATHER", "1",
                                            "gathers at its start, before the comm blocks take the rest (0: the comm "
                                            "blocks gather every block)"};
 
-inline constexpr Knob kEpilogueIo{"MOK_EPILOGUE_IO", "pairs",
-                                  "every epilogue of both directions: pairs (4-byte loads in the accumulator's "
-                                  "layout, 8-byte stores through lane-pair swaps) or quad (16-byte accesses through "
-                                  "the quad transpose; the backward's SwiGLU-backward and wgrad epilogues 3-12 % "
-                                  "slower)"};
 inline constexpr Knob kTensormapPrefetch{"MOK_TENSORMAP_PREFETCH", "none",
                                          "fused kernels' producer: none, or start (prefetch.tensormap of every "
                                          "tensor map of the kernel before the first task, as the standalone launches "

@@ -985,16 +985,14 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
     }
     // Gather modes, MOK_PUSH=comm (down rows into the ring, comm blocks push them home), the
     // start gather of every block (none, or three minibatches, clamped to the ring's first
-    // pass), the consumer warpgroups meeting at every task, the tensor-map prefetch, and the
-    // epilogues' 16-byte stores through the quad transpose (MOK_EPILOGUE_IO=quad)
-    for (const char* mode : {"warps", "pipeline", "push", "start0", "start3", "synctile", "prefetch", "quad"}) {
+    // pass), the consumer warpgroups meeting at every task, and the tensor-map prefetch
+    for (const char* mode : {"warps", "pipeline", "push", "start0", "start3", "synctile", "prefetch"}) {
       const std::string m = mode;
       setenv("MOK_GATHER", m == "pipeline" ? "pipeline" : "warps", 1);
       setenv("MOK_PUSH", m == "push" ? "comm" : "epilogue", 1);
       setenv("MOK_FORWARD_START_GATHER", m == "start0" ? "0" : m == "start3" ? "3" : "1", 1);
       setenv("MOK_CONSUMER_SYNC", m == "synctile" ? "tile" : "warpgroup", 1);
       setenv("MOK_TENSORMAP_PREFETCH", m == "prefetch" ? "start" : "none", 1);
-      setenv("MOK_EPILOGUE_IO", m == "quad" ? "quad" : "pairs", 1);
       for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
                                         {128, 128, 2}, {1024, 16384, 16}, {512, 512, 3}}) {
         GpuLayer g(l, mini, macro, comm);
@@ -1008,7 +1006,6 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
     unsetenv("MOK_FORWARD_START_GATHER");
     unsetenv("MOK_CONSUMER_SYNC");
     unsetenv("MOK_TENSORMAP_PREFETCH");
-    unsetenv("MOK_EPILOGUE_IO");
   }
 }
 

@@ -289,35 +289,6 @@ def test_fused_backward_equals_unfused_bitwise(gen, monkeypatch, H, I, E, k, T, 
         _assert_bitwise("fused, run again", gf, run()[0])
 
 
-@pytest.mark.parametrize("H,I,E,k,T,I_s,masked,ring", [
-    (512, 256, 16, 4, 257, 256, 0.0, 0),    # shared expert, a partial last row block
-    (256, 512, 4, 2, 700, 256, 0.05, 256),  # a ring of 256 rows: fp32 sums across macrobatches
-    (768, 256, 32, 8, 64, 0, 0.3, 0),       # experts with 0 rows and 1 row
-])
-def test_epilogue_io_pairs_equals_quad(gen, monkeypatch, H, I, E, k, T, I_s, masked, ring):
-    # MOK_EPILOGUE_IO=pairs moves the same values through other loads, shuffles and stores (the
-    # dgrad-down SwiGLU backward and the wgrad epilogues): every output and main_grad bit for
-    # bit as the quad transpose's, fused and unfused
-    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, I_s, masked)
-    config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
-    start = {n: torch.randn(w[n].shape, generator=gen).cuda() for n in WEIGHTS if w[n] is not None}
-    _, ctx = F.forward(x.cuda(), ids.cuda(), tw.cuda(), **_cuda(w), config=config)
-
-    def run():
-        mg = {n: t.clone() for n, t in start.items()}
-        return F.backward(ctx, dy.cuda(), main_grads=mg), mg
-
-    monkeypatch.setenv("MOK_EPILOGUE_IO", "quad")
-    (qu, mqu), (qf, mqf) = _both_paths(monkeypatch, run)
-    _assert_bitwise("quad: fused vs unfused", qu, qf)
-    monkeypatch.setenv("MOK_EPILOGUE_IO", "pairs")
-    for tag, (g, mg) in zip(("unfused", "fused"), _both_paths(monkeypatch, run)):
-        _assert_bitwise(f"pairs {tag} vs quad", qu, g)
-        for n in start:
-            assert torch.equal(mqu[n].view(torch.int32), mg[n].view(torch.int32)), f"pairs {tag}: main_grad {n}"
-    _check_against_oracle("pairs, fused", g, x, ids, tw, w, dy)
-
-
 def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
     # dsv3 at full size, the default config, the training forward's saved h
     x, ids, tw, w = bench_shape_layer(gen, "dsv3", "cuda")

@@ -51,7 +51,6 @@ struct BackwardParams {
                               // (MOK_BACKWARD_START_GATHER minibatches); the comm blocks gather the rest
   int32_t consumer_lockstep;  // 1: both consumer warpgroups meet at every task (MOK_CONSUMER_SYNC=tile)
   int32_t tensormap_prefetch; // 1: the producer prefetches every map at the start (MOK_TENSORMAP_PREFETCH)
-  int32_t io_pairs;           // 1: the epilogues' lane-pair accesses (MOK_EPILOGUE_IO=pairs)
   int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline; 2: two
                               // rows in flight per comm warp (MOK_GATHER=warps|pipeline|pairs)
   int64_t max_rows;

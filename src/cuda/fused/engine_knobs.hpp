@@ -4,14 +4,12 @@
 
 #include <string>
 
-#include "cuda/gemm/launch.hpp"
 #include "runtime/env.hpp"
 #include "runtime/errors.hpp"
 
 namespace mok::cuda::fused {
 
-// MOK_CONSUMER_SYNC -> p.consumer_lockstep, MOK_TENSORMAP_PREFETCH -> p.tensormap_prefetch,
-// MOK_EPILOGUE_IO -> p.io_pairs.
+// MOK_CONSUMER_SYNC -> p.consumer_lockstep, MOK_TENSORMAP_PREFETCH -> p.tensormap_prefetch.
 template <class Params>
 void set_engine_knobs(Params& p) {
   const std::string consumer_sync = env::get(env::kConsumerSync);
@@ -22,7 +20,6 @@ void set_engine_knobs(Params& p) {
   MOK_CHECK_ARG(prefetch == "none" || prefetch == "start",
                 env::kTensormapPrefetch.name << " = " << prefetch << ": expected none or start");
   p.tensormap_prefetch = prefetch == "start" ? 1 : 0;
-  p.io_pairs = gemm::epilogue_io_pairs() ? 1 : 0;
 }
 
 }  // namespace mok::cuda::fused

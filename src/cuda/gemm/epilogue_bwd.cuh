@@ -44,7 +44,6 @@ struct SwiGLUBwdArgs {
   __nv_bfloat16* wa;       // [rows, I] or null
   float* dtw_partials;     // [partial rows, I / 128] or null
   int64_t inter;           // I (a multiple of 128)
-  int32_t io_pairs;        // MOK_EPILOGUE_IO=pairs: 4-byte loads, lane-pair 8-byte stores
 };
 
 // The element math of the epilogue (see the header comment for the order of record).
@@ -74,21 +73,21 @@ template <int kRegs, typename Weight>
 __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs], int consumer, const SwiGLUBwdArgs& e,
                                                       int64_t row0, int64_t part_row0, int valid_rows, int64_t ch0,
                                                       Weight weight) {
-  constexpr int kBlocks = kRegs / 4;                // n8 blocks of the tile: 32 at N = 256, 16 at N = 128
-  constexpr int kChunkGroups = kDtwChunk / 8 / 4;   // groups of four n8 blocks per chunk: 4
-  constexpr int kChunks = kBlocks / (4 * kChunkGroups);
-  static_assert(kChunks >= 1 && kBlocks == kChunks * 4 * kChunkGroups, "a tile holds whole 128-channel chunks");
+  constexpr int kBlocks = kRegs / 4;             // n8 blocks of the tile: 32 at N = 256, 16 at N = 128
+  constexpr int kChunkBlocks = kDtwChunk / 8;    // n8 blocks per 128-channel chunk: 16
+  constexpr int kChunks = kBlocks / kChunkBlocks;
+  static_assert(kChunks >= 1 && kBlocks == kChunks * kChunkBlocks, "a tile holds whole 128-channel chunks");
   const int t = threadIdx.x & 3;
   const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = inter / kDtwChunk;
-  // da of fragment element (n8 block 4m + b of chunk c, register pair half, element x): every
-  // index static, the runtime (half, c) picked with selects, so acc stays in registers
+  // da of fragment element (n8 block n8_in_chunk of chunk c, register pair half, element x):
+  // every index static, the runtime (half, c) picked with selects, so acc stays in registers
   auto da_of = [&](int c, int half, int n8_in_chunk, int x) {
     float v = acc[n8_in_chunk * 4 + x];
     float v_hi = acc[n8_in_chunk * 4 + 2 + x];
 #pragma unroll
     for (int cc = 1; cc < kChunks; ++cc) {
-      v = c == cc ? acc[(cc * 4 * kChunkGroups + n8_in_chunk) * 4 + x] : v;
-      v_hi = c == cc ? acc[(cc * 4 * kChunkGroups + n8_in_chunk) * 4 + 2 + x] : v_hi;
+      v = c == cc ? acc[(cc * kChunkBlocks + n8_in_chunk) * 4 + x] : v;
+      v_hi = c == cc ? acc[(cc * kChunkBlocks + n8_in_chunk) * 4 + 2 + x] : v_hi;
     }
     return half ? v_hi : v;
   };
@@ -96,56 +95,9 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
   // per tile of straight-line code, more than the instruction cache holds next to the main
   // loop (ncu: 28 % of warp cycles stalled on no_instruction, the kernel 1.9x the plain
   // dgrad-down's time); rolled, one (half, chunk) body is resident for all four passes.
-  if (e.io_pairs) {
-    // MOK_EPILOGUE_IO=pairs: h read in the fragment's own layout (one 4-byte load per pair, no
-    // quad transpose), dg / du / wa stored through lane-pair swaps (store_block_pair_8b); the
-    // same element math and partial-sum order, so the same bits
-    constexpr int kChunkBlocks = kDtwChunk / 8;  // 16 n8 blocks per chunk
-#pragma unroll 1
-    for (int it = 0; it < 2 * kChunks; ++it) {
-      const int half = it / kChunks, c = it % kChunks;
-      const int r = fragment_row(consumer, half);
-      const bool valid = r < valid_rows;
-      const int64_t row = row0 + r;
-      const float w = valid ? weight(r) : 0.0f;
-      const int64_t col = ch0 + c * kDtwChunk;  // the chunk's first channel
-      const __nv_bfloat16* g_row = e.h + row * ld_h + col;
-      const __nv_bfloat16* u_row = g_row + inter;
-      __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
-      __nv_bfloat16* du_row = dg_row + inter;
-      __nv_bfloat16* wa_row = e.wa + row * inter + col;
-      uint32_t gw[kChunkBlocks], uw[kChunkBlocks];
-#pragma unroll
-      for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
-        gw[n8] = ptx::ld_global_b32_pred(g_row + n8 * 8 + 2 * t, valid);
-        uw[n8] = ptx::ld_global_b32_pred(u_row + n8 * 8 + 2 * t, valid);
-      }
-      float s = 0.0f;
-#pragma unroll
-      for (int b = 0; b < kChunkBlocks; b += 2) {
-        uint32_t dgp[2], dup[2], wap[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n8 = b + j;
-          const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[n8]), bf16_lo(uw[n8]), w);
-          const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[n8]), bf16_hi(uw[n8]), w);
-          s = __fadd_rn(s, x0.da_a);
-          s = __fadd_rn(s, x1.da_a);
-          dgp[j] = pack_bf16x2(x0.dg, x1.dg);
-          dup[j] = pack_bf16x2(x0.du, x1.du);
-          wap[j] = pack_bf16x2(x0.wa, x1.wa);
-        }
-        store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], valid);
-        store_block_pair_8b(du_row + b * 8, dup[0], dup[1], valid);
-        if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], valid);
-      }
-      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
-      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
-      if (e.dtw_partials != nullptr && valid && t == 0)
-        e.dtw_partials[(part_row0 + r) * n_chunks + ch0 / kDtwChunk + c] = s;
-    }
-    return;
-  }
+  // h is read in the fragment's own layout (one 4-byte load per pair, all 32 of the chunk in
+  // flight together) and dg / du / wa leave through lane-pair swaps (store_block_pair_8b):
+  // 16-byte accesses through a quad transpose were 8-12 % slower (docs/perf.md session 13)
 #pragma unroll 1
   for (int it = 0; it < 2 * kChunks; ++it) {
     const int half = it / kChunks, c = it % kChunks;
@@ -153,56 +105,41 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
     const bool valid = r < valid_rows;
     const int64_t row = row0 + r;
     const float w = valid ? weight(r) : 0.0f;
-    const __nv_bfloat16* g_row = e.h + row * ld_h + ch0;
+    const int64_t col = ch0 + c * kDtwChunk;  // the chunk's first channel
+    const __nv_bfloat16* g_row = e.h + row * ld_h + col;
     const __nv_bfloat16* u_row = g_row + inter;
-    __nv_bfloat16* dg_row = e.dh + row * ld_h + ch0;
+    __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
     __nv_bfloat16* du_row = dg_row + inter;
-    __nv_bfloat16* wa_row = e.wa + row * inter + ch0;
-    {
-      // The chunk's h first (lane t: 16 bytes of n8 block 4q + t of g and of u, q the group),
-      // so that its eight loads are in flight together
-      uint4 gl[kChunkGroups], ul[kChunkGroups];
+    __nv_bfloat16* wa_row = e.wa + row * inter + col;
+    uint32_t gw[kChunkBlocks], uw[kChunkBlocks];
 #pragma unroll
-      for (int m = 0; m < kChunkGroups; ++m) {
-        const int q = c * kChunkGroups + m;
-        gl[m] = ptx::ld_global_v4_pred(g_row + (4 * q + t) * 8, valid);
-        ul[m] = ptx::ld_global_v4_pred(u_row + (4 * q + t) * 8, valid);
-      }
-      float s = 0.0f;
-#pragma unroll
-      for (int m = 0; m < kChunkGroups; ++m) {
-        const int q = c * kChunkGroups + m;
-        // The quad transpose is its own inverse: lane t now holds its own pairs of blocks 4q + b
-        const uint4 gp = quad_transpose(gl[m].x, gl[m].y, gl[m].z, gl[m].w);
-        const uint4 up = quad_transpose(ul[m].x, ul[m].y, ul[m].z, ul[m].w);
-        const uint32_t gw[4] = {gp.x, gp.y, gp.z, gp.w}, uw[4] = {up.x, up.y, up.z, up.w};
-        uint32_t dgp[4], dup[4], wap[4];
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          const int n8 = 4 * m + b;  // within the chunk
-          const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[b]), bf16_lo(uw[b]), w);
-          const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[b]), bf16_hi(uw[b]), w);
-          s = __fadd_rn(s, x0.da_a);
-          s = __fadd_rn(s, x1.da_a);
-          dgp[b] = pack_bf16x2(x0.dg, x1.dg);
-          dup[b] = pack_bf16x2(x0.du, x1.du);
-          wap[b] = pack_bf16x2(x0.wa, x1.wa);
-        }
-        const uint4 dgv = quad_transpose(dgp[0], dgp[1], dgp[2], dgp[3]);
-        const uint4 duv = quad_transpose(dup[0], dup[1], dup[2], dup[3]);
-        ptx::st_global_v4_pred(dg_row + (4 * q + t) * 8, dgv, valid);
-        ptx::st_global_v4_pred(du_row + (4 * q + t) * 8, duv, valid);
-        if (e.wa != nullptr) {
-          const uint4 wav = quad_transpose(wap[0], wap[1], wap[2], wap[3]);
-          ptx::st_global_v4_pred(wa_row + (4 * q + t) * 8, wav, valid);
-        }
-      }
-      // ((s0 + s1) + (s2 + s3)) over the quad, the same bits in every lane
-      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
-      s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
-      if (e.dtw_partials != nullptr && valid && t == 0)
-        e.dtw_partials[(part_row0 + r) * n_chunks + ch0 / kDtwChunk + c] = s;
+    for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
+      gw[n8] = ptx::ld_global_b32_pred(g_row + n8 * 8 + 2 * t, valid);
+      uw[n8] = ptx::ld_global_b32_pred(u_row + n8 * 8 + 2 * t, valid);
     }
+    float s = 0.0f;
+#pragma unroll
+    for (int b = 0; b < kChunkBlocks; b += 2) {
+      uint32_t dgp[2], dup[2], wap[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int n8 = b + j;
+        const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[n8]), bf16_lo(uw[n8]), w);
+        const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[n8]), bf16_hi(uw[n8]), w);
+        s = __fadd_rn(s, x0.da_a);
+        s = __fadd_rn(s, x1.da_a);
+        dgp[j] = pack_bf16x2(x0.dg, x1.dg);
+        dup[j] = pack_bf16x2(x0.du, x1.du);
+        wap[j] = pack_bf16x2(x0.wa, x1.wa);
+      }
+      store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], valid);
+      store_block_pair_8b(du_row + b * 8, dup[0], dup[1], valid);
+      if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], valid);
+    }
+    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
+    s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
+    if (e.dtw_partials != nullptr && valid && t == 0)
+      e.dtw_partials[(part_row0 + r) * n_chunks + ch0 / kDtwChunk + c] = s;
   }
 }
 

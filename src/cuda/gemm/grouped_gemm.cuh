@@ -57,7 +57,6 @@ struct GroupedGemmParams {
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
   int32_t skew_k_blocks;     // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
-  int32_t io_pairs;          // MOK_EPILOGUE_IO=pairs: lane-pair 8-byte stores (tile.cuh: store_row)
 };
 
 // The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
@@ -149,7 +148,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     if constexpr (kSwiGLUBwd) {
       static_assert(kBNMajor, "the SwiGLU-backward epilogue belongs to the dgrad-down kind");
-      const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter, p.io_pairs};
+      const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter};
       const int64_t left = p.out_rows - row0;
       const int valid_rows = left < C::kBlockM ? static_cast<int>(left) : C::kBlockM;
       const float* __restrict__ rw = p.row_weight + row0;
@@ -158,16 +157,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     } else {
       switch (p.epilogue) {
         case Epilogue::kSwiGLU:
-          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2), p.io_pairs != 0);
+          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
           break;
         case Epilogue::kGateUpPreact:
-          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2), p.io_pairs != 0);
+          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
           break;
         case Epilogue::kStore:
-          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN, p.io_pairs != 0);
+          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
           break;
         case Epilogue::kScatter:
-          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN, p.io_pairs != 0);
+          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
           break;
       }
     }
@@ -291,17 +290,17 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads
       const int64_t row0 = static_cast<int64_t>(t.m_block) * C::kBlockM;
       switch (p.epilogue) {
         case Epilogue::kSwiGLU:
-          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128, p.io_pairs != 0);
+          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
           break;
         case Epilogue::kGateUpPreact:
-          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128, p.io_pairs != 0);
+          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
           break;
         case Epilogue::kStore:
-          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN, p.io_pairs != 0);
+          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN);
           break;
         case Epilogue::kScatter:
           epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
-                           int64_t{t.n_block} * C::kBlockN, p.io_pairs != 0);
+                           int64_t{t.n_block} * C::kBlockN);
           break;
       }
     }

@@ -115,12 +115,6 @@ GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter,
                     max_m_blocks, out);
 }
 
-bool epilogue_io_pairs() {
-  const std::string io = env::get(env::kEpilogueIo);
-  MOK_CHECK_ARG(io == "quad" || io == "pairs", env::kEpilogueIo.name << " = " << io << ": expected quad or pairs");
-  return io == "pairs";
-}
-
 namespace {
 
 // MOK_GEMM_TIMEOUT_S caps the launch's own deadline.
@@ -147,7 +141,6 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
-  p.io_pairs = epilogue_io_pairs() ? 1 : 0;
   return p;
 }
 
@@ -353,7 +346,6 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.out_split = g.out_split;
   p.out1 = static_cast<__nv_bfloat16*>(g.out1);
   p.main_grad1 = g.main_grad1;
-  p.io_pairs = epilogue_io_pairs() ? 1 : 0;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
   // The per-expert tables (the backward's macrobatch loop) in a kernel of their own: the plain

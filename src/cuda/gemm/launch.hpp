@@ -118,7 +118,4 @@ void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 // spun in its barrier kernel, until that barrier's deadline.  prepare_backward calls it.
 void load_backward_kernels();
 
-// MOK_EPILOGUE_IO, checked: true for "pairs" (the backward epilogues' lane-pair accesses).
-bool epilogue_io_pairs();
-
 }  // namespace mok::gemm

@@ -287,38 +287,6 @@ __device__ __forceinline__ int fragment_row(int consumer, int half) {
   return consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4 + half * 8;
 }
 
-// The quad (4 lanes sharing a row) transposes its bf16x2 pairs of four n8 blocks so that
-// lane t holds all 8 columns of block t: 16-byte stores instead of four 4-byte ones.
-// Every lane must call it (shuffles); predicate the store, not the call.
-__device__ __forceinline__ uint4 quad_transpose(uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
-  const int t = threadIdx.x & 3;
-  uint32_t out0 = 0, out1 = 0, out2 = 0, out3 = 0;
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    // Round s: give pair (t - s) & 3, take lane (t + s) & 3's pair for our block
-    const int give = (t - s) & 3, from = (t + s) & 3;
-    const uint32_t v = give == 0 ? p0 : give == 1 ? p1 : give == 2 ? p2 : p3;
-    const uint32_t got = __shfl_sync(0xffffffffu, v, (threadIdx.x & 31 & ~3) | from);
-    out0 = from == 0 ? got : out0;
-    out1 = from == 1 ? got : out1;
-    out2 = from == 2 ? got : out2;
-    out3 = from == 3 ? got : out3;
-  }
-  return make_uint4(out0, out1, out2, out3);
-}
-
-// Stores this thread's row of `kBlocks` n8 blocks (pairs from `pair(n8)`) at dst + n8*8,
-// 16 bytes per lane per four blocks.  `write` predicates the stores only.
-template <int kBlocks, typename Pair>
-__device__ __forceinline__ void store_row_16b(__nv_bfloat16* dst, bool write, Pair pair) {
-  const int t = threadIdx.x & 3;
-#pragma unroll
-  for (int m = 0; m < kBlocks / 4; ++m) {
-    const uint4 v = quad_transpose(pair(4 * m), pair(4 * m + 1), pair(4 * m + 2), pair(4 * m + 3));
-    if (write) *reinterpret_cast<uint4*>(dst + (4 * m + t) * 8) = v;
-  }
-}
-
 // The pairs p0, p1 of n8 blocks b (even) and b + 1 of this thread's row, stored at row + 8b in
 // 8-byte pieces: lanes t and t^1 of the quad swap one pair (one shuffle), so even lanes hold
 // block b's columns 4(t/2) .. +3 and odd lanes block b+1's; one warp store then writes 32
@@ -330,20 +298,14 @@ __device__ __forceinline__ void store_block_pair_8b(__nv_bfloat16* row_b, uint32
   ptx::st_global_v2_pred(row_b + (odd ? 8 : 0) + 4 * (t >> 1), odd ? got : p0, odd ? p1 : got, write);
 }
 
-// store_row_16b's row through store_block_pair_8b: 1 shuffle per two pairs instead of the
-// quad transpose's 4 shuffles and 28 selects per four (MOK_EPILOGUE_IO=pairs).
+// Stores this thread's row of `kBlocks` n8 blocks (pairs from `pair(n8)`) at dst + n8*8,
+// two blocks per store_block_pair_8b: one shuffle per two pairs (a 16-byte-per-lane quad
+// transpose took 4 shuffles and 28 selects per four, and was 2-12 % slower in whole kinds,
+// docs/perf.md session 13).  `write` predicates the stores only.
 template <int kBlocks, typename Pair>
-__device__ __forceinline__ void store_row_8b(__nv_bfloat16* dst, bool write, Pair pair) {
+__device__ __forceinline__ void store_row(__nv_bfloat16* dst, bool write, Pair pair) {
 #pragma unroll
   for (int b = 0; b < kBlocks; b += 2) store_block_pair_8b(dst + b * 8, pair(b), pair(b + 1), write);
-}
-// Either, by MOK_EPILOGUE_IO (pairs: a warp-uniform flag of the launch)
-template <int kBlocks, typename Pair>
-__device__ __forceinline__ void store_row(__nv_bfloat16* dst, bool write, bool pairs, Pair pair) {
-  if (pairs)
-    store_row_8b<kBlocks>(dst, write, pair);
-  else
-    store_row_16b<kBlocks>(dst, write, pair);
 }
 
 // Epilogues take the accumulator of any tile shape: kRegs = BLOCK_N / 2 registers, the tile's
@@ -353,12 +315,12 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* dst, bool write, bool p
 template <int kRegs>
 __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int consumer,
                                                 __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
-                                                int64_t ch0, bool pairs) {
+                                                int64_t ch0) {
   constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, pairs, [&](int n8) {
+    store_row<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, [&](int n8) {
       const float g0 = acc[n8 * 4 + half * 2], g1 = acc[n8 * 4 + half * 2 + 1];
       const float u0 = acc[(n8 + kHalfBlocks) * 4 + half * 2], u1 = acc[(n8 + kHalfBlocks) * 4 + half * 2 + 1];
       return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
@@ -372,14 +334,14 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
 template <int kRegs>
 __device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs], int consumer,
                                                         __nv_bfloat16* out, int64_t ld, int64_t row0,
-                                                        int64_t rows_limit, int64_t ch0, bool pairs) {
+                                                        int64_t rows_limit, int64_t ch0) {
   constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
 #pragma unroll
     for (int part = 0; part < 2; ++part)
-      store_row<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, pairs, [&](int n8) {
+      store_row<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, [&](int n8) {
         const int r = (n8 + part * kHalfBlocks) * 4 + half * 2;
         return pack_bf16x2(acc[r], acc[r + 1]);
       });
@@ -390,11 +352,11 @@ __device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs
 template <int kRegs>
 __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int consumer,
                                                __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
-                                               int64_t col0, bool pairs) {
+                                               int64_t col0) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row<kRegs / 4>(out + row * ld + col0, row < rows_limit, pairs,
+    store_row<kRegs / 4>(out + row * ld + col0, row < rows_limit,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
@@ -403,14 +365,14 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int co
 // slot array of the record's home rank; EP >= 2 pushes to a peer); padding rows are skipped.
 template <int kRegs, typename Slots>
 __device__ __forceinline__ void epilogue_scatter(const float (&acc)[kRegs], int consumer, Slots slots,
-                                                 int64_t ld, const uint32_t* tile_rows, int topk, int64_t col0, bool pairs) {
+                                                 int64_t ld, const uint32_t* tile_rows, int topk, int64_t col0) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const uint32_t rec = tile_rows[fragment_row(consumer, half)];
     const bool pad = row_is_pad(rec);
     const int64_t row = pad ? 0 : row_token(rec) * topk + row_slot(rec);
     __nv_bfloat16* out = slots(pad ? kPadRow : rec);
-    store_row<kRegs / 4>(out + row * ld + col0, !pad, pairs,
+    store_row<kRegs / 4>(out + row * ld + col0, !pad,
                       [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }

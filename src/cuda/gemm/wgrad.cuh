@@ -53,7 +53,6 @@ struct WgradParams {
   int64_t out_split;           // 0: one output; else rows of out / main_grad per expert
   __nv_bfloat16* out1;         // [E, Mo - out_split, No] (out_split > 0)
   float* main_grad1;
-  int32_t io_pairs;            // MOK_EPILOGUE_IO=pairs: the bf16 output in lane-pair 8-byte stores
 };
 
 
@@ -103,8 +102,8 @@ __device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineStat
   });
 }
 
-// total = acc_in (accumulate) + this tile's sum; written as bf16 (out: 16-byte stores through
-// the quad transpose), then as fp32 (store_acc) and added into main_grad, each where present.
+// total = acc_in (accumulate) + this tile's sum; written as bf16 (out: 8-byte stores through
+// lane-pair swaps, tile.cuh store_row), then as fp32 (store_acc) and added into main_grad, each where present.
 // Every element is read and written by the thread that holds it in the fragment (as in
 // tile.cuh: per n8 block, columns n8*8 + (lane%4)*2 + {0,1} of two rows), so acc is read for
 // the bf16 total before it is overwritten.
@@ -168,10 +167,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
       const float2 v = total(n8);
       return pack_bf16x2(v.x, v.y);
     };
-    if (out && p.io_pairs)
-      store_row_8b<C::kBlockN / 8>(out + out_row_off, true, pair);
-    else if (out)
-      store_row_16b<C::kBlockN / 8>(out + out_row_off, true, pair);
+    if (out) store_row<C::kBlockN / 8>(out + out_row_off, true, pair);
     // fp32: the accumulator and main_grad
     if (store_acc || main_grad) {
       float* acc_row = p.acc ? p.acc + acc_row_off + lane_col : nullptr;

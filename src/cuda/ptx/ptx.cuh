@@ -148,26 +148,11 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// ---- predicated 16-byte global accesses ------------------------------------------------------
-// One ld/st.global.v4 under a predicate (no branch, never split into narrower accesses).  Both
-// are volatile asm: they keep their order relative to each other and to the other asm here
-// (an acquire before a load stays before it).  The load gives zeros when pred is false.
-__device__ __forceinline__ uint4 ld_global_v4_pred(const void* p, bool pred) {
-  uint4 v = make_uint4(0u, 0u, 0u, 0u);
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
-      : "l"(p), "r"(static_cast<uint32_t>(pred)));
-  return v;
-}
-__device__ __forceinline__ void st_global_v4_pred(void* p, uint4 v, bool pred) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p st.global.v4.u32 [%0], {%1, %2, %3, %4};\n}" ::"l"(p),
-               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<uint32_t>(pred))
-               : "memory");
-}
-
-// 4-byte load and 8-byte store under a predicate (MOK_EPILOGUE_IO=pairs: the epilogues' reads
-// in the fragment's own layout and their lane-pair stores); the same volatile-asm ordering.
+// ---- predicated global accesses of the epilogues ------------------------------------------------
+// A 4-byte load and an 8-byte store under a predicate (no branch, never split): the epilogues'
+// reads in the accumulator fragment's own layout and their lane-pair stores.  Both are volatile
+// asm: they keep their order relative to each other and to the other asm here (an acquire
+// before a load stays before it).  The load gives zero when pred is false.
 __device__ __forceinline__ uint32_t ld_global_b32_pred(const void* p, bool pred) {
   uint32_t v = 0u;
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p ld.global.b32 %0, [%1];\n}"

@@ -28,10 +28,10 @@ struct Down {
       // MOK_PUSH=comm: into the block's ring rows (its x rows are dead: every gate/up tile
       // of the block is done); the comm blocks push them home
       gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(t.block), int64_t{p.ring_blocks} * 128,
-                           int64_t{t.n_block} * 256, p.io_pairs != 0);
+                           int64_t{t.n_block} * 256);
     } else {
       gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                             p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256, p.io_pairs != 0);
+                             p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
     }
   }
 #endif

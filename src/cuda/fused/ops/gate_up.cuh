@@ -27,11 +27,11 @@ struct GateUp {
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry& g, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(t.block), int64_t{p.ring_blocks} * 128,
-                          int64_t{t.n_block} * 128, p.io_pairs != 0);
+                          int64_t{t.n_block} * 128);
     // Training: the pre-activations too, at the block's plan rows (the backward's h)
     if (p.saved_h)
       gemm::epilogue_gate_up_preact(acc, consumer, p.saved_h, 2 * int64_t{p.inter}, int64_t{t.block} * 128,
-                                    int64_t{t.block + 1} * 128, int64_t{t.n_block} * 128, p.io_pairs != 0);
+                                    int64_t{t.block + 1} * 128, int64_t{t.n_block} * 128);
   }
 #endif
 };

@@ -24,7 +24,7 @@ struct SharedDown {
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskInfo& t) {
     gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{t.block} * 128, p.num_tokens,
-                         int64_t{t.n_block} * 256, p.io_pairs != 0);
+                         int64_t{t.n_block} * 256);
   }
 #endif
 };

@@ -20,10 +20,10 @@ struct SharedGateUp {
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * 128, p.num_tokens,
-                          int64_t{t.n_block} * 128, p.io_pairs != 0);
+                          int64_t{t.n_block} * 128);
     if (p.saved_shared_h)
       gemm::epilogue_gate_up_preact(acc, consumer, p.saved_shared_h, 2 * int64_t{p.shared_inter},
-                                    int64_t{t.block} * 128, p.num_tokens, int64_t{t.n_block} * 128, p.io_pairs != 0);
+                                    int64_t{t.block} * 128, p.num_tokens, int64_t{t.n_block} * 128);
   }
 #endif
 };

@@ -38,7 +38,7 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter, p.io_pairs};
+    const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter};
     const int64_t row0 = int64_t{t.block} * 128, left = p.max_rows - row0;
     const float* __restrict__ rw = p.row_weight + row0;
     gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
@@ -73,7 +73,7 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter, p.io_pairs};
+    const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
     const int64_t row0 = int64_t{t.block} * 128, left = p.num_tokens - row0;
     gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
                                 int64_t{t.n_block} * 256, [](int) { return 1.0f; });
@@ -110,7 +110,7 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
     gemm::epilogue_scatter(
         acc, consumer,
         [&](uint32_t rec) { return grp.size > 1 && !row_is_pad(rec) ? ep::slots_of(grp, row_rank(rec)) : local; },
-        p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256, p.io_pairs != 0);
+        p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
   }
 #endif
 };
@@ -136,7 +136,7 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_store(acc, consumer, p.shared_dx, p.hidden, int64_t{t.block} * 128, p.num_tokens,
-                         int64_t{t.n_block} * 256, p.io_pairs != 0);
+                         int64_t{t.n_block} * 256);
   }
 #endif
 };

@@ -31,7 +31,7 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_gate_up_preact(acc, consumer, p.h, 2 * int64_t{p.inter}, int64_t{t.block} * 128, p.max_rows,
-                                  int64_t{t.n_block} * 128, p.io_pairs != 0);
+                                  int64_t{t.n_block} * 128);
   }
 #endif
 };
@@ -57,7 +57,7 @@ struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_gate_up_preact(acc, consumer, p.sh_h, 2 * int64_t{p.shared_inter}, int64_t{t.block} * 128,
-                                  p.num_tokens, int64_t{t.n_block} * 128, p.io_pairs != 0);
+                                  p.num_tokens, int64_t{t.n_block} * 128);
   }
 #endif
 };
