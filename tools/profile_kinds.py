@@ -51,6 +51,9 @@ def main():
                                                             h=h, row_weight=rw),
         "wgrad_down": lambda: ops.grouped_wgrad(dy, act, ex_off, ex_cnt, out=gwd),
         "wgrad_gate_up": lambda: ops.grouped_wgrad(h, x, ex_off, ex_cnt, out=gwgu),
+        # torch's kernels for the same products (torch._grouped_mm, 2-D x 2-D with offsets)
+        "torch_wgrad_down": lambda: torch._grouped_mm(dy.t(), act, offs=ex_off[1:]),
+        "torch_wgrad_gate_up": lambda: torch._grouped_mm(h.t(), x, offs=ex_off[1:]),
     }
     kinds = args.kinds.split(",")
     for name in kinds:
