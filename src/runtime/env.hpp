@@ -34,6 +34,10 @@ inline constexpr Knob kPush{"MOK_PUSH", "epilogue",
                              "to its home slot, over NVLink at EP >= 2) or comm (the epilogue stores into the "
                              "ring and the comm blocks push rows home with bulk copies)"};
 
+inline constexpr Knob kWgradCluster{"MOK_WGRAD_CLUSTER", "1",
+                                    "grouped wgrad launches (mokGroupedWgrad, the unfused backward): 1 = one CTA "
+                                    "per tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their B boxes "
+                                    "through TMA multicast (same bits; not yet measured)"};
 inline constexpr Knob kGemmCluster{"MOK_GEMM_CLUSTER", "1",
                                    "grouped-GEMM launches (mokGroupedGemm, the unfused path): 1 = one CTA per "
                                    "tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their weight "

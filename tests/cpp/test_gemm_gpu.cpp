@@ -290,6 +290,15 @@ TEST(GemmGpu, WgradTiles) {
   check_wgrad();
 }
 
+// MOK_WGRAD_CLUSTER=2: the wgrad tiles in 2-CTA clusters multicasting B (Mo / 128 = 2: one
+// m-pair per expert), experts of 0, 1, 130 and 256 rows, accumulate and store paths
+TEST(GemmGpu, WgradPairClusters) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  setenv("MOK_WGRAD_CLUSTER", "2", 1);
+  check_wgrad();
+  unsetenv("MOK_WGRAD_CLUSTER");
+}
+
 // MOK_GEMM_SKEW: the second consumer warpgroup starts k-blocks behind the first (one lead
 // barrier at the start); every kind, tiles of one k-block (K = 64, skew past the tile's
 // length), a skew as deep as the stage ring, both tile shapes: float64 and run-twice bits.

@@ -301,6 +301,8 @@ void load_backward_kernels() {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, true>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_pair_kernel<false>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_pair_kernel<true>));
 }
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
@@ -351,6 +353,27 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   // The per-expert tables (the backward's macrobatch loop) in a kernel of their own: the plain
   // launch keeps the code it had
   const bool tables = g.expert_mode || g.expert_range || g.acc_slot || g.out_split > 0;
+  const long cluster = env::get_int(env::kWgradCluster);
+  MOK_CHECK_ARG(cluster == 1 || cluster == 2, env::kWgradCluster.name << " = " << cluster << ": expected 1 or 2");
+  if (cluster == 2 && p.num_m_blocks % 2 == 0 && sms >= 2) {
+    // 2-CTA clusters sharing B: as many clusters as fit at once, at most one per pair
+    auto* pair_kernel = tables ? grouped_wgrad_pair_kernel<true> : grouped_wgrad_pair_kernel<false>;
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kWgradPairSmemBytes)));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
+    cfg.blockDim = dim3(C::kThreads);
+    cfg.dynamicSmemBytes = kWgradPairSmemBytes;
+    cfg.stream = stream;
+    int clusters = 0;
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, pair_kernel, &cfg));
+    const int64_t pairs = std::max<int64_t>(1, tiles / 2);
+    int64_t want = g.num_blocks > 0 ? g.num_blocks / 2 : clusters;
+    want = std::max<int64_t>(1, std::min<int64_t>({want, clusters > 0 ? clusters : 1, pairs}));
+    pair_kernel<<<static_cast<unsigned>(2 * want), C::kThreads, kWgradPairSmemBytes, stream>>>(map_a, map_b, p);
+    MOK_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   auto* kernel = tables ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kWgradSmemBytes)));
