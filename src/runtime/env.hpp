@@ -37,7 +37,8 @@ inline constexpr Knob kPush{"MOK_PUSH", "epilogue",
 inline constexpr Knob kWgradCluster{"MOK_WGRAD_CLUSTER", "1",
                                     "grouped wgrad launches (mokGroupedWgrad, the unfused backward): 1 = one CTA "
                                     "per tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their B boxes "
-                                    "through TMA multicast (same bits; not yet measured)"};
+                                    "through TMA multicast (same bits; 20-25 % slower as measured, docs/perf.md "
+                                    "session 13)"};
 inline constexpr Knob kGemmCluster{"MOK_GEMM_CLUSTER", "1",
                                    "grouped-GEMM launches (mokGroupedGemm, the unfused path): 1 = one CTA per "
                                    "tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their weight "

@@ -408,7 +408,8 @@ def test_grouped_wgrad_pair_clusters_equal_single_ctas(gen, monkeypatch, Mo, No,
 
     def run():
         mg = mg0.clone()
-        out = mok.ops.grouped_wgrad(a, b, off, cnt, main_grad=mg)
+        out = torch.full((len(counts), Mo, No), float("nan"), device="cuda").bfloat16()  # poisoned
+        mok.ops.grouped_wgrad(a, b, off, cnt, out=out, main_grad=mg)
         return out, mg
 
     monkeypatch.setenv("MOK_WGRAD_CLUSTER", "1")

@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
 
 inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 64 + 1024;  // + skew barrier, alignment slack
 
-// ---- 2-CTA clusters sharing B (MOK_WGRAD_CLUSTER=2) ---------------------------------------------
+// ---- 2-CTA clusters sharing B (MOK_WGRAD_CLUSTER=2; off: 20-25 % slower, docs/perf.md) -----------
 // A cluster takes pairs (e, mp, n), each expert's (m-pair, n) grid in the N-grouped raster:
 // CTA r computes tile (2·mp + r, n) of expert e.  Both tiles need the same B boxes (expert e's
 // rows, n-block n) over the same K (the expert's rows), so CTA r loads B boxes 2r and 2r + 1 of
