@@ -258,7 +258,6 @@ def backward_rows(args, H, I, k, E, T):
             "mok bwd (repeat)": bwd,
             f"mok bwd ring={ring} (repeat)": lambda: F.backward(saved_all, dy),
             f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
-            "mok bwd producer_regs=40": with_env({"MOK_PRODUCER_REGS": "40"}, bwd),
             "mok bwd prefetch=start": with_env(pre, bwd),
             f"mok bwd ring={ring} prefetch=start": with_env(pre, lambda: F.backward(saved_all, dy)),
             "mok fwd (save h) prefetch=start": with_env(pre, fwd),
@@ -331,7 +330,7 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd producer_regs=40")] if args.explore else []
+    others = [variants[v]() for v in ("mok bwd prefetch=start",)] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")

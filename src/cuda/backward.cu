@@ -336,9 +336,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
                     const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout,
                     int32_t minibatch_blocks) {
   namespace fb = fused::bwd;
-  const long producer_regs = env::get_int(env::kProducerRegs);
-  MOK_CHECK_ARG(producer_regs == 40 || producer_regs == 64,
-                env::kProducerRegs.name << " = " << producer_regs << ": expected 40 or 64");
   BackwardBuffers& b = *ws.bwd;
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
   const int64_t El = plan_dims(c).local_experts(), R = ws.max_rows;
@@ -489,7 +486,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-  auto* const kernel = producer_regs == 64 ? fb::fused_backward_kernel<64, 216> : fb::fused_backward_kernel<40, 232>;
+  auto* const kernel = fb::fused_backward_kernel;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(fb::kSmemBytes)));
   if (p.pregathered > 0) {
@@ -517,8 +514,7 @@ void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_tables_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<>));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<64, 216>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel));
   gemm::load_backward_kernels();
   ep_load_kernels();
   load_plan_kernels();

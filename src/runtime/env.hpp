@@ -79,12 +79,7 @@ inline constexpr Knob kBackwardStartGather{"MOK_BACKWARD_START_GATHER", "1",
 inline constexpr Knob kTensormapPrefetch{"MOK_TENSORMAP_PREFETCH", "none",
                                          "fused kernels' producer: none, or start (prefetch.tensormap of every "
                                          "tensor map of the kernel before the first task, as the standalone launches "
-                                         "do for theirs; not yet measured)"};
-
-inline constexpr Knob kProducerRegs{"MOK_PRODUCER_REGS", "64",
-                                    "fused backward: registers of the producer warpgroup, 64 (the consumers 216: "
-                                    "room for the producer's tile coordinates) or 40 (the consumers 232: the "
-                                    "producer reloads them from local memory between TMA issues; 3-4 % slower)"};
+                                         "do for theirs; noise-level in the backward, docs/perf.md session 13)"};
 
 inline constexpr Knob kGemmTileN{"MOK_GEMM_TILE_N", "256",
                                  "grouped-GEMM launches of the forward and dgrad kinds: output tile N, 256 or 128"};

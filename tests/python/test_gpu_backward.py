@@ -301,7 +301,7 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
 
 @pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
 @pytest.mark.parametrize("gather", ["pipeline", "pairs", "pregather", "start=0", "start=3", "pregather+start=5",
-                                    "sync=tile", "prefetch", "regs=40", "wgrad_cluster=2"])
+                                    "sync=tile", "prefetch", "wgrad_cluster=2"])
 def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T, ring, gather):
     # MOK_GATHER=pipeline: the comm blocks' one-thread bulk-copy pipeline (padding rows from a
     # zero row in shared memory); pairs: each comm warp's x and dy loads of a row in flight
@@ -318,8 +318,6 @@ def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T
         monkeypatch.setenv("MOK_CONSUMER_SYNC", "tile")
     elif gather == "prefetch":  # the producer's prefetch.tensormap of every map at the start
         monkeypatch.setenv("MOK_TENSORMAP_PREFETCH", "start")
-    elif gather == "regs=40":  # the kernel with 40 producer and 232 consumer registers
-        monkeypatch.setenv("MOK_PRODUCER_REGS", "40")
     elif gather == "wgrad_cluster=2":  # the unfused launches' wgrad in 2-CTA clusters (tables kernel)
         monkeypatch.setenv("MOK_WGRAD_CLUSTER", "2")
     elif not gather.startswith("pregather"):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for an A/B of the fused backward's knobs (session 13): build; the SASS spill
-# counts of both producer-register instantiations; the knob test cases; the sustained backward
+# counts of the fused kernels; the knob test cases; the sustained backward
 # with --explore on SHAPES (default "dsv3 qwen3"); optionally (PROFILE=1) ncu's per-instruction
-# stall samples of the fused backward with ENV_PROFILE (e.g. "MOK_PRODUCER_REGS=64").  Logs
+# stall samples of the fused backward with ENV_PROFILE (e.g. "MOK_TENSORMAP_PREFETCH=start").  Logs
 # under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -14,7 +14,7 @@ t0=$(date +%s)
 ninja -C build >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "== built in $(( $(date +%s) - t0 )) s"
 cuobjdump -sass build/lib/libmok.so >/tmp/all.sass 2>/dev/null
-for inst in "fused_backward_kernel<40" "fused_backward_kernel<64" "fused_forward_kernel"; do
+for inst in "fused_backward_kernel" "fused_forward_kernel"; do
   python3 tools/dev/sass_of.py "$inst" </tmp/all.sass >/tmp/one.sass
   echo "$inst: $(grep -c '/\*[0-9a-f]*\*/' /tmp/one.sass) instr, STL $(grep -c STL /tmp/one.sass), LDL $(grep -c LDL /tmp/one.sass), HGMMA $(grep -c HGMMA /tmp/one.sass)"
   grep -n -B4 -A2 "STL\|LDL" /tmp/one.sass | cut -c1-110 >"$OUT/spills_${inst//[<>]/_}.txt"

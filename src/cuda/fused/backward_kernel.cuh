@@ -262,17 +262,18 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   }
 }
 
-// kProducerRegs / kConsumerRegs: the registers setmaxnreg gives warpgroup 0 and the consumer
-// warpgroups (MOK_PRODUCER_REGS: 64 / 216 by default, room for the producer's tile coordinates;
-// at 40 / 232, the forward's split, it reloads them from local memory between TMA issues and
-// the backward is 3-4 % slower, docs/perf.md session 13).
-template <int kProducerRegs = TileConfig::kProducerRegs, int kConsumerRegs = TileConfig::kConsumerRegs>
+// The registers setmaxnreg gives warpgroup 0 and the consumer warpgroups: 64 / 216, room for
+// the producer's tile coordinates across its nine ops' loads.  At 40 / 232, the forward's split,
+// it reloaded them from local memory between TMA issues and the backward was 3-4 % slower
+// (docs/perf.md session 13).
+inline constexpr int kProducerRegs = 64, kConsumerRegs = 216;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * TileConfig::kConsumers <= 65536 && kProducerRegs % 8 == 0 &&
+                  kConsumerRegs % 8 == 0,
+              "register budgets: multiples of 8 within the register file");
+
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
   using C = TileConfig;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * C::kConsumers <= 65536 && kProducerRegs % 8 == 0 &&
-                    kConsumerRegs % 8 == 0,
-                "register budgets: multiples of 8 within the register file");
   extern __shared__ uint8_t smem_raw[];
   auto& sh = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
