@@ -264,7 +264,7 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
 
 // The registers setmaxnreg gives warpgroup 0 and the consumer warpgroups: 64 / 216, room for
 // the producer's tile coordinates across its nine ops' loads.  At 40 / 232, the forward's split,
-// it reloaded them from local memory between TMA issues and the backward was 3-4 % slower
+// it reloaded them from local memory between TMA issues and the backward was up to 4 % slower
 // (docs/perf.md session 13).
 inline constexpr int kProducerRegs = 64, kConsumerRegs = 216;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * TileConfig::kConsumers <= 65536 && kProducerRegs % 8 == 0 &&
