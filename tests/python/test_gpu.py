@@ -352,19 +352,24 @@ def test_grouped_mm_dgrad_down_swiglu_matches_float64(gen):
     assert (dh[130] == 0).all() and part[130].abs().sum() > 0, "w = 0: dh = 0 and the partials still <da, a>"
 
 
+def _wgrad_operands(gen, Mo, No, counts):
+    """a [R, Mo], b [R, No] bf16 with each expert's rows at 128-padded offsets, padding rows zero."""
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + (c + 127) // 128 * 128)
+    a = torch.randn(offsets[-1], Mo, generator=gen).bfloat16()
+    b = torch.randn(offsets[-1], No, generator=gen).bfloat16()
+    for e, c in enumerate(counts):
+        a[offsets[e] + c:offsets[e + 1]] = 0
+        b[offsets[e] + c:offsets[e + 1]] = 0
+    return a, b, offsets
+
+
 def test_grouped_wgrad_matches_float64_with_empty_and_one_row_experts(gen):
     # out[e] = a[rows of e].T @ b[rows of e] at the plan's 128-padded offsets, padding rows zero
     counts = [3, 0, 1, 200]
     Mo, No = 256, 256
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + (c + 127) // 128 * 128)
-    R = offsets[-1]
-    a = torch.randn(R, Mo, generator=gen).bfloat16()
-    b = torch.randn(R, No, generator=gen).bfloat16()
-    for e, c in enumerate(counts):
-        a[offsets[e] + c:offsets[e + 1]] = 0
-        b[offsets[e] + c:offsets[e + 1]] = 0
+    a, b, offsets = _wgrad_operands(gen, Mo, No, counts)
     off = torch.tensor(offsets, dtype=torch.int32).cuda()
     cnt = torch.tensor(counts, dtype=torch.int32).cuda()
     main_grad = torch.full((len(counts), Mo, No), 0.5, device="cuda")
@@ -390,17 +395,9 @@ def test_grouped_wgrad_matches_float64_with_empty_and_one_row_experts(gen):
 ])
 def test_grouped_wgrad_pair_clusters_equal_single_ctas(gen, monkeypatch, Mo, No, counts):
     # MOK_WGRAD_CLUSTER=2: two CTAs of a cluster on m-blocks 2mp, 2mp + 1 multicast their B
-    # boxes; the same K loop and epilogue per tile: out, main_grad and the fp32 accumulator bit
-    # for bit as one CTA per tile, and again on a second call
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + (c + 127) // 128 * 128)
-    R = offsets[-1]
-    a = torch.randn(R, Mo, generator=gen).bfloat16()
-    b = torch.randn(R, No, generator=gen).bfloat16()
-    for e, c in enumerate(counts):
-        a[offsets[e] + c:offsets[e + 1]] = 0
-        b[offsets[e] + c:offsets[e + 1]] = 0
+    # boxes; the same K loop and epilogue per tile: out (poisoned first) and main_grad bit for
+    # bit as one CTA per tile, on two calls, and out against float64
+    a, b, offsets = _wgrad_operands(gen, Mo, No, counts)
     a, b = a.cuda(), b.cuda()
     off = torch.tensor(offsets, dtype=torch.int32).cuda()
     cnt = torch.tensor(counts, dtype=torch.int32).cuda()

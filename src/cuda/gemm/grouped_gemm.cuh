@@ -179,16 +179,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 // B: CTA r loads B half r of each stage and multicasts it into both CTAs (each still loads its
 // own A), so every weight byte leaves L2 once per pair instead of twice; otherwise each CTA
 // loads its whole stage.  Where row block 2·mp + 1 does not exist (past the last routed block),
-// CTA 1 computes CTA 0's tile again and stores nothing: the two CTAs always use their stages
-// in lockstep, and every stage use is freed on both sides (pipe.empty here, pair_empty in the
-// peer) before either producer refills it — what makes a multicast into the peer safe.  All
-// threads meet at a cluster barrier before exit.
-struct PairShared {
-  StageStorage s;
-  uint64_t pair_empty[TileConfig::kStages];  // the peer's consumers freed stage i
-};
-inline constexpr size_t kPairSmemBytes = sizeof(PairShared) + 1024;
-static_assert(kPairSmemBytes <= 227 * 1024, "pair shared storage exceeds 227 KB");
+// CTA 1 computes CTA 0's tile again and stores nothing, so the two CTAs use their stages in
+// lockstep (PairStages, tile.cuh).
 
 struct PairTile {
   int32_t m_block, n_block, expert;
@@ -212,100 +204,78 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads
                              const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParams p) {
   using C = TileConfig;
   extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<PairShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& sh = *reinterpret_cast<PairStages*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   StageStorage& s = sh.s;
   const uint32_t rank = ptx::cluster_cta_rank(), peer = rank ^ 1u;
-  const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_pairs = (p.max_m_blocks + 1) / 2 * p.num_n_blocks;
   const int cluster = blockIdx.x / 2, num_clusters = gridDim.x / 2;
 
-  if (threadIdx.x == 0) {
-    s.init_barriers();
-    for (int i = 0; i < C::kStages; ++i) ptx::mbar_init(&sh.pair_empty[i], C::kConsumers);
-    ptx::fence_mbar_init();
-    ptx::prefetch_tensormap(&map_a);
-    ptx::prefetch_tensormap(&map_b0);
-    ptx::prefetch_tensormap(&map_b1);
-  }
-  // Both CTAs' barriers exist before either touches the other's
-  ptx::cluster_sync();
+  sh.start(&map_a, &map_b0, &map_b1);
 
-  if (role == 0) {
-    ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      PipelineState<C::kStages> stage;
-      bool ok = true;
-      for (int pair = cluster; ok && pair < num_pairs; pair += num_clusters) {
-        const PairTile t = pair_tile(p, pair, rank);
-        if (!t.active) continue;
-        const int32_t b_row = t.expert * p.b_rows_per_expert + t.n_block * p.b_n_step;
-        for (int kb = 0; ok && kb < p.num_k_blocks; ++kb) {
-          // Both CTAs' consumers freed this stage (the peer multicasts into it)
-          ok = s.pipe.producer_acquire(stage, wait) &&
-               wait_barrier(&sh.pair_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty,
-                            100 + stage.index);
-          if (!ok) break;
-          uint64_t* full = s.pipe.full_barrier(stage);
-          {
-            ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
-            ptx::tma_load_2d(s.a[stage.index], &map_a, full, kb * C::kBlockK, t.m_block * C::kBlockM);
-            __nv_bfloat16* b_half0 = s.b[stage.index];
-            __nv_bfloat16* b_half1 = s.b[stage.index] + (C::kBlockN / 2) * C::kBlockK;
-            if (t.multicast) {
-              // Half `rank` for both CTAs; the peer sends the other half
-              ptx::tma_load_2d_multicast(rank == 0 ? b_half0 : b_half1, rank == 0 ? &map_b0 : &map_b1, full,
-                                         kb * C::kBlockK, b_row + (rank == 0 ? 0 : p.b_half_offset), 0x3);
-            } else {
-              ptx::tma_load_2d(b_half0, &map_b0, full, kb * C::kBlockK, b_row);
-              ptx::tma_load_2d(b_half1, &map_b1, full, kb * C::kBlockK, b_row + p.b_half_offset);
+  pair_roles(
+      [&] {
+        PipelineState<C::kStages> stage;
+        bool ok = true;
+        for (int pair = cluster; ok && pair < num_pairs; pair += num_clusters) {
+          const PairTile t = pair_tile(p, pair, rank);
+          if (!t.active) continue;
+          const int32_t b_row = t.expert * p.b_rows_per_expert + t.n_block * p.b_n_step;
+          for (int kb = 0; ok && kb < p.num_k_blocks; ++kb) {
+            // Both CTAs' consumers freed this stage (the peer multicasts into it)
+            ok = sh.producer_acquire(stage, wait);
+            if (!ok) break;
+            uint64_t* full = s.pipe.full_barrier(stage);
+            {
+              ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
+              ptx::tma_load_2d(s.a[stage.index], &map_a, full, kb * C::kBlockK, t.m_block * C::kBlockM);
+              __nv_bfloat16* b_half0 = s.b[stage.index];
+              __nv_bfloat16* b_half1 = s.b[stage.index] + (C::kBlockN / 2) * C::kBlockK;
+              if (t.multicast) {
+                // Half `rank` for both CTAs; the peer sends the other half
+                ptx::tma_load_2d_multicast(rank == 0 ? b_half0 : b_half1, rank == 0 ? &map_b0 : &map_b1, full,
+                                           kb * C::kBlockK, b_row + (rank == 0 ? 0 : p.b_half_offset), 0x3);
+              } else {
+                ptx::tma_load_2d(b_half0, &map_b0, full, kb * C::kBlockK, b_row);
+                ptx::tma_load_2d(b_half1, &map_b1, full, kb * C::kBlockK, b_row + p.b_half_offset);
+              }
             }
+            stage.advance();
           }
-          stage.advance();
         }
-      }
-    }
-    // No CTA leaves while its peer may still multicast into it or arrive on its barriers
-    ptx::cluster_sync();
-    return;
-  }
-  {
-    // NOTES: each role meets the cluster barrier on its own: wgmma code must not share a
-    // tail with the producer's divergent path (C7518)
-    ptx::setmaxnreg_inc<C::kConsumerRegs>();
-    const int consumer = role - 1;
-    PipelineState<C::kStages> stage;
-    float acc[C::kAccRegs];
-    for (int pair = cluster; pair < num_pairs; pair += num_clusters) {
-      // NOTES: the tile's fields through shuffles: ptxas must see every branch on them as
-      // warp-uniform, or it serialises every wgmma (C7518)
-      PairTile t = pair_tile(p, pair, rank);
-      t.m_block = __shfl_sync(0xffffffffu, t.m_block, 0);
-      t.n_block = __shfl_sync(0xffffffffu, t.n_block, 0);
-      t.active = __shfl_sync(0xffffffffu, t.active, 0);
-      t.store = __shfl_sync(0xffffffffu, t.store, 0);
-      if (!t.active) continue;
-      if (!consume_tile<true>(s, stage, p.num_k_blocks, consumer, acc, wait, sh.pair_empty, peer)) break;
-      if (!t.store) continue;  // CTA 1's recomputation of CTA 0's tile
-      const int64_t row0 = static_cast<int64_t>(t.m_block) * C::kBlockM;
-      switch (p.epilogue) {
-        case Epilogue::kSwiGLU:
-          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
-          break;
-        case Epilogue::kGateUpPreact:
-          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
-          break;
-        case Epilogue::kStore:
-          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN);
-          break;
-        case Epilogue::kScatter:
-          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
-                           int64_t{t.n_block} * C::kBlockN);
-          break;
-      }
-    }
-    ptx::cluster_sync();
-  }
+      },
+      [&](int consumer) {
+        PipelineState<C::kStages> stage;
+        float acc[C::kAccRegs];
+        for (int pair = cluster; pair < num_pairs; pair += num_clusters) {
+          // NOTES: the tile's fields through shuffles: ptxas must see every branch on them as
+          // warp-uniform, or it serialises every wgmma (C7518)
+          PairTile t = pair_tile(p, pair, rank);
+          t.m_block = __shfl_sync(0xffffffffu, t.m_block, 0);
+          t.n_block = __shfl_sync(0xffffffffu, t.n_block, 0);
+          t.active = __shfl_sync(0xffffffffu, t.active, 0);
+          t.store = __shfl_sync(0xffffffffu, t.store, 0);
+          if (!t.active) continue;
+          if (!consume_tile<true>(s, stage, p.num_k_blocks, consumer, acc, wait, sh.pair_empty, peer)) break;
+          if (!t.store) continue;  // CTA 1's recomputation of CTA 0's tile
+          const int64_t row0 = static_cast<int64_t>(t.m_block) * C::kBlockM;
+          switch (p.epilogue) {
+            case Epilogue::kSwiGLU:
+              epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
+              break;
+            case Epilogue::kGateUpPreact:
+              epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
+              break;
+            case Epilogue::kStore:
+              epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN);
+              break;
+            case Epilogue::kScatter:
+              epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
+                               int64_t{t.n_block} * C::kBlockN);
+              break;
+          }
+        }
+      });
 }
 
 }  // namespace mok::gemm

@@ -120,6 +120,23 @@ namespace {
 // MOK_GEMM_TIMEOUT_S caps the launch's own deadline.
 double env_timeout_s() { return std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr)); }
 
+// The grid of a 2-CTA cluster kernel (PairStages): as many clusters as are resident at once,
+// at most one per pair of tiles (and num_blocks / 2 when the caller sets num_blocks); CTAs.
+template <class Kernel>
+unsigned pair_grid(Kernel* kernel, int sms, int64_t pairs, int32_t num_blocks) {
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kPairSmemBytes)));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
+  cfg.blockDim = dim3(TileConfig::kThreads);
+  cfg.dynamicSmemBytes = kPairSmemBytes;
+  int clusters = 0;
+  MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  int64_t want = num_blocks > 0 ? num_blocks / 2 : clusters;
+  want = std::max<int64_t>(1, std::min<int64_t>({want, clusters > 0 ? clusters : 1, std::max<int64_t>(1, pairs)}));
+  return static_cast<unsigned>(2 * want);
+}
+
 // The kernel parameters every orientation shares.
 GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   GroupedGemmParams p{};
@@ -272,19 +289,9 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
     const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
     const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
     const GroupedGemmParams p = common_params(g);
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kPairSmemBytes)));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
-    cfg.blockDim = dim3(C::kThreads);
-    cfg.dynamicSmemBytes = kPairSmemBytes;
-    cfg.stream = stream;
-    int clusters = 0;
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_pair_kernel, &cfg));
-    const int pairs = (g.max_m_blocks + 1) / 2 * g.num_n_blocks;
-    int want = g.num_blocks > 0 ? g.num_blocks / 2 : clusters;
-    want = std::max(1, std::min({want, clusters > 0 ? clusters : 1, pairs}));
-    grouped_gemm_pair_kernel<<<2 * want, C::kThreads, kPairSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
+    const int64_t pairs = int64_t{(g.max_m_blocks + 1) / 2} * g.num_n_blocks;
+    const unsigned grid = pair_grid(grouped_gemm_pair_kernel, sms, pairs, g.num_blocks);
+    grouped_gemm_pair_kernel<<<grid, C::kThreads, kPairSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
     MOK_CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -358,19 +365,8 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   if (cluster == 2 && p.num_m_blocks % 2 == 0 && sms >= 2) {
     // 2-CTA clusters sharing B: as many clusters as fit at once, at most one per pair
     auto* pair_kernel = tables ? grouped_wgrad_pair_kernel<true> : grouped_wgrad_pair_kernel<false>;
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(pair_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kWgradPairSmemBytes)));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
-    cfg.blockDim = dim3(C::kThreads);
-    cfg.dynamicSmemBytes = kWgradPairSmemBytes;
-    cfg.stream = stream;
-    int clusters = 0;
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, pair_kernel, &cfg));
-    const int64_t pairs = std::max<int64_t>(1, tiles / 2);
-    int64_t want = g.num_blocks > 0 ? g.num_blocks / 2 : clusters;
-    want = std::max<int64_t>(1, std::min<int64_t>({want, clusters > 0 ? clusters : 1, pairs}));
-    pair_kernel<<<static_cast<unsigned>(2 * want), C::kThreads, kWgradPairSmemBytes, stream>>>(map_a, map_b, p);
+    const unsigned grid = pair_grid(pair_kernel, sms, tiles / 2, g.num_blocks);
+    pair_kernel<<<grid, C::kThreads, kPairSmemBytes, stream>>>(map_a, map_b, p);
     MOK_CUDA_CHECK(cudaGetLastError());
     return;
   }

@@ -240,6 +240,57 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
   return true;
 }
 
+// The stage ring of a 2-CTA cluster kernel (grouped_gemm_pair_kernel, grouped_wgrad_pair_kernel),
+// one per CTA: each producer multicasts part of every stage into both CTAs, so a stage is
+// refilled only when both CTAs' consumers freed it: its own pipe.empty, and pair_empty, on
+// which the peer's consumers arrive remotely (consume_tile<true>).  The two CTAs use their
+// stages in lockstep, and every thread of both meets at a cluster barrier before exit (a CTA
+// must not leave while its peer may still multicast into it or arrive on its barriers).
+struct PairStages {
+  StageStorage s;
+  uint64_t pair_empty[TileConfig::kStages];  // the peer's consumers freed stage i
+
+  // Every thread: thread 0 initialises the barriers and prefetches the kernel's tensor maps,
+  // then the cluster barrier (both CTAs' barriers exist before either touches the other's)
+  template <class... Maps>
+  __device__ __forceinline__ void start(const Maps*... maps) {
+    if (threadIdx.x == 0) {
+      s.init_barriers();
+      for (int i = 0; i < TileConfig::kStages; ++i) ptx::mbar_init(&pair_empty[i], TileConfig::kConsumers);
+      ptx::fence_mbar_init();
+      (ptx::prefetch_tensormap(maps), ...);
+    }
+    ptx::cluster_sync();
+  }
+  // Producer: the slot at `st` is free in both CTAs
+  __device__ __forceinline__ bool producer_acquire(const PipelineState<TileConfig::kStages>& st,
+                                                   const WaitContext& wait) {
+    return s.pipe.producer_acquire(st, wait) &&
+           wait_barrier(&pair_empty[st.index], st.phase ^ 1u, wait, WaitSite::kProducerEmpty, 100 + st.index);
+  }
+};
+// The roles of a pair kernel after PairStages::init and the first cluster barrier: thread 0
+// runs produce(), the consumer warpgroups consume(consumer); each role meets the exit cluster
+// barrier on its own.
+// NOTES: wgmma code must not share a tail with the producer's divergent path (C7518).
+template <class Produce, class Consume>
+__device__ __forceinline__ void pair_roles(Produce produce, Consume consume) {
+  const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  if (role == 0) {
+    ptx::setmaxnreg_dec<TileConfig::kProducerRegs>();
+    if (threadIdx.x == 0) produce();
+    ptx::cluster_sync();
+    return;
+  }
+  {
+    ptx::setmaxnreg_inc<TileConfig::kConsumerRegs>();
+    consume(role - 1);
+    ptx::cluster_sync();
+  }
+}
+inline constexpr size_t kPairSmemBytes = sizeof(PairStages) + 1024;
+static_assert(kPairSmemBytes <= 227 * 1024, "pair shared storage exceeds 227 KB");
+
 // Two consumer warpgroups that share every stage finish a tile together, and both then sit in
 // the epilogue while the tensor cores idle.  Started k_blocks apart (consumer 1 waits once,
 // before its first tile, until consumer 0 has issued that many k-blocks of it), one's epilogue

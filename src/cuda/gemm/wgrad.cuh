@@ -275,15 +275,8 @@ inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 64 + 1024;  // + 
 // stage's 48 KB from L2 instead of all of it (torch's grouped wgrad kernel runs 2 x 1 clusters
 // too, docs/perf.md session 13).  Needs an even Mo / 128 (the launch falls back otherwise).
 // The two CTAs walk the same experts with the same k-block counts, so they use their stages in
-// lockstep, and every stage use is freed on both sides (pipe.empty here, pair_empty in the
-// peer) before either producer refills it; all threads meet at a cluster barrier before exit.
-// Per tile the same K loop and epilogue as grouped_wgrad_kernel: the same bits.
-struct WgradPairShared {
-  StageStorage s;
-  uint64_t pair_empty[TileConfig::kStages];  // the peer's consumers freed stage i
-};
-inline constexpr size_t kWgradPairSmemBytes = sizeof(WgradPairShared) + 1024;
-static_assert(kWgradPairSmemBytes <= 227 * 1024, "wgrad pair shared storage exceeds 227 KB");
+// lockstep (PairStages, tile.cuh).  Per tile the same K loop and epilogue as
+// grouped_wgrad_kernel: the same bits.
 
 // Pairs of the call, and pair `pair`'s tile for CTA `rank`.
 template <bool kTables>
@@ -305,83 +298,64 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads
                               const WgradParams p) {
   using C = TileConfig;
   extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<WgradPairShared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& sh = *reinterpret_cast<PairStages*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   StageStorage& s = sh.s;
   const uint32_t rank = ptx::cluster_cta_rank(), peer = rank ^ 1u;
-  const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_pairs = wgrad_num_pairs<kTables>(p);
   const int e0 = kTables ? wgrad_first_expert(p) : 0;
   const int cluster = blockIdx.x / 2, num_clusters = gridDim.x / 2;
 
-  if (threadIdx.x == 0) {
-    s.init_barriers();
-    for (int i = 0; i < C::kStages; ++i) ptx::mbar_init(&sh.pair_empty[i], C::kConsumers);
-    ptx::fence_mbar_init();
-    ptx::prefetch_tensormap(&map_a);
-    ptx::prefetch_tensormap(&map_b);
-  }
-  // Both CTAs' barriers exist before either touches the other's
-  ptx::cluster_sync();
+  sh.start(&map_a, &map_b);
 
-  if (role == 0) {
-    ptx::setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      PipelineState<C::kStages> stage;
-      bool ok = true;
-      for (int pair = cluster; ok && pair < num_pairs; pair += num_clusters) {
-        const WgradTile t = wgrad_pair_tile<kTables>(p, e0, pair, rank);
-        if (kTables && t.mode < 0) continue;
-        for (int kb = 0; ok && kb < t.num_k_blocks; ++kb) {
-          // Both CTAs' consumers freed this stage (the peer multicasts into it)
-          ok = s.pipe.producer_acquire(stage, wait) &&
-               wait_barrier(&sh.pair_empty[stage.index], stage.phase ^ 1u, wait, WaitSite::kProducerEmpty,
-                            100 + stage.index);
-          if (!ok) break;
-          uint64_t* full = s.pipe.full_barrier(stage);
-          const int32_t row = t.row0 + kb * C::kBlockK;
-          ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
+  pair_roles(
+      [&] {
+        PipelineState<C::kStages> stage;
+        bool ok = true;
+        for (int pair = cluster; ok && pair < num_pairs; pair += num_clusters) {
+          const WgradTile t = wgrad_pair_tile<kTables>(p, e0, pair, rank);
+          if (kTables && t.mode < 0) continue;
+          for (int kb = 0; ok && kb < t.num_k_blocks; ++kb) {
+            // Both CTAs' consumers freed this stage (the peer multicasts into it)
+            ok = sh.producer_acquire(stage, wait);
+            if (!ok) break;
+            uint64_t* full = s.pipe.full_barrier(stage);
+            const int32_t row = t.row0 + kb * C::kBlockK;
+            ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
 #pragma unroll
-          for (int c = 0; c < C::kBlockM / 64; ++c)
-            ptx::tma_load_2d(s.a[stage.index] + c * kNChunkElems, &map_a, full, t.m_block * C::kBlockM + c * 64, row);
-          // B boxes 2·rank, 2·rank + 1 into both CTAs; the peer sends the other two
+            for (int c = 0; c < C::kBlockM / 64; ++c)
+              ptx::tma_load_2d(s.a[stage.index] + c * kNChunkElems, &map_a, full, t.m_block * C::kBlockM + c * 64,
+                               row);
+            // B boxes 2·rank, 2·rank + 1 into both CTAs; the peer sends the other two
 #pragma unroll
-          for (int c = 0; c < C::kBlockN / 128; ++c) {
-            const int box = static_cast<int>(rank) * (C::kBlockN / 128) + c;
-            ptx::tma_load_2d_multicast(s.b[stage.index] + box * kNChunkElems, &map_b, full,
-                                       t.n_block * C::kBlockN + box * 64, row, 0x3);
+            for (int c = 0; c < C::kBlockN / 128; ++c) {
+              const int box = static_cast<int>(rank) * (C::kBlockN / 128) + c;
+              ptx::tma_load_2d_multicast(s.b[stage.index] + box * kNChunkElems, &map_b, full,
+                                         t.n_block * C::kBlockN + box * 64, row, 0x3);
+            }
+            stage.advance();
           }
-          stage.advance();
         }
-      }
-    }
-    // No CTA leaves while its peer may still multicast into it or arrive on its barriers
-    ptx::cluster_sync();
-    return;
-  }
-  {
-    // NOTES: each role meets the cluster barrier on its own: wgmma code must not share a
-    // tail with the producer's divergent path (C7518)
-    ptx::setmaxnreg_inc<C::kConsumerRegs>();
-    const int consumer = role - 1;
-    PipelineState<C::kStages> stage;
-    float acc[C::kAccRegs];
-    for (int pair = cluster; pair < num_pairs; pair += num_clusters) {
-      // NOTES: the branches' fields through shuffles (warp-uniform for ptxas, C7518)
-      WgradTile t = wgrad_pair_tile<kTables>(p, e0, pair, rank);
-      t.num_k_blocks = __shfl_sync(0xffffffffu, t.num_k_blocks, 0);
-      t.mode = __shfl_sync(0xffffffffu, t.mode, 0);
-      if (kTables && t.mode < 0) continue;
-      if (t.num_k_blocks == 0) {
-        epilogue_wgrad<true, kTables>(acc, consumer, p, t);
-        continue;
-      }
-      if (!consume_tile<true, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, sh.pair_empty, peer))
-        break;
-      epilogue_wgrad<false, kTables>(acc, consumer, p, t);
-    }
-    ptx::cluster_sync();
-  }
+      },
+      [&](int consumer) {
+        PipelineState<C::kStages> stage;
+        float acc[C::kAccRegs];
+        for (int pair = cluster; pair < num_pairs; pair += num_clusters) {
+          // NOTES: the branches' fields through shuffles (warp-uniform for ptxas, C7518)
+          WgradTile t = wgrad_pair_tile<kTables>(p, e0, pair, rank);
+          t.num_k_blocks = __shfl_sync(0xffffffffu, t.num_k_blocks, 0);
+          t.mode = __shfl_sync(0xffffffffu, t.mode, 0);
+          if (kTables && t.mode < 0) continue;
+          if (t.num_k_blocks == 0) {
+            epilogue_wgrad<true, kTables>(acc, consumer, p, t);
+            continue;
+          }
+          if (!consume_tile<true, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, sh.pair_empty,
+                                                      peer))
+            break;
+          epilogue_wgrad<false, kTables>(acc, consumer, p, t);
+        }
+      });
 }
 
 }  // namespace mok::gemm
