@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the 2-CTA cluster kernels (PairStages: MOK_GEMM_CLUSTER=2,
 # MOK_WGRAD_CLUSTER=2): build; their GPU tests (C++ float64 and bitwise against one CTA per
-# tile, the unfused backward through the wgrad pair kernel against the fused kernel); the grid
-# each launch gets; ncu of the wgrad pair kernel beside the single-CTA one and torch's
-# (tools/dev/wgrad_ncu.sh); the sustained A/B of the wgrad kinds.  Logs under $OUT.
+# tile, the unfused backward through the wgrad pair kernel against the fused kernel); ncu of
+# the wgrad pair kernel beside the single-CTA one and torch's, with each launch's grid and
+# cluster size (tools/dev/wgrad_ncu.sh); the sustained A/B of the wgrad kinds.  Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
