@@ -254,12 +254,16 @@ def backward_rows(args, H, I, k, E, T):
         bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
         fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
         pre = {"MOK_TENSORMAP_PREFETCH": "start"}
+        overlap = {"MOK_BACKWARD_COMBINE": "overlap"}
         variants.update({
             "mok bwd (repeat)": bwd,
             f"mok bwd ring={ring} (repeat)": lambda: F.backward(saved_all, dy),
             f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
             "mok bwd prefetch=start": with_env(pre, bwd),
             f"mok bwd ring={ring} prefetch=start": with_env(pre, lambda: F.backward(saved_all, dy)),
+            "mok bwd combine=overlap": with_env(overlap, bwd),
+            f"mok bwd ring={ring} combine=overlap": with_env(overlap, lambda: F.backward(saved_all, dy)),
+            f"mok fwd+bwd ring={ring} combine=overlap": with_env(overlap, lambda: mok_fb(ws_all)),
             "mok fwd (save h) prefetch=start": with_env(pre, fwd),
         })
     if args.explore_v5:
@@ -330,7 +334,7 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd prefetch=start",)] if args.explore else []
+    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd combine=overlap")] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")

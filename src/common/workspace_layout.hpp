@@ -365,11 +365,11 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
     L.put(WsBuffer::kUbAccDown, WsPlace::kSeparate, "n_acc*H*I", "fp32 dW_down of the same experts", 0, 3, L.n_acc, H,
           I);
     // The fused backward's dependency counters (cuda/fused/schedule_bwd.cuh, CounterArray):
-    // task claim and grid barrier, 5 per row block, 2 per (expert, macrobatch), 2 per shared
+    // task claim and grid barrier, 5 per row block, 2 per (expert, macrobatch), 3 per shared
     // token block and its total; zeroed per launch
-    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 2*(shared_blocks + 1)",
+    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 3*(shared_blocks + 1)",
           "zeroed per fused backward launch (the same allocation)", 2, 1,
-          5 * L.max_blocks + 2 * L.El * L.n_macro + 2 * (L.shared_blocks + 1));
+          5 * L.max_blocks + 2 * L.El * L.n_macro + 3 * (L.shared_blocks + 1));
   }
   if (!bwd) return L;
 

@@ -362,6 +362,11 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
                 env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
   p.gather_mode = gather == "pipeline" ? 1 : gather == "pairs" ? 2 : 0;
+  // The end phase (EP >= 2 always: the home rank's sums need every rank's pushes first)
+  const std::string combine = env::get(env::kBackwardCombine);
+  MOK_CHECK_ARG(combine == "end" || combine == "overlap",
+                env::kBackwardCombine.name << " = " << combine << ": expected end or overlap");
+  p.combine_overlap = combine == "overlap" && !ep ? 1 : 0;
   // The first row blocks gathered by a launch on every SM before the kernel (0: the comm blocks
   // gather every block)
   const long pregather = env::get_int(env::kBackwardPregather);
@@ -440,6 +445,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     put(A::kWgradDone, EM);
     put(A::kSharedReplayDone, SB);
     put(A::kSharedDgradDownDone, SB);
+    put(A::kSharedDgradGateUpDone, SB);
     if (at != b.num_counters)
       MOK_FAIL(mokInternalError, "fused backward: " << at << " counter words, the layout has " << b.num_counters);
   }

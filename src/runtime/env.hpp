@@ -57,6 +57,12 @@ inline constexpr Knob kBackwardMinibatch{"MOK_BACKWARD_MINIBATCH", "0",
                                          "fused backward: rows per minibatch of its task list (a divisor of the "
                                          "macrobatch; 0: its rule, docs/design.md)"};
 
+inline constexpr Knob kBackwardCombine{"MOK_BACKWARD_COMBINE", "end",
+                                       "fused backward at EP = 1: end (every block reduces d topk_weights and dx "
+                                       "after a grid barrier) or overlap (two warps of every block's producer "
+                                       "warpgroup reduce them as their inputs complete, under the last tiles; the "
+                                       "same bits; not yet measured)"};
+
 inline constexpr Knob kBackwardPregather{"MOK_BACKWARD_PREGATHER", "0",
                                          "fused backward: rows of the first row blocks gathered by a launch on every "
                                          "SM before the kernel (a multiple of 128; 0: the comm blocks gather all)"};

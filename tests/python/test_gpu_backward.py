@@ -301,7 +301,8 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
 
 @pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
 @pytest.mark.parametrize("gather", ["pipeline", "pairs", "pregather", "start=0", "start=3", "pregather+start=5",
-                                    "sync=tile", "prefetch", "wgrad_cluster=2"])
+                                    "sync=tile", "prefetch", "wgrad_cluster=2",
+                                    "combine=overlap"])
 def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T, ring, gather):
     # MOK_GATHER=pipeline: the comm blocks' one-thread bulk-copy pipeline (padding rows from a
     # zero row in shared memory); pairs: each comm warp's x and dy loads of a row in flight
@@ -320,6 +321,8 @@ def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T
         monkeypatch.setenv("MOK_TENSORMAP_PREFETCH", "start")
     elif gather == "wgrad_cluster=2":  # the unfused launches' wgrad in 2-CTA clusters (tables kernel)
         monkeypatch.setenv("MOK_WGRAD_CLUSTER", "2")
+    elif gather == "combine=overlap":  # d topk_weights and dx by the producer warpgroups' spare warps
+        monkeypatch.setenv("MOK_BACKWARD_COMBINE", "overlap")
     elif not gather.startswith("pregather"):
         monkeypatch.setenv("MOK_GATHER", gather)
     gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))

@@ -12,11 +12,12 @@ namespace mok::cuda {
 
 // One warp combines one token's whole row.  Lane j < k decides route j (valid, weight); each
 // lane then owns chunks lane, lane + 32, ...  Every valid route's chunk is loaded before any is
-// summed (8 routes at a time, 2 chunks per lane per step), so a warp keeps up to 16 × 16 B per
-// lane in flight: the combine is a pure HBM stream.  The sum: ascending j, one fmaf per route,
-// the shared expert added last, one rounding.
+// summed (8 routes at a time, kChunks chunks per lane per step), so a warp keeps up to
+// 8·kChunks × 16 B per lane in flight: the combine is a pure HBM stream.  The sum: ascending j,
+// one fmaf per route, the shared expert added last, one rounding (the same bits for any
+// kChunks: 1 where registers are few, the fused backward's producer warpgroup).
 // route_ok(j) is called by lane j only.
-template <typename RouteOk>
+template <int kChunks = 2, typename RouteOk>
 __device__ __forceinline__ void combine_token_warp(const uint4* __restrict__ slots, int64_t row_vecs, int k,
                                                    const float* __restrict__ token_weights,
                                                    const uint4* __restrict__ shared_row, uint4* __restrict__ y_row,
@@ -25,7 +26,6 @@ __device__ __forceinline__ void combine_token_warp(const uint4* __restrict__ slo
   const bool mine = lane < k && route_ok(lane);
   const uint32_t valid = __ballot_sync(0xffffffffu, mine);
   const float my_weight = lane < k ? token_weights[lane] : 0.f;
-  constexpr int kChunks = 2;
   for (int64_t base = 0; base < row_vecs; base += 32 * kChunks) {  // warp-uniform trip count
     const int64_t c0 = base + lane;
     float acc[kChunks][8];

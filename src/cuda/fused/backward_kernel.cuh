@@ -8,7 +8,9 @@
 //   consumers     warpgroups 1, 2: wgmma and the ops' epilogues
 // then every block's consumers meet at a grid barrier (EP >= 2: and the group's end barrier)
 // and reduce: d topk_weights[t, j] = Σ_c partials (ascending c; EP >= 2 pushed to the home
-// rank first), dx[t] = bf16(Σ_j↑ slot rows + shared dx) (fp32, one rounding).
+// rank first), dx[t] = bf16(Σ_j↑ slot rows + shared dx) (fp32, one rounding).  At EP = 1 with
+// MOK_BACKWARD_COMBINE=overlap two warps of each producer warpgroup reduce them instead, as
+// their inputs complete (combine_warps), and there is no end phase.
 // Counters: schedule_bwd.cuh's CounterArray, zeroed before the launch, released and acquired
 // at gpu scope; generic writes read by TMA elsewhere are fenced (proxy.async) before release.
 #pragma once
@@ -196,6 +198,68 @@ __device__ void comm_gather_pipelined(Shared& sh, const BackwardParams& p, const
   release_upto(items);
 }
 
+// ---- the reductions: d topk_weights of a plan row, dx of a token (finish, combine_warps) -------
+// d topk_weights of routed plan row i: the fixed-order sum of its partials (EP >= 2: into the
+// row's source rank's region); padding rows have none.
+__device__ __forceinline__ void dtw_row(const BackwardParams& p, int64_t i, int chunks, bool ep) {
+  const uint32_t rec = p.rows[i];
+  if (row_is_pad(rec)) return;
+  float s = 0.0f;
+  for (int c = 0; c < chunks; ++c) s = s + p.partials[i * chunks + c];
+  float* out = ep ? ep::dtw_of(p.group, row_rank(rec)) : p.d_topk_weights;
+  out[row_token(rec) * p.topk + row_slot(rec)] = s;
+}
+// dx[t] = bf16(Σ_j↑ slot rows + shared dx): one warp (combine_token_warp, kChunks per lane)
+template <int kChunks = 2>
+__device__ __forceinline__ void dx_token(const BackwardParams& p, int64_t t) {
+  const int64_t row_vecs = p.hidden / 8;
+  const int k = p.topk;
+  const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
+  const uint4* shared_dx = reinterpret_cast<const uint4*>(p.shared_dx);
+  combine_token_warp<kChunks>(slots + t * k * row_vecs, row_vecs, k, p.ones,
+                              p.shared_inter > 0 ? shared_dx + t * row_vecs : nullptr,
+                              reinterpret_cast<uint4*>(p.dx) + t * row_vecs, [&](int j) {
+                                int64_t id;
+                                return plan::check_route(p.routing, p.group.rank, t, j, &id) == RouteCheck::kOk;
+                              });
+}
+
+// ---- MOK_BACKWARD_COMBINE=overlap (EP = 1): the reductions under the last tiles -----------------
+// Warps 2 and 3 of every block's producer warpgroup (idle otherwise), combine warp w of the
+// grid's W = 2·grid: row blocks w, w + W, ...: once a block's dgrad-down tiles are all done its
+// rows' partials are final, so its d topk_weights; then, once every dgrad gate/up tile is (each
+// lane polls every 32nd row block's counter, then the shared expert's total; __syncwarp passes
+// the lanes' acquires on), dx of tokens w, w + W, ...  The consumers then skip the end phase
+// (no grid barrier).  The same sums in the same order as finish(): the same bits.
+__device__ void combine_warps(const BackwardParams& p, const Geometry& g, const TaskCounts& c, int cw,
+                              const gemm::WaitContext& wait) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t W = 2 * static_cast<int64_t>(gridDim.x), w = 2 * static_cast<int64_t>(blockIdx.x) + cw;
+  TraceWriter trace(p, 2);
+  const uint64_t t_begin = ptx::globaltimer_ns();
+  const int chunks = p.inter / gemm::kDtwChunk;
+  for (int64_t rb = w; rb < g.num_blocks; rb += W) {
+    if (!wait_counter(counter_of(p, CounterArray::kDgradDownDone, static_cast<int32_t>(rb)), c.n_dgrad_down, wait,
+                      9990))
+      return;
+    for (int64_t i = rb * 128 + lane; i < (rb + 1) * 128; i += 32) dtw_row(p, i, chunks, false);
+  }
+  bool ok = true;
+  for (int32_t rb = lane; ok && rb < g.num_blocks; rb += 32)
+    ok = wait_counter(counter_of(p, CounterArray::kDgradGateUpDone, rb), c.n_dgrad_gate_up, wait, 9991);
+  if (ok && c.shared_blocks > 0)
+    ok = wait_counter(counter_of(p, CounterArray::kSharedDgradGateUpDone, c.shared_blocks),
+                      c.shared_blocks * c.n_shared_dgrad_gate_up, wait, 9992);
+  if (!__all_sync(0xffffffffu, ok)) return;
+  __syncwarp();
+  const uint64_t t_dx = ptx::globaltimer_ns();
+  for (int64_t t = w; t < p.num_tokens; t += W) dx_token<1>(p, t);
+  if (lane == 0 && cw == 0) {
+    trace.add(mokTraceGridBarrier, t_begin, t_dx, 255, -1, -1);
+    trace.add(mokTraceCombine, t_dx, ptx::globaltimer_ns(), 255, -1, -1);
+  }
+}
+
 // ---- end: grid barrier, d topk_weights, (EP >= 2: end barrier), dx ----------------------------
 // Run by the 256 consumer threads of every block; thread 128 arrives at the barriers.
 __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
@@ -216,14 +280,7 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   // d topk_weights of every routed row here: the fixed-order sum of its partials
   const int64_t total = p.expert_offset[p.num_local];
   const int chunks = p.inter / gemm::kDtwChunk;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) {
-    const uint32_t rec = p.rows[i];
-    if (row_is_pad(rec)) continue;
-    float s = 0.0f;
-    for (int c = 0; c < chunks; ++c) s = s + p.partials[i * chunks + c];
-    float* out = ep ? ep::dtw_of(p.group, row_rank(rec)) : p.d_topk_weights;
-    out[row_token(rec) * p.topk + row_slot(rec)] = s;
-  }
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) dtw_row(p, i, chunks, ep);
   if (ep) {
     // Every rank's dx rows and d topk_weights landed here before the reductions
     __threadfence_system();
@@ -243,16 +300,8 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   }
   // dx: warp w of block b takes tokens b·8 + w, then every 8·gridDim-th
   const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
-  const int64_t row_vecs = p.hidden / 8;
-  const int k = p.topk;
-  const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
-  const uint4* shared_dx = reinterpret_cast<const uint4*>(p.shared_dx);
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * 8)
-    combine_token_warp(slots + t * k * row_vecs, row_vecs, k, p.ones, p.shared_inter > 0 ? shared_dx + t * row_vecs : nullptr,
-                       reinterpret_cast<uint4*>(p.dx) + t * row_vecs, [&](int j) {
-                         int64_t id;
-                         return plan::check_route(p.routing, p.group.rank, t, j, &id) == RouteCheck::kOk;
-                       });
+    dx_token(p, t);
   if (p.trace) {
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
     if (threadIdx.x == 128) {
@@ -318,13 +367,15 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<BackwardDir>(sh, maps, p, g, counts, wait);
     if (threadIdx.x == kSignalerThread) signal_tasks<BackwardDir>(sh, p, g, counts, wait);
+    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 32), 0);
+    if (p.combine_overlap && warp >= 2) combine_warps(p, g, counts, warp - 2, wait);
     return;
   }
   ptx::setmaxnreg_inc<kConsumerRegs>();
   consume_tasks<BackwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-  finish(p, wait);
+  if (!p.combine_overlap) finish(p, wait);
 }
 
 }  // namespace mok::cuda::fused::bwd

@@ -50,6 +50,7 @@ struct BackwardParams {
   int32_t start_blocks;       // row blocks [pregathered, + start_blocks) gathered by every block at the start
                               // (MOK_BACKWARD_START_GATHER minibatches); the comm blocks gather the rest
   int32_t consumer_lockstep;  // 1: both consumer warpgroups meet at every task (MOK_CONSUMER_SYNC=tile)
+  int32_t combine_overlap;    // 1 (EP = 1, MOK_BACKWARD_COMBINE=overlap): combine_warps, no end phase
   int32_t tensormap_prefetch; // 1: the producer prefetches every map at the start (MOK_TENSORMAP_PREFETCH)
   int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline; 2: two
                               // rows in flight per comm warp (MOK_GATHER=warps|pipeline|pairs)
