@@ -15,6 +15,14 @@ timeout 200 python3 -m pytest -q tests/python/test_gpu.py tests/python/test_gpu_
   -k "pair_clusters or wgrad_cluster or grouped_wgrad" 2>&1 | tail -4
 # ncu's launch statistics give each launch's grid and cluster size
 SHAPE="${SHAPE:-qwen3}" bash tools/dev/wgrad_ncu.sh
+# Per-instruction stall samples of the single-CTA and pair wgrad kernels (where the pair loses)
+for k in wgrad_gate_up wgrad_gate_up_pair; do
+  timeout 150 ncu --section WarpStateStats --section SourceCounters -k regex:grouped_wgrad --launch-skip 1 \
+    --launch-count 1 -o /tmp/$k -f python3 tools/profile_kinds.py qwen3 --kinds $k >"$OUT/ncu_src_run.log" 2>&1
+  ncu -i /tmp/$k.ncu-rep --page source --csv --print-source sass >/tmp/${k}_src.csv 2>>"$OUT/ncu_src_run.log"
+  python3 tools/dev/ncu_source_top.py /tmp/${k}_src.csv 60 >"$OUT/src_top_$k.txt" 2>&1
+  echo "== $k"; head -40 "$OUT/src_top_$k.txt"
+done
 for s in dsv3 qwen3; do
   timeout 120 python3 tools/sustained.py $s --gemm --variants base,pair:MOK_WGRAD_CLUSTER=2 2>&1 | grep -E "wgrad|dense"
 done
