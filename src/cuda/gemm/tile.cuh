@@ -278,7 +278,11 @@ __device__ __forceinline__ void pair_roles(Produce produce, Consume consume) {
   const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (role == 0) {
     ptx::setmaxnreg_dec<TileConfig::kProducerRegs>();
-    if (threadIdx.x == 0) produce();
+    // Lanes 1-31 of the producer's warp wait for it at a warp barrier, not at the cluster one
+    if (threadIdx.x < 32) {
+      if (threadIdx.x == 0) produce();
+      __syncwarp();
+    }
     ptx::cluster_sync();
     return;
   }

@@ -85,12 +85,17 @@ __device__ __forceinline__ uint32_t cluster_cta_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
-// Arrive on the mbarrier at `bar`'s offset in CTA `cta` of this cluster.
+// Arrive on the mbarrier at `bar`'s offset in CTA `cta` of this cluster, with the default
+// (CTA-scope) release: it frees a stage the arriving warpgroup read only through wgmma, whose
+// wait_group already ordered those reads, so nothing needs publishing at cluster scope.
+// NOTES: `.release.cluster` here compiled to an ERRBAR + CGAERRBAR pair (a wait for every
+// outstanding memory operation) after each k-block of the pair kernels' consumers: 13 % of their
+// stall samples and most of their 20-25 % loss (docs/perf.md session 14).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
   asm volatile(
       "{\n.reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
       "r"(cta)
       : "memory");
 }
