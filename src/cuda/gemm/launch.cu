@@ -355,6 +355,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.out_split = g.out_split;
   p.out1 = static_cast<__nv_bfloat16*>(g.out1);
   p.main_grad1 = g.main_grad1;
+  p.generic_epilogue = env::get(env::kWgradEpilogue) == "generic" ? 1 : 0;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
   // The per-expert tables (the backward's macrobatch loop) in a kernel of their own: the plain

@@ -53,6 +53,7 @@ struct WgradParams {
   int64_t out_split;           // 0: one output; else rows of out / main_grad per expert
   __nv_bfloat16* out1;         // [E, Mo - out_split, No] (out_split > 0)
   float* main_grad1;
+  int32_t generic_epilogue;    // MOK_WGRAD_EPILOGUE=generic: every tile through the generic loop (A/B)
 };
 
 
@@ -149,6 +150,22 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
   const bool accumulate = w.accumulate, store_acc = w.store_acc;
   __nv_bfloat16* const out = w.out;
   float* const main_grad = w.main_grad;
+  if (!accumulate && !store_acc && !main_grad && !p.generic_epilogue) {
+    // The common tile (a final piece without fp32 in or out): bf16(sum) alone, without the
+    // generic loop's per-element predicates (the same bits: total = the sum then too)
+    if (!out) return;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
+      const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
+      const int64_t out_row_off =
+          kTables ? (int64_t{t.expert} * w.out_rows + row - w.row_base) * p.no + col0 : (w.slot * p.mo + row) * p.no + col0;
+      store_row<C::kBlockN / 8>(out + out_row_off, true, [&](int n8) {
+        return kZero ? 0u : pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+      });
+    }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
