@@ -250,21 +250,20 @@ def backward_rows(args, H, I, k, E, T):
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
     if args.explore:
-        # Session 13's A/Bs (docs/perf.md): the producer's registers and the tensor-map prefetch
+        # Session 14's A/Bs (docs/perf.md): the wgrad epilogue's fast path against the generic
+        # loop, and the spare producer warps' combine (session 13)
         bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
-        fwd = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0]  # noqa: E731
-        pre = {"MOK_TENSORMAP_PREFETCH": "start"}
+        generic = {"MOK_WGRAD_EPILOGUE": "generic"}
         overlap = {"MOK_BACKWARD_COMBINE": "overlap"}
         variants.update({
             "mok bwd (repeat)": bwd,
             f"mok bwd ring={ring} (repeat)": lambda: F.backward(saved_all, dy),
             f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
-            "mok bwd prefetch=start": with_env(pre, bwd),
-            f"mok bwd ring={ring} prefetch=start": with_env(pre, lambda: F.backward(saved_all, dy)),
-            "mok bwd combine=overlap": with_env(overlap, bwd),
+            "mok bwd wgrad-epi=generic": with_env(generic, bwd),
+            f"mok bwd ring={ring} wgrad-epi=generic": with_env(generic, lambda: F.backward(saved_all, dy)),
+            "mok bwd unfused wgrad-epi=generic": with_env({**generic, "MOK_BACKWARD_PATH": "unfused"},
+                                                         lambda: F.backward(saved_ctx, dy)),
             f"mok bwd ring={ring} combine=overlap": with_env(overlap, lambda: F.backward(saved_all, dy)),
-            f"mok fwd+bwd ring={ring} combine=overlap": with_env(overlap, lambda: mok_fb(ws_all)),
-            "mok fwd (save h) prefetch=start": with_env(pre, fwd),
         })
     if args.explore_v5:
         # Session 12's knobs: the consumer warpgroups meeting at every task (the kernels before),
@@ -334,7 +333,7 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd prefetch=start", "mok bwd combine=overlap")] if args.explore else []
+    others = [variants[v]() for v in ("mok bwd wgrad-epi=generic", "mok bwd unfused wgrad-epi=generic")] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")
