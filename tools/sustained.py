@@ -250,8 +250,8 @@ def backward_rows(args, H, I, k, E, T):
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
     }
     if args.explore:
-        # Session 14's A/Bs (docs/perf.md): the wgrad epilogue's fast path against the generic
-        # loop, and the spare producer warps' combine (session 13)
+        # Session 14's A/Bs (docs/perf.md): the unfused launches' wgrad epilogue fast path
+        # against the generic loop, and the spare producer warps' combine (session 13)
         bwd = lambda: F.backward(saved_ctx, dy)  # noqa: E731
         generic = {"MOK_WGRAD_EPILOGUE": "generic"}
         overlap = {"MOK_BACKWARD_COMBINE": "overlap"}
@@ -259,8 +259,6 @@ def backward_rows(args, H, I, k, E, T):
             "mok bwd (repeat)": bwd,
             f"mok bwd ring={ring} (repeat)": lambda: F.backward(saved_all, dy),
             f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
-            "mok bwd wgrad-epi=generic": with_env(generic, bwd),
-            f"mok bwd ring={ring} wgrad-epi=generic": with_env(generic, lambda: F.backward(saved_all, dy)),
             "mok bwd unfused wgrad-epi=generic": with_env({**generic, "MOK_BACKWARD_PATH": "unfused"},
                                                          lambda: F.backward(saved_ctx, dy)),
             f"mok bwd ring={ring} combine=overlap": with_env(overlap, lambda: F.backward(saved_all, dy)),
@@ -333,9 +331,12 @@ def backward_rows(args, H, I, k, E, T):
         })
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
-    others = [variants[v]() for v in ("mok bwd wgrad-epi=generic", "mok bwd unfused wgrad-epi=generic")] if args.explore else []
+    others = [variants["mok bwd unfused wgrad-epi=generic"]()] if args.explore else []
+    # The ring for every row sums each expert's weight gradient in one piece: compared among itself
+    ring_runs = [F.backward(saved_all, dy), variants[f"mok bwd ring={ring} combine=overlap"]()] if args.explore else []
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
-        if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others):
+        if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d] + others) or not all(
+                torch.equal(getattr(ring_runs[0], name), getattr(o, name)) for o in ring_runs[1:]):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h, unfused or a knob")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9

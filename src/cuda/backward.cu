@@ -413,7 +413,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     w.main_grad1 = main_grad1;
     w.out_split = split;
     w.acc = acc;
-    w.generic_epilogue = env::get(env::kWgradEpilogue) == "generic" ? 1 : 0;
     return w;
   };
   float* const acc_dn = b.n_acc > 0 ? b.acc_dn : nullptr;

@@ -37,12 +37,13 @@ inline constexpr Knob kPush{"MOK_PUSH", "epilogue",
 inline constexpr Knob kWgradCluster{"MOK_WGRAD_CLUSTER", "1",
                                     "grouped wgrad launches (mokGroupedWgrad, the unfused backward): 1 = one CTA "
                                     "per tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their B boxes "
-                                    "through TMA multicast (same bits; 20-25 % slower as measured, docs/perf.md "
-                                    "session 13)"};
+                                    "through TMA multicast (same bits; 0-2 % slower than one CTA per tile as measured, "
+                                    "docs/perf.md session 14)"};
 inline constexpr Knob kWgradEpilogue{"MOK_WGRAD_EPILOGUE", "fast",
-                                     "wgrad epilogues: fast (a tile without fp32 in or out stores bf16 alone) or "
-                                     "generic (every tile through the loop that also reads and writes fp32; the "
-                                     "same bits, for the A/B of docs/perf.md session 14)"};
+                                     "grouped wgrad launches (mokGroupedWgrad, the unfused backward): fast (a tile "
+                                     "without fp32 in or out stores bf16 alone) or generic (every tile through the "
+                                     "loop that also reads and writes fp32; the same bits, for the A/B of "
+                                     "docs/perf.md session 14; the fused backward always runs the generic loop)"};
 inline constexpr Knob kGemmCluster{"MOK_GEMM_CLUSTER", "1",
                                    "grouped-GEMM launches (mokGroupedGemm, the unfused path): 1 = one CTA per "
                                    "tile; 2 = 2-CTA clusters, the two tiles of a pair sharing their weight "

@@ -53,7 +53,8 @@ struct WgradParams {
   int64_t out_split;           // 0: one output; else rows of out / main_grad per expert
   __nv_bfloat16* out1;         // [E, Mo - out_split, No] (out_split > 0)
   float* main_grad1;
-  int32_t generic_epilogue;    // MOK_WGRAD_EPILOGUE=generic: every tile through the generic loop (A/B)
+  int32_t generic_epilogue;    // MOK_WGRAD_EPILOGUE=generic: every tile through the generic loop (A/B;
+                               // the standalone launches)
 };
 
 
@@ -142,15 +143,18 @@ __device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const 
   }
 }
 
-// The epilogue of a tile into target w (p: its mo, no and acc).
-template <bool kZero, bool kTables>
+// The epilogue of a tile into target w (p: its mo, no and acc).  kFast: a tile without fp32 in
+// or out takes a loop of bf16 stores alone (the standalone launches: 2-5 % faster kinds, docs/
+// perf.md session 14); the fused backward compiles without it (its wgrad tiles through the
+// fast path made the whole kernel 1-2 % slower, measured 8 of 8 times, not understood).
+template <bool kZero, bool kTables, bool kFast = true>
 __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                   const WgradParams& p, const WgradTile& t, const WgradTarget& w) {
   using C = TileConfig;
   const bool accumulate = w.accumulate, store_acc = w.store_acc;
   __nv_bfloat16* const out = w.out;
   float* const main_grad = w.main_grad;
-  if (!accumulate && !store_acc && !main_grad && !p.generic_epilogue) {
+  if (kFast && !accumulate && !store_acc && !main_grad && !p.generic_epilogue) {
     // The common tile (a final piece without fp32 in or out): bf16(sum) alone, without the
     // generic loop's per-element predicates (the same bits: total = the sum then too)
     if (!out) return;
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
 
 inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 64 + 1024;  // + skew barrier, alignment slack
 
-// ---- 2-CTA clusters sharing B (MOK_WGRAD_CLUSTER=2; off: 20-25 % slower, docs/perf.md) -----------
+// ---- 2-CTA clusters sharing B (MOK_WGRAD_CLUSTER=2; off: 0-2 % slower, docs/perf.md session 14) --
 // A cluster takes pairs (e, mp, n), each expert's (m-pair, n) grid in the N-grouped raster:
 // CTA r computes tile (2·mp + r, n) of expert e.  Both tiles need the same B boxes (expert e's
 // rows, n-block n) over the same K (the expert's rows), so CTA r loads B boxes 2r and 2r + 1 of

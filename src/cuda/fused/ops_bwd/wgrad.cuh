@@ -96,8 +96,9 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
     const gemm::WgradTile w = wgrad_tile(t, num_n_blocks(p));
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTarget to = gemm::wgrad_target_at(wp, w, t.slot);
-    if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true>(acc, consumer, wp, w, to);
-    else gemm::epilogue_wgrad_to<false, true>(acc, consumer, wp, w, to);
+    // Without the standalone launches' bf16-only path (kFast = false: faster here, wgrad.cuh)
+    if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true, false>(acc, consumer, wp, w, to);
+    else gemm::epilogue_wgrad_to<false, true, false>(acc, consumer, wp, w, to);
   }
 #endif
 };
