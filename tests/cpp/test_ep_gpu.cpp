@@ -351,59 +351,84 @@ struct RankBackward {
   }
 };
 
-// Virtual EP = P backward through mokBackwardGroup (the fused kernel by default): each rank's
-// dx and d topk_weights bitwise equal to the EP = 1 backward of its own tokens alone (a token's
-// gradients depend on its rows only), runs repeat bitwise.  The small case is what
+// EP = P backward through mokBackwardGroup (the fused kernel by default), rank r on
+// devices[r] (all on one device: virtual ranks): each rank's dx and d topk_weights bitwise
+// equal to the EP = 1 backward of its own tokens alone on devices[0] (a token's gradients
+// depend on its rows only), and every output of every rank (dx, d topk_weights, the routed and
+// shared weight gradients) the same bits in each of `reps` runs.  The small case is what
 // compute-sanitizer runs (memcheck, racecheck) in tools/gpu_check.sh.
-void check_group_backward(const Shape& s, int64_t P, const std::vector<int64_t>& T, int reps, uint64_t seed) {
-  SCOPED_TRACE("seed=" + std::to_string(seed) + " backward P=" + std::to_string(P));
+void check_group_backward(const Shape& s, int64_t P, const std::vector<int64_t>& T, int reps, uint64_t seed,
+                          std::vector<int> devices = {}, Routing routing = Routing::kUniform) {
+  if (devices.empty()) devices = same_device(P);
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " backward P=" + std::to_string(P) + " routing=" +
+               routing_name(routing) + " devices=" + std::to_string(devices[0]) + ".." +
+               std::to_string(devices.back()));
   const int64_t E_l = s.E / P;
   std::mt19937_64 rng(seed);
   const Weights w = make_weights(rng, s);
-  const DeviceWeights dw(w);
   std::vector<RankData> data;
   std::vector<std::vector<bf16_t>> dys;
   int64_t max_tokens = 1;
   for (int64_t r = 0; r < P; ++r) {
-    data.push_back(make_rank(rng, s, T[r], E_l, Routing::kUniform));
+    data.push_back(make_rank(rng, s, T[r], E_l, routing));
     dys.push_back(random_bf16(rng, static_cast<size_t>(T[r] * s.H), 0.5f));
     max_tokens = std::max(max_tokens, T[r]);
   }
-  // EP = 1, all experts local, one rank's tokens at a time
+  // EP = 1 on devices[0], all experts local, one rank's tokens at a time
+  cudaSetDevice(devices[0]);
   std::vector<std::vector<bf16_t>> want_dx;
   std::vector<std::vector<float>> want_dtw;
-  for (int64_t r = 0; r < P; ++r) {
-    mokConfig_t c = config_for(s, max_tokens, 1, 0, 0);
-    mokWorkspace_t ws;
-    ASSERT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
-    RankCall call(s, data[r], dw, 0, s.E, 0);
-    RankBackward bw(s, call, dys[r], s.E, 0);
-    ASSERT_EQ(mokBackward(ws, &bw.a, nullptr), mokSuccess) << mokGetLastError();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(mokWorkspaceCheckErrors(ws, 1), mokSuccess) << mokGetLastError();
-    want_dx.push_back(bw.dx.get<bf16_t>());
-    want_dtw.push_back(bw.dtw.get<float>());
-    mokWorkspaceDestroy(ws);
+  {
+    const DeviceWeights dw0(w);
+    for (int64_t r = 0; r < P; ++r) {
+      mokConfig_t c = config_for(s, max_tokens, 1, 0, devices[0]);
+      mokWorkspace_t ws;
+      ASSERT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
+      RankCall call(s, data[r], dw0, 0, s.E, devices[0]);
+      RankBackward bw(s, call, dys[r], s.E, devices[0]);
+      ASSERT_EQ(mokBackward(ws, &bw.a, nullptr), mokSuccess) << mokGetLastError();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(mokWorkspaceCheckErrors(ws, 1), mokSuccess) << mokGetLastError();
+      want_dx.push_back(bw.dx.get<bf16_t>());
+      want_dtw.push_back(bw.dtw.get<float>());
+      mokWorkspaceDestroy(ws);
+    }
   }
-  Group g(s, max_tokens, P, same_device(P));
+  Group g(s, max_tokens, P, devices);
+  std::vector<std::unique_ptr<DeviceWeights>> dws;  // weights on each rank's device
   std::vector<std::unique_ptr<RankCall>> calls;
   std::vector<std::unique_ptr<RankBackward>> bws;
   for (int64_t r = 0; r < P; ++r) {
-    calls.push_back(std::make_unique<RankCall>(s, data[r], dw, r * E_l, E_l, 0));
-    bws.push_back(std::make_unique<RankBackward>(s, *calls.back(), dys[r], E_l, 0));
+    cudaSetDevice(devices[r]);
+    dws.push_back(std::make_unique<DeviceWeights>(w));
+    calls.push_back(std::make_unique<RankCall>(s, data[r], *dws.back(), r * E_l, E_l, devices[r]));
+    bws.push_back(std::make_unique<RankBackward>(s, *calls.back(), dys[r], E_l, devices[r]));
   }
-  std::vector<bf16_t> first_gd;
+  // Every output buffer of a rank, for the run-to-run check
+  auto outputs = [](RankBackward& b) {
+    return std::vector<DeviceBuffer*>{&b.dx, &b.dtw, &b.gg, &b.gu, &b.gd, &b.sg, &b.su, &b.sd};
+  };
+  std::vector<std::vector<std::vector<uint8_t>>> first(static_cast<size_t>(P));
   for (int rep = 0; rep < reps; ++rep) {
     std::vector<mokBackwardArgs_t> args;
     std::vector<void*> st;
     for (int64_t r = 0; r < P; ++r) {
-      EXPECT_EQ(cudaMemset(bws[r]->dx.ptr, 0xFF, bws[r]->dx.bytes), cudaSuccess);
-      EXPECT_EQ(cudaMemset(bws[r]->dtw.ptr, 0xFF, bws[r]->dtw.bytes), cudaSuccess);
+      cudaSetDevice(devices[r]);
+      for (DeviceBuffer* b : outputs(*bws[r])) EXPECT_EQ(cudaMemset(b->ptr, 0xFF, b->bytes), cudaSuccess);
       args.push_back(bws[r]->a);
       st.push_back(g.streams[r]);
     }
+    for (int64_t r = 0; r < P; ++r) {
+      cudaSetDevice(devices[r]);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the poison landed before any rank starts
+    }
+    cudaSetDevice(devices[0]);
     ASSERT_EQ(mokBackwardGroup(g.ws.data(), args.data(), nullptr, P, st.data()), mokSuccess) << mokGetLastError();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int64_t r = 0; r < P; ++r) {
+      cudaSetDevice(devices[r]);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    cudaSetDevice(devices[0]);
     for (int64_t r = 0; r < P; ++r) {
       ASSERT_EQ(mokWorkspaceCheckErrors(g.ws[r], 1), mokSuccess) << "rank " << r << ": " << mokGetLastError();
       const auto dx = bws[r]->dx.get<bf16_t>();
@@ -413,12 +438,22 @@ void check_group_backward(const Shape& s, int64_t P, const std::vector<int64_t>&
       ASSERT_EQ(bad, 0) << "rep " << rep << " rank " << r << ": dx elements differ from EP = 1";
       ASSERT_EQ(std::memcmp(dtw.data(), want_dtw[r].data(), dtw.size() * 4), 0)
           << "rep " << rep << " rank " << r << ": d topk_weights differ from EP = 1";
+      const auto outs = outputs(*bws[r]);
+      for (size_t o = 0; o < outs.size(); ++o) {
+        const auto bytes = outs[o]->get<uint8_t>();
+        if (rep == 0) {
+          first[r].push_back(bytes);
+        } else {
+          ASSERT_TRUE(bytes == first[r][o]) << "rep " << rep << " rank " << r << ": output " << o
+                                            << " (dx, dtw, w_gate, w_up, w_down, ws_gate, ws_up, ws_down) "
+                                               "differs from the first run";
+        }
+      }
     }
-    const auto gd = bws[0]->gd.get<bf16_t>();
-    if (rep == 0) first_gd = gd;
-    ASSERT_TRUE(gd == first_gd) << "rep " << rep << ": rank 0's w_down gradient differs from the first run";
   }
-  std::printf("backward EP=%ld: %d runs, dx and d topk_weights of every rank bitwise equal to EP=1\n", (long)P, reps);
+  std::printf("backward EP=%ld %s T=[%ld..] devices %d..%d: %d runs, dx and d topk_weights of every rank bitwise "
+              "equal to EP=1, every output the same bits in every run\n",
+              (long)P, routing_name(routing), (long)T[0], devices[0], devices.back(), reps);
 }
 
 TEST(EpGpu, BackwardVirtualRanksMatchEp1) {
@@ -429,6 +464,7 @@ TEST(EpGpu, BackwardVirtualRanksMatchEp1) {
   check_group_backward(s, 2, {300, 200}, 3, seed);
   check_group_backward(s, 4, {300, 0, 517, 129}, 3, seed);
   check_group_backward(s, 8, std::vector<int64_t>(8, 130), 2, seed);
+  check_group_backward(s, 4, {300, 0, 517, 129}, 2, seed, {}, Routing::kZipf);
 }
 
 // The small backward compute-sanitizer runs: virtual EP = 4, one call.
@@ -443,24 +479,49 @@ TEST(EpGpu, SanitizerSmallBackward) {
   check_group_backward(s, 4, {64, 0, 130, 17}, 1, fresh_seed());
 }
 
-TEST(EpGpu, MissingRankTimesOut) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+// Rank 1 of a 2-rank group (rank r on devices[r]) never calls: rank 0's forward, or its
+// backward, comes back on its own with a timeout error that names the rank, the peer and the
+// wait.
+void check_missing_rank(std::vector<int> devices, bool backward) {
+  SCOPED_TRACE(std::string(backward ? "backward" : "forward") + " devices=" + std::to_string(devices[0]) + "," +
+               std::to_string(devices[1]));
   Shape s;
   std::mt19937_64 rng(fresh_seed());
   const Weights w = make_weights(rng, s);
-  const DeviceWeights dw(w);
   const RankData d = make_rank(rng, s, 100, s.E / 2, Routing::kUniform);
-  Group g(s, 100, 2, same_device(2), 0, 0, /*timeout_s=*/0.5);
+  Group g(s, 100, 2, devices, 0, 0, /*timeout_s=*/0.5);
+  std::vector<std::unique_ptr<DeviceWeights>> dws;
   std::vector<std::unique_ptr<RankCall>> calls;
-  calls.push_back(std::make_unique<RankCall>(s, d, dw, 0, s.E / 2, 0));
-  calls.push_back(std::make_unique<RankCall>(s, d, dw, s.E / 2, s.E / 2, 0));
-  g.run(calls, {0});  // rank 1 never calls: rank 0 must come back on its own
+  for (int r = 0; r < 2; ++r) {
+    cudaSetDevice(devices[r]);
+    dws.push_back(std::make_unique<DeviceWeights>(w));
+    calls.push_back(std::make_unique<RankCall>(s, d, *dws.back(), r * (s.E / 2), s.E / 2, devices[r]));
+  }
+  cudaSetDevice(devices[0]);
+  if (!backward) {
+    g.run(calls, {0});  // rank 1 never calls
+  } else {
+    const std::vector<bf16_t> dy = random_bf16(rng, static_cast<size_t>(100 * s.H), 0.5f);
+    RankBackward bw(s, *calls[0], dy, s.E / 2, devices[0]);
+    ASSERT_EQ(mokBackward(g.ws[0], &bw.a, g.streams[0]), mokSuccess) << mokGetLastError();
+    ASSERT_EQ(cudaStreamSynchronize(g.streams[0]), cudaSuccess);
+  }
   EXPECT_EQ(mokWorkspaceCheckErrors(g.ws[0], 1), mokTimeout);
   const std::string msg = mokGetLastError();
   EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
   EXPECT_NE(msg.find("peer 1"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("start barrier"), std::string::npos) << msg;
-  std::printf("timeout message: %s\n", msg.c_str());
+  EXPECT_NE(msg.find("barrier"), std::string::npos) << msg;
+  std::printf("%s timeout message: %s\n", backward ? "backward" : "forward", msg.c_str());
+}
+
+TEST(EpGpu, MissingRankTimesOut) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_missing_rank(same_device(2), false);
+}
+
+TEST(EpGpu, BackwardMissingRankTimesOut) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_missing_rank(same_device(2), true);
 }
 
 // A bad id on one rank is masked on the device and reported by every rank (each rank's plan
@@ -575,6 +636,15 @@ TEST(EpGpu, AllGpusMatchEp1) {
   check_group(cs, devices, seed);
   check_group(Case{s, P, T_skew, Routing::kZipf}, devices, seed);
   check_group(Case{s, P, T, Routing::kMasked, 128, 256}, devices, seed);  // the ring wraps
+  // The backward over the same devices: uneven T, zipf with a rank of no tokens, 100 runs
+  Shape sb;
+  sb.Is = 256;
+  check_group_backward(sb, P, T, 3, seed, devices, Routing::kUniform);
+  check_group_backward(sb, P, T_skew, 3, seed, devices, Routing::kZipf);
+  check_group_backward(sb, P, T, 100, seed, devices, Routing::kMasked);
+  // A missing rank, forward and backward, over two devices
+  check_missing_rank({0, 1}, false);
+  check_missing_rank({0, 1}, true);
 }
 
 }  // namespace

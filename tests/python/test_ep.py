@@ -17,10 +17,17 @@ import torch
 import mok
 from mok import _lib
 from mok import functional as F
-from oracle import assert_close, make_routing, make_weights, make_x
+from oracle import assert_close, make_routing, make_weights, make_x, reference, route_term_norms
 
 ROUTED = ("w_gate", "w_up", "w_down")
 SHARED = ("ws_gate", "ws_up", "ws_down")
+# The multi-GPU cases (TestMultiGPU; their checks also run on virtual ranks)
+H2, I2, E2, K2, IS2 = 512, 256, 16, 4, 256
+COUNTS_BY_WORLD = {2: (300, 257), 4: (300, 0, 384, 129), 8: (300, 0, 384, 129, 311, 64, 290, 200)}
+MULTI_KINDS = ("masked", "zipf", "empty_rank", "uneven")
+MULTI_RUNS = {"masked": 100}  # runs per case in each rank (bitwise the same every time); else 3
+MAX_T2 = 512
+MULTI_CONFIG = dict(minibatch_size=128, macrobatch_size=256)  # the ring wraps
 SYMMETRIC_SYMBOLS = ("mokSymmetricBytes", "mokWorkspaceCreateSymmetric")
 HEADER = Path(__file__).resolve().parents[2] / "include" / "mok" / "mok.h"
 
@@ -177,6 +184,11 @@ def _ids(kind, gen, T, E, k, P):
         # Every token to expert E-1, its other routes spread over the rest
         ids = torch.rand(T, E - 1, generator=gen).argsort(dim=1)[:, :k].to(torch.int32)
         ids[:, 0] = E - 1
+    elif kind == "zipf":
+        # Expert e drawn with weight 1 / (e + 1)^1.2, k distinct per token: the first experts' owners hot
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+        ids = (torch.multinomial(p.expand(T, E), k, replacement=False, generator=gen).to(torch.int32) if T
+               else torch.empty(0, k, dtype=torch.int32))
     elif kind == "one_rank":
         # Every route to rank 0's experts (as many as it owns), the rest masked
         local = E // P
@@ -401,6 +413,14 @@ class TestVirtualRanks:
             for r, (y, want) in enumerate(zip(captured, _ep1_outputs(static))):
                 _assert_bitwise(f"rank {r} last replay vs EP=1", y, want)
 
+    @pytest.mark.parametrize("kind", MULTI_KINDS)
+    def test_multi_gpu_cases_on_virtual_ranks(self, seed, kind):
+        # The cases and checks of TestMultiGPU (which needs 2+ GPUs) on a virtual group of 4:
+        # the same inputs, the same oracle comparisons, so the multi-GPU test's own code has run
+        ranks_cpu, dys_cpu = _multi_gpu_case(seed, 4, kind)
+        got = _virtual_outputs([_to_cuda(r) for r in ranks_cpu], [d.cuda() for d in dys_cpu], 4)
+        _check_multi_case(f"virtual EP=4 {kind}", seed, 4, kind, got, against_virtual=False)
+
     def test_a_rank_that_never_arrives_times_out(self, gen):
         ranks = [_to_cuda(r) for r in _make_ranks(gen, 2, 512, 256, 16, 4, [300, 200])]
         # A fresh group: after a timeout its workspaces may be unusable
@@ -420,8 +440,6 @@ class TestVirtualRanks:
 # Every visible GPU (2, 4 or 8): a real EP group over PyTorch symmetric memory
 
 
-H2, I2, E2, K2, IS2 = 512, 256, 16, 4, 256
-COUNTS_BY_WORLD = {2: (300, 257), 4: (300, 0, 384, 129), 8: (300, 0, 384, 129, 311, 64, 290, 200)}
 
 
 def _world() -> int:
@@ -429,13 +447,29 @@ def _world() -> int:
     return 8 if n >= 8 else (4 if n >= 4 else 2)
 
 
-def _multi_gpu_case(seed, world):
+def _multi_gpu_counts(kind, world):
+    if kind == "empty_rank":  # rank 1 has no tokens
+        return [0 if r == 1 else c for r, c in enumerate(COUNTS_BY_WORLD[world])]
+    if kind == "uneven":
+        return _token_counts("uneven", world)
+    return list(COUNTS_BY_WORLD[world])
+
+
+def _multi_gpu_case(seed, world, kind="masked"):
+    """Every rank's CPU inputs and dy of one case (the same in the workers and the parent)."""
     gen = torch.Generator().manual_seed(seed)
-    return _make_ranks(gen, world, H2, I2, E2, K2, list(COUNTS_BY_WORLD[world]), "masked", IS2)
+    counts = _multi_gpu_counts(kind, world)
+    ranks = _make_ranks(gen, world, H2, I2, E2, K2, counts, kind, IS2)
+    return ranks, [make_x(gen, T, H2) for T in counts]
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def _multi_gpu_worker(rank, world, port, seed, out_dir):
-    """One rank of the EP group (spawned): its forward, 3 times, saved for the parent."""
+    """One rank of the EP group (spawned): per case its forward (saving h) and backward, run
+    MULTI_RUNS times and bitwise the same every time; the first run's outputs saved for the parent."""
     F.multicast_off_env()
     import torch.distributed as dist
 
@@ -443,20 +477,26 @@ def _multi_gpu_worker(rank, world, port, seed, out_dir):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        mine = _to_cuda(_multi_gpu_case(seed, world)[rank])
-        ws = F.get_workspace(H2, I2, E2, K2, max(COUNTS_BY_WORLD[world]), IS2, device=f"cuda:{rank}",
-                             group=dist.group.WORLD,
-                             config=F.MoKConfig(minibatch_size=128, macrobatch_size=256))
+        ws = F.get_workspace(H2, I2, E2, K2, MAX_T2, IS2, device=f"cuda:{rank}", group=dist.group.WORLD,
+                             config=F.MoKConfig(**MULTI_CONFIG))
         assert ws.is_symmetric and (ws.dims.ep_size, ws.dims.ep_rank) == (world, rank)
-        ys = []
-        for _ in range(3):
-            y, _ = F.forward(mine.x, mine.topk_ids, mine.topk_weights, mine.w_gate, mine.w_up, mine.w_down,
-                             mine.ws_gate, mine.ws_up, mine.ws_down, workspace=ws)
-            ys.append(y)
-        ws.check_errors()
-        for y in ys[1:]:
-            _assert_bitwise(f"rank {rank} run to run", y, ys[0])
-        torch.save(ys[0].cpu(), os.path.join(out_dir, f"y{rank}.pt"))
+        for kind in MULTI_KINDS:
+            ranks, dys = _multi_gpu_case(seed, world, kind)
+            mine, dy = _to_cuda(ranks[rank]), dys[rank].cuda()
+            first = None
+            for run in range(MULTI_RUNS.get(kind, 3)):
+                y, ctx = F.forward(mine.x, mine.topk_ids, mine.topk_weights, mine.w_gate, mine.w_up, mine.w_down,
+                                   mine.ws_gate, mine.ws_up, mine.ws_down, workspace=ws)
+                g = F.backward(ctx, dy)
+                out = {"y": y, "dx": g.dx, "d_topk_weights": g.d_topk_weights,
+                       **{n: getattr(g, n) for n in ROUTED + SHARED}}
+                if first is None:
+                    first = {n: t.clone() for n, t in out.items()}
+                    continue
+                for n, t in out.items():
+                    assert torch.equal(_bits(t), _bits(first[n])), f"rank {rank} {kind} run {run}: {n} differs from run 0"
+            ws.check_errors()
+            torch.save({n: t.cpu() for n, t in first.items()}, os.path.join(out_dir, f"{kind}_{rank}.pt"))
         # Nobody frees its region while a peer may still use it
         torch.cuda.synchronize()
         dist.barrier()
@@ -466,10 +506,102 @@ def _multi_gpu_worker(rank, world, port, seed, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _missing_rank_worker(rank, world, port, seed, out_dir):
+    """The last rank never calls, first the forward, then (fresh workspaces) the backward:
+    every other rank's call comes back on its own with a timeout naming that peer."""
+    F.multicast_off_env()
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    absent = world - 1
+    try:
+        ranks, dys = _multi_gpu_case(seed, world)
+        mine, dy = _to_cuda(ranks[rank]), dys[rank].cuda()
+        args = (mine.x, mine.topk_ids, mine.topk_weights, mine.w_gate, mine.w_up, mine.w_down, mine.ws_gate,
+                mine.ws_up, mine.ws_down)
+        for phase, timeout in (("forward", 1.0), ("backward", 1.5)):  # a new timeout: a new workspace
+            ws = F.get_workspace(H2, I2, E2, K2, MAX_T2, IS2, device=f"cuda:{rank}", group=dist.group.WORLD,
+                                 config=F.MoKConfig(timeout_s=timeout, **MULTI_CONFIG))
+            if rank != absent:
+                if phase == "forward":
+                    F.forward(*args, workspace=ws, save_for_backward=False)
+                else:
+                    F.backward(F.recompute_forward_context(*args, workspace=ws), dy)
+                with pytest.raises(RuntimeError) as info:
+                    ws.check_errors(wait=True)
+                message = str(info.value)
+                assert f"rank {rank}" in message and f"peer {absent}" in message, f"{phase}: {message}"
+                with open(os.path.join(out_dir, f"{phase}_{rank}.txt"), "w") as f:
+                    f.write(message)
+            torch.cuda.synchronize()
+            dist.barrier()
+            F.clear_workspace_cache()
+            ws.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _virtual_outputs(ranks, dys, world):
+    """y and the gradients of every rank through a virtual group of `world` ranks on one GPU,
+    in the workers' record layout (CPU tensors)."""
+    with F.create_virtual_group(H2, I2, E2, K2, MAX_T2, IS2, ep_size=world, config=F.MoKConfig(**MULTI_CONFIG)) as group:
+        grads = group.backward(ranks, dys)
+        ys = group.forward(ranks)
+        group.check_errors()
+    return [{"y": y.cpu(), "dx": g.dx.cpu(), "d_topk_weights": g.d_topk_weights.cpu(),
+             **{n: getattr(g, n).cpu() for n in ROUTED + SHARED}} for y, g in zip(ys, grads)]
+
+
+def _check_multi_case(tag, seed, world, kind, got, against_virtual):
+    """got[r]: rank r's outputs of case `kind` (y, dx, d topk_weights, the weight gradients).
+    Per token y, dx and d topk_weights bitwise equal to EP = 1 on one GPU (and, with
+    against_virtual, to a virtual group of `world` ranks); y and every gradient against the
+    float64 oracle: the routed experts' over every rank's tokens, the shared expert's over the
+    rank's own (zero for a rank of no tokens)."""
+    ranks_cpu, dys_cpu = _multi_gpu_case(seed, world, kind)
+    ranks = [_to_cuda(r) for r in ranks_cpu]
+    dys = [d.cuda() for d in dys_cpu]
+    counts = [r.x.shape[0] for r in ranks_cpu]
+    E_l = E2 // world
+    for r, want in enumerate(_ep1_outputs(ranks)):
+        _assert_bitwise(f"{tag} rank {r} y vs EP=1", got[r]["y"], want.cpu())
+    # EP = 1 over every rank's tokens, every expert local
+    weights = {n: torch.cat([getattr(rk, n) for rk in ranks]) for n in ROUTED}
+    weights.update({n: getattr(ranks[0], n) for n in SHARED})
+    cat = {n: torch.cat([getattr(rk, n) for rk in ranks]) for n in ("x", "topk_ids", "topk_weights")}
+    g1 = F.backward(F.recompute_forward_context(cat["x"], cat["topk_ids"], cat["topk_weights"], **weights),
+                    torch.cat(dys))
+    for r, (dx, dtw) in enumerate(zip(torch.split(g1.dx, counts), torch.split(g1.d_topk_weights, counts))):
+        _assert_bitwise(f"{tag} rank {r} dx vs EP=1", got[r]["dx"], dx.cpu())
+        assert torch.equal(got[r]["d_topk_weights"], dtw.cpu()), f"{tag} rank {r} d topk_weights vs EP=1"
+    if against_virtual:
+        for r, v in enumerate(_virtual_outputs(ranks, dys, world)):
+            for n in ("y", "dx"):
+                _assert_bitwise(f"{tag} rank {r} {n} vs virtual EP={world}", got[r][n], v[n])
+            assert torch.equal(got[r]["d_topk_weights"], v["d_topk_weights"]), f"{tag} rank {r} d topk_weights vs virtual"
+    w_cpu = {n: torch.cat([getattr(rk, n) for rk in ranks_cpu]) for n in ROUTED}
+    w_cpu.update({n: getattr(ranks_cpu[0], n) for n in SHARED})
+    x_all = torch.cat([rk.x for rk in ranks_cpu])
+    ids_all = torch.cat([rk.topk_ids for rk in ranks_cpu])
+    dy_all = torch.cat(dys_cpu)
+    y64, ref = reference(x_all, ids_all, torch.cat([rk.topk_weights for rk in ranks_cpu]), w_cpu, dy_all)
+    floors = torch.split(route_term_norms(x_all, ids_all, w_cpu, dy_all), counts)
+    for r, (y_r, dx_r, dtw_r) in enumerate(zip(torch.split(y64, counts), torch.split(ref["dx"], counts),
+                                               torch.split(ref["d_topk_weights"], counts))):
+        assert_close(f"{tag} rank {r} y vs float64", got[r]["y"], y_r)
+        assert_close(f"{tag} rank {r} dx vs float64", got[r]["dx"], dx_r)
+        assert_close(f"{tag} rank {r} d topk_weights vs float64", got[r]["d_topk_weights"], dtw_r, floor=floors[r])
+        for n in ROUTED:
+            assert_close(f"{tag} rank {r} {n} vs float64", got[r][n], ref[n][r * E_l:(r + 1) * E_l])
+        if counts[r] == 0:
+            for n in SHARED:
+                assert not got[r][n].float().any(), f"{tag} rank {r} (no tokens): {n} not zero"
+            continue
+        rk = ranks_cpu[r]
+        _, ref_r = reference(rk.x, rk.topk_ids, rk.topk_weights, w_cpu, dys_cpu[r])
+        for n in SHARED:
+            assert_close(f"{tag} rank {r} {n} vs float64", got[r][n], ref_r[n])
 
 
 class TestMultiGPU:
@@ -479,21 +611,24 @@ class TestMultiGPU:
                            reason="needs torch.distributed with NCCL"),
     ]
 
-    def test_real_ep_over_symmetric_memory_equals_ep1_and_virtual(self, seed, tmp_path):
+    def test_real_ep_forward_and_backward_equal_ep1_virtual_and_oracle(self, seed, tmp_path):
+        # Every case (a masked routing, zipf, a rank of no tokens, uneven T) at real EP = P over
+        # every GPU: per token y, dx and d topk_weights bitwise equal to EP = 1 on one GPU and to
+        # virtual EP = P; y and every gradient against the float64 oracle; each case repeated
+        # in the workers (100 runs for one) bitwise
         import torch.multiprocessing as mp
 
         world = _world()
         mp.spawn(_multi_gpu_worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world, join=True)
-        ys = [torch.load(tmp_path / f"y{r}.pt") for r in range(world)]
-        ranks_cpu = _multi_gpu_case(seed, world)
-        ranks = [_to_cuda(r) for r in ranks_cpu]
-        # Per token: real EP = P == EP = 1 on one GPU == virtual EP = P on one GPU
-        for r, (y, want) in enumerate(zip(ys, _ep1_outputs(ranks))):
-            _assert_bitwise(f"rank {r} real EP={world} vs EP=1", y, want.cpu())
-        with F.create_virtual_group(H2, I2, E2, K2, max(COUNTS_BY_WORLD[world]), IS2, ep_size=world) as group:
-            virtual = group.forward(ranks)
-            group.check_errors()
-        for r in range(world):
-            _assert_bitwise(f"rank {r} real EP={world} vs virtual EP={world}", ys[r], virtual[r].cpu())
-        for r, (y, ref) in enumerate(zip(ys, F.forward_emulated(ranks_cpu, num_experts=E2))):
-            assert_close(f"rank {r} y vs CPU reference", y, ref.double())
+        for kind in MULTI_KINDS:
+            got = [torch.load(tmp_path / f"{kind}_{r}.pt") for r in range(world)]
+            _check_multi_case(f"real EP={world} {kind}", seed, world, kind, got, against_virtual=True)
+
+    def test_real_ep_missing_rank_times_out_naming_it(self, seed, tmp_path):
+        import torch.multiprocessing as mp
+
+        world = _world()
+        mp.spawn(_missing_rank_worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world, join=True)
+        for phase in ("forward", "backward"):
+            for r in range(world - 1):
+                assert (tmp_path / f"{phase}_{r}.txt").exists(), f"{phase}: rank {r} reported nothing"
