@@ -322,6 +322,62 @@ def bench_mok(h, report, case: EPCase, state, group_name, config, name, panel, m
     return report._add(merged)
 
 
+def bench_mok_ep1(h, report, case: EPCase, state, group_name, config, name, panel, models,
+                  backward: bool = False) -> Optional[Dict[str, Any]]:
+    """mok at EP = 1 on each rank's GPU alone, at the same per-GPU load: the rank's own T tokens
+    (the same x, topk_weights and dy) routed uniformly over its E/P local experts, so T·k rows
+    pass through the same expert shapes with no exchange. EP = P over this is what the group's
+    communication costs. The check is that y is finite (the routing is not the group's)."""
+    mok = state.get("mok")
+    if mok is None:
+        return report.skip(name, state["mok_status"], group=group_name, panel=panel, status="not available")
+    if "failed_in" in state:
+        return report.skip(name, f"skipped after an error in {state['failed_in']}", group=group_name, panel=panel)
+    s = case.shape
+    ws, why = None, ""
+    try:
+        ws = mok.functional.get_workspace(s.H, s.I, s.E_l, s.k, s.T, s.I_s, device=case.device, config=config)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    ok, why = agree(ws is not None, why, case.group)
+    if not ok:
+        if ws is not None:
+            mok.functional.clear_workspace_cache()
+            ws.close()
+        state["failed_in"] = group_name
+        return report.skip(name, why, group=group_name, panel=panel, status="error")
+    shared = case.shared if case.shared is not None else (None, None, None)
+    sets: Dict[int, Dict[str, torch.Tensor]] = {}
+
+    def setup(i):
+        if i not in sets:
+            inp = dict(case.inputs_with_dy(i) if backward else case.inputs(i))
+            ids, _ = sh.make_routing("uniform", s.T, s.E_l, s.k, seed=(case.seed * 1000 + i + 1) * 1024 + 511,
+                                     device=case.device)
+            sets[i] = {**inp, "topk_ids": ids}
+        return sets[i]
+
+    def run(inp):
+        y, ctx = mok.functional.forward(inp["x"], inp["topk_ids"], inp["topk_weights"], case.w_gate, case.w_up,
+                                        case.w_down, *shared, workspace=ws, save_for_backward=backward)
+        if backward:
+            mok.functional.backward(ctx, inp["dy"])
+        return y
+
+    def finite(inp, y):
+        ok = bool(torch.isfinite(y.float()).all().item())
+        return {"ok": ok, "rel_err": 0.0 if ok else float("inf"), "tol": 0.0, "what": "y finite (EP = 1, own routing)"}
+
+    rec = h.run(hz.Benchmark(name, setup, run, flops=models[0], check=finite, group=group_name, panel=panel))
+    device_error = release_workspace(mok, case, ws)
+    if device_error and rec.get("status") == "ok":
+        rec.update(status="error", error=f"device: {device_error}")
+    merged = merge(rec, case.group, report)
+    if merged.get("status") == "error":
+        state["failed_in"] = group_name
+    return report._add(merged)
+
+
 def bench_case(h: EPHarness, report: hz.Harness, case: EPCase, args, state) -> Dict[str, Any]:
     s = case.shape
     group_name = f"{s.name}/{case.routing}" + ("+shared" if s.I_s else "")
@@ -412,6 +468,12 @@ def bench_case(h: EPHarness, report: hz.Harness, case: EPCase, args, state) -> D
         if not args.fwd_only:
             bench_mok(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch), "mok fwd+bwd",
                       "fwd+bwd", (fb_flops, 2 * pull_bytes), backward=True)
+        # EP = 1 at the same per-GPU load (each rank alone), forward and forward + backward
+        bench_mok_ep1(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch),
+                      "mok EP=1 fwd (same per-GPU load)", "fwd", (fwd_flops, 0.0))
+        if not args.fwd_only:
+            bench_mok_ep1(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch),
+                          "mok EP=1 fwd+bwd (same per-GPU load)", "fwd+bwd", (fb_flops, 0.0), backward=True)
         if args.sweep:
             # The push alternative: down rows into the ring, comm blocks push them home
             # (MOK_PUSH is read per call; every rank sets it the same way)
@@ -442,6 +504,7 @@ def ratios(report: hz.Harness, group: str) -> Dict[str, Optional[float]]:
     nccl, deep, experts = ms("nccl+torch fwd"), ms("deepep+torch fwd"), ms("experts only (grouped GEMMs)")
     floor, mok_fwd = ms("dense-rate floor fwd"), ms("mok fwd")
     nccl_fb, mok_fb = ms("nccl+torch fwd+bwd"), ms("mok fwd+bwd")
+    ep1, ep1_fb = ms("mok EP=1 fwd (same per-GPU load)"), ms("mok EP=1 fwd+bwd (same per-GPU load)")
     mok_rec = report.find("mok fwd", group)
     rates = ((mok_rec or {}).get("nvlink") or {}).get("pull_gbps_avg_over_call") or []
     rates = [x for x in rates if x is not None]
@@ -451,7 +514,9 @@ def ratios(report: hz.Harness, group: str) -> Dict[str, Optional[float]]:
             "mok_over_floor": div(mok_fwd, floor), "nccl_over_experts": div(nccl, experts),
             "mok_pull_gbps_avg_min": min(rates) if rates else None,
             "mok_pull_gbps_avg_max": max(rates) if rates else None,
-            "nccl_fwdbwd_ms": nccl_fb, "mok_fwdbwd_ms": mok_fb, "speedup_mok_fwdbwd_vs_nccl": div(nccl_fb, mok_fb)}
+            "nccl_fwdbwd_ms": nccl_fb, "mok_fwdbwd_ms": mok_fb, "speedup_mok_fwdbwd_vs_nccl": div(nccl_fb, mok_fb),
+            "mok_ep1_fwd_ms": ep1, "mok_fwd_over_ep1": div(mok_fwd, ep1),
+            "mok_ep1_fwdbwd_ms": ep1_fb, "mok_fwdbwd_over_ep1": div(mok_fb, ep1_fb)}
 
 
 def ratio_table(cases: List[Dict[str, Any]]) -> str:
@@ -460,7 +525,8 @@ def ratio_table(cases: List[Dict[str, Any]]) -> str:
             ("speedup_mok_vs_deep_ep", "deepep/mok"), ("mok_over_experts", "mok/exp"),
             ("mok_over_floor", "mok/floor"), ("mok_pull_gbps_avg_min", "pull GB/s*"),
             ("mok_pull_gbps_avg_max", "(max)"), ("nccl_fwdbwd_ms", "nccl f+b"), ("mok_fwdbwd_ms", "mok f+b"),
-            ("speedup_mok_fwdbwd_vs_nccl", "nccl/mok f+b")]
+            ("speedup_mok_fwdbwd_vs_nccl", "nccl/mok f+b"), ("mok_fwd_over_ep1", "mok/EP1"),
+            ("mok_fwdbwd_over_ep1", "f+b/EP1")]
     lines = ["group".ljust(24) + "  ".join(c[1].rjust(10) for c in cols)]
     for c in cases:
         r = c["ratios"]
