@@ -276,6 +276,20 @@ def release_workspace(mok, case: EPCase, ws) -> str:
     return agree(not why, why, case.group)[1]
 
 
+def mok_layer_call(mok, case: EPCase, ws, backward: bool):
+    """The timed call: mok's forward of this rank's layer on `ws` (backward: saving h, then the
+    backward of dy)."""
+    shared = case.shared if case.shared is not None else (None, None, None)
+
+    def run(inp):
+        y, ctx = mok.functional.forward(inp["x"], inp["topk_ids"], inp["topk_weights"], case.w_gate, case.w_up,
+                                        case.w_down, *shared, workspace=ws, save_for_backward=backward)
+        if backward:
+            mok.functional.backward(ctx, inp["dy"])
+        return y
+    return run
+
+
 def bench_mok(h, report, case: EPCase, state, group_name, config, name, panel, models,
               backward: bool = False) -> Optional[Dict[str, Any]]:
     """mok forward (backward: forward + backward) with `config`: one record (skipped with the
@@ -292,14 +306,7 @@ def bench_mok(h, report, case: EPCase, state, group_name, config, name, panel, m
         if status == "error":
             state["failed_in"] = group_name
         return report.skip(name, why, group=group_name, panel=panel, status=status)
-    shared = case.shared if case.shared is not None else (None, None, None)
-
-    def run(inp):
-        y, ctx = mok.functional.forward(inp["x"], inp["topk_ids"], inp["topk_weights"], case.w_gate, case.w_up,
-                                        case.w_down, *shared, workspace=ws, save_for_backward=backward)
-        if backward:
-            mok.functional.backward(ctx, inp["dy"])
-        return y
+    run = mok_layer_call(mok, case, ws, backward)
 
     meta = {"fwd_num_comm_sms": config.fwd_num_comm_sms, "minibatch_size": config.minibatch_size,
             "macrobatch_size": config.macrobatch_size, "num_blocks": config.num_blocks}
@@ -346,7 +353,7 @@ def bench_mok_ep1(h, report, case: EPCase, state, group_name, config, name, pane
             ws.close()
         state["failed_in"] = group_name
         return report.skip(name, why, group=group_name, panel=panel, status="error")
-    shared = case.shared if case.shared is not None else (None, None, None)
+    run = mok_layer_call(mok, case, ws, backward)
     sets: Dict[int, Dict[str, torch.Tensor]] = {}
 
     def setup(i):
@@ -356,13 +363,6 @@ def bench_mok_ep1(h, report, case: EPCase, state, group_name, config, name, pane
                                      device=case.device)
             sets[i] = {**inp, "topk_ids": ids}
         return sets[i]
-
-    def run(inp):
-        y, ctx = mok.functional.forward(inp["x"], inp["topk_ids"], inp["topk_weights"], case.w_gate, case.w_up,
-                                        case.w_down, *shared, workspace=ws, save_for_backward=backward)
-        if backward:
-            mok.functional.backward(ctx, inp["dy"])
-        return y
 
     def finite(inp, y):
         ok = bool(torch.isfinite(y.float()).all().item())

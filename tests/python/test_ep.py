@@ -4,6 +4,7 @@ virtual ranks (P = 2, 4, 8 on one device) bit for bit against EP = 1 with all ex
 and against the CPU reference, 100 runs bitwise identical, skewed routing with a wrapping
 ring, CUDA-graph replays, a rank that never arrives; and with two GPUs, a real EP = 2 group
 over PyTorch symmetric memory bit for bit against EP = 1."""
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -467,16 +468,33 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _multi_gpu_worker(rank, world, port, seed, out_dir):
-    """One rank of the EP group (spawned): per case its forward (saving h) and backward, run
-    MULTI_RUNS times and bitwise the same every time; the first run's outputs saved for the parent."""
+@contextlib.contextmanager
+def _ep_process(rank, world, port):
+    """A spawned rank's process group (NCCL, multicast off) on GPU `rank`, torn down at exit."""
     F.multicast_off_env()
     import torch.distributed as dist
 
-    mok.config.poison_outputs = True
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def _close_group_workspace(dist, ws):
+    """Nobody frees its region while a peer may still use it."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    F.clear_workspace_cache()
+    ws.close()
+
+
+def _multi_gpu_worker(rank, world, port, seed, out_dir):
+    """One rank of the EP group (spawned): per case its forward (saving h) and backward, run
+    MULTI_RUNS times and bitwise the same every time; the first run's outputs saved for the parent."""
+    mok.config.poison_outputs = True
+    with _ep_process(rank, world, port) as dist:
         ws = F.get_workspace(H2, I2, E2, K2, MAX_T2, IS2, device=f"cuda:{rank}", group=dist.group.WORLD,
                              config=F.MoKConfig(**MULTI_CONFIG))
         assert ws.is_symmetric and (ws.dims.ep_size, ws.dims.ep_rank) == (world, rank)
@@ -494,28 +512,18 @@ def _multi_gpu_worker(rank, world, port, seed, out_dir):
                     first = {n: t.clone() for n, t in out.items()}
                     continue
                 for n, t in out.items():
-                    assert torch.equal(_bits(t), _bits(first[n])), f"rank {rank} {kind} run {run}: {n} differs from run 0"
+                    assert torch.equal(_bits(t), _bits(first[n])), \
+                        f"rank {rank} {kind} run {run}: {n} differs from run 0"
             ws.check_errors()
             torch.save({n: t.cpu() for n, t in first.items()}, os.path.join(out_dir, f"{kind}_{rank}.pt"))
-        # Nobody frees its region while a peer may still use it
-        torch.cuda.synchronize()
-        dist.barrier()
-        F.clear_workspace_cache()
-        ws.close()
-    finally:
-        dist.destroy_process_group()
+        _close_group_workspace(dist, ws)
 
 
 def _missing_rank_worker(rank, world, port, seed, out_dir):
     """The last rank never calls, first the forward, then (fresh workspaces) the backward:
     every other rank's call comes back on its own with a timeout naming that peer."""
-    F.multicast_off_env()
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     absent = world - 1
-    try:
+    with _ep_process(rank, world, port) as dist:
         ranks, dys = _multi_gpu_case(seed, world)
         mine, dy = _to_cuda(ranks[rank]), dys[rank].cuda()
         args = (mine.x, mine.topk_ids, mine.topk_weights, mine.w_gate, mine.w_up, mine.w_down, mine.ws_gate,
@@ -534,18 +542,14 @@ def _missing_rank_worker(rank, world, port, seed, out_dir):
                 assert f"rank {rank}" in message and f"peer {absent}" in message, f"{phase}: {message}"
                 with open(os.path.join(out_dir, f"{phase}_{rank}.txt"), "w") as f:
                     f.write(message)
-            torch.cuda.synchronize()
-            dist.barrier()
-            F.clear_workspace_cache()
-            ws.close()
-    finally:
-        dist.destroy_process_group()
+            _close_group_workspace(dist, ws)
 
 
 def _virtual_outputs(ranks, dys, world):
     """y and the gradients of every rank through a virtual group of `world` ranks on one GPU,
     in the workers' record layout (CPU tensors)."""
-    with F.create_virtual_group(H2, I2, E2, K2, MAX_T2, IS2, ep_size=world, config=F.MoKConfig(**MULTI_CONFIG)) as group:
+    config = F.MoKConfig(**MULTI_CONFIG)
+    with F.create_virtual_group(H2, I2, E2, K2, MAX_T2, IS2, ep_size=world, config=config) as group:
         grads = group.backward(ranks, dys)
         ys = group.forward(ranks)
         group.check_errors()
@@ -579,7 +583,8 @@ def _check_multi_case(tag, seed, world, kind, got, against_virtual):
         for r, v in enumerate(_virtual_outputs(ranks, dys, world)):
             for n in ("y", "dx"):
                 _assert_bitwise(f"{tag} rank {r} {n} vs virtual EP={world}", got[r][n], v[n])
-            assert torch.equal(got[r]["d_topk_weights"], v["d_topk_weights"]), f"{tag} rank {r} d topk_weights vs virtual"
+            assert torch.equal(got[r]["d_topk_weights"], v["d_topk_weights"]), \
+                f"{tag} rank {r} d topk_weights vs virtual"
     w_cpu = {n: torch.cat([getattr(rk, n) for rk in ranks_cpu]) for n in ROUTED}
     w_cpu.update({n: getattr(ranks_cpu[0], n) for n in SHARED})
     x_all = torch.cat([rk.x for rk in ranks_cpu])

@@ -162,8 +162,8 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     for (int half = 0; half < 2; ++half) {
       const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
       const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
-      const int64_t out_row_off =
-          kTables ? (int64_t{t.expert} * w.out_rows + row - w.row_base) * p.no + col0 : (w.slot * p.mo + row) * p.no + col0;
+      const int64_t out_row_off = kTables ? (int64_t{t.expert} * w.out_rows + row - w.row_base) * p.no + col0
+                                          : (w.slot * p.mo + row) * p.no + col0;
       store_row<C::kBlockN / 8>(out + out_row_off, true, [&](int n8) {
         return kZero ? 0u : pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
       });
