@@ -309,6 +309,11 @@ MOK_API mokResult_t mokGetDefaultConfig(mokConfig_t* config);
 MOK_API int mokHasCuda(void);
 
 MOK_API mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace);
+/* Whether this library runs the layer `config` describes on config.device: mokSuccess, or
+ * mokInvalidArgument / mokNotSupported with mokGetLastError() naming why (a shape the CUDA
+ * kernels do not take, no CUDA part...).  backward != 0: the backward too.  Allocates
+ * nothing: frameworks call it to choose mok or their own path before any launch. */
+MOK_API mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t backward);
 
 /* ---- EP >= 2: symmetric memory ---------------------------------------------------------------
  * Every rank of an EP group holds one region of mokSymmetricBytes(config) bytes with the same

@@ -199,6 +199,7 @@ OPTIONAL_SIGNATURES = {
     "mokForwardSave": (c_int, [c_void_p, POINTER(mokForwardArgs), POINTER(mokSaved), c_void_p]),
     "mokBackwardSaved": (c_int, [c_void_p, POINTER(mokBackwardArgs), POINTER(mokSaved), c_void_p]),
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),
+    "mokCheckSupport": (c_int, [POINTER(mokConfig), c_int32]),
     "mokWorkspaceCreateSymmetric": (c_int, [POINTER(mokConfig), POINTER(c_void_p), c_int64, POINTER(c_void_p)]),
     "mokForwardGroup": (c_int, [POINTER(c_void_p), POINTER(mokForwardArgs), c_int64, POINTER(c_void_p)]),
     "mokBackwardGroup": (c_int, [POINTER(c_void_p), POINTER(mokBackwardArgs), POINTER(mokSaved), c_int64,

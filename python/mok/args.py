@@ -74,24 +74,28 @@ def _forward_args(views: _lib.Views, ctx: ForwardContext, y: Optional[torch.Tens
                                weights=views.weights(ctx.weights, tag, _lib.BF16), y=views(y, tag + "y", _lib.BF16))
 
 
-def _grad_buffers(x, topk_ids, weights, out_dtype=torch.bfloat16):
+def _grad_buffers(x, topk_ids, weights, out_dtype=torch.bfloat16, given: Optional[Mapping[str, torch.Tensor]] = None):
+    """dx, d_topk_weights and the weight gradients (those in `given` are the caller's)."""
     num_tokens, hidden = _shape_of(x, "x", 2)
     _, topk = _shape_of(topk_ids, "topk_ids", 2)
-    grads = {name: (None if w is None else _alloc(tuple(w.shape), out_dtype, w.device))
+    given = given or {}
+    grads = {name: (None if w is None else given[name] if name in given else _alloc(tuple(w.shape), out_dtype, w.device))
              for name, w in weights.items()}
     dx = _alloc((num_tokens, hidden), torch.bfloat16, x.device)
     d_topk_weights = _alloc((num_tokens, topk), torch.float32, x.device)
     return dx, d_topk_weights, grads
 
 
-def _check_main_grads(main_grads: Optional[Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+def _check_main_grads(main_grads: Optional[Mapping[str, torch.Tensor]], what: str = "main_grads",
+                      dtype: str = "float32") -> Dict[str, torch.Tensor]:
+    """The mapping weight name -> tensor of backward's main_grads (or grads_out)."""
     if main_grads is not None and not isinstance(main_grads, Mapping):
-        raise TypeError(f"main_grads must be a mapping weight name -> float32 tensor, or None, got "
+        raise TypeError(f"{what} must be a mapping weight name -> {dtype} tensor, or None, got "
                         f"{type(main_grads).__name__}")
     main_grads = dict(main_grads or {})
     unknown = set(main_grads) - set(WEIGHT_NAMES)
     if unknown:
-        raise ValueError(f"main_grads has unknown names {sorted(unknown)}; expected some of {WEIGHT_NAMES}")
+        raise ValueError(f"{what} has unknown names {sorted(unknown)}; expected some of {WEIGHT_NAMES}")
     return main_grads
 
 

@@ -114,14 +114,18 @@ def forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up
 
 
 def backward(ctx: ForwardContext, dy: torch.Tensor,
-             main_grads: Optional[Mapping[str, torch.Tensor]] = None) -> Gradients:
+             main_grads: Optional[Mapping[str, torch.Tensor]] = None,
+             grads_out: Optional[Mapping[str, torch.Tensor]] = None) -> Gradients:
     """Gradients of one rank's layer given dy [T, H] bf16. `main_grads` (name -> fp32 tensor
-    shaped like the weight) are accumulated into: main_grad += fp32 gradient."""
+    shaped like the weight) are accumulated into: main_grad += fp32 gradient. `grads_out`
+    (name -> bf16 tensor shaped like the weight, any strides the weights may have, e.g. the
+    two halves of one fused gate_up gradient): written in place instead of new tensors."""
     if not isinstance(ctx, ForwardContext):
         raise TypeError(f"ctx must be the ForwardContext that forward (or recompute_forward_context) returned, got "
                         f"{type(ctx).__name__}")
     main_grads = _check_main_grads(main_grads)
-    dx, d_topk_weights, grads = _grad_buffers(ctx.x, ctx.topk_ids, ctx.weights)
+    dx, d_topk_weights, grads = _grad_buffers(ctx.x, ctx.topk_ids, ctx.weights,
+                                              given=_check_main_grads(grads_out, "grads_out", "bfloat16"))
     views = _lib.Views()
     args = _backward_args(views, ctx, dy, dx, d_topk_weights, grads, main_grads)
     stream = _lib.stream_of(_lib.device_index(ctx.x.device))

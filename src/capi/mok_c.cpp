@@ -208,6 +208,18 @@ mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* worksp
   });
 }
 
+mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t backward) {
+  return guarded("mokCheckSupport", [&] {
+    const mokConfig_t c = mok::normalize_config(config);
+    mok::check_config(c);
+    if (c.device < 0) return;  // the CPU backend takes every valid layer
+    if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
+    std::string why = mok::cuda::unsupported_shape(c);
+    if (why.empty() && backward) why = mok::cuda::unsupported_backward_shape(c);
+    if (!why.empty()) MOK_FAIL(mokNotSupported, why);
+  });
+}
+
 mokResult_t mokSymmetricBytes(const mokConfig_t* config, size_t* bytes) {
   return guarded("mokSymmetricBytes", [&] {
     if (bytes == nullptr) MOK_FAIL(mokInvalidUsage, "bytes out-pointer is NULL");

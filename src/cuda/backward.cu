@@ -268,7 +268,16 @@ struct WgradOperands {
   void *d_gate, *d_up, *d_down;
   float *main_gate, *main_up, *main_down;
   float *acc_gu, *acc_dn;  // null: no expert spans calls
+  // The gradients' and main_grads' strides (gate and up share theirs)
+  ref::MatrixStrides s_gate_up, s_down, ms_gate_up, ms_down;
 };
+// The launch's outputs in place: gradient strides s, main_grad strides ms.
+void set_out_strides(gemm::GroupedWgradArgs& w, const ref::MatrixStrides& s, const ref::MatrixStrides& ms) {
+  w.out_expert_stride = s.expert;
+  w.out_row_stride = s.row;
+  w.mg_expert_stride = ms.expert;
+  w.mg_row_stride = ms.row;
+}
 void launch_wgrad_pair(const gemm::GroupedWgradArgs& w, const WgradOperands& o, cudaStream_t stream) {
   gemm::GroupedWgradArgs dn = w;
   dn.a = o.dy;
@@ -278,6 +287,7 @@ void launch_wgrad_pair(const gemm::GroupedWgradArgs& w, const WgradOperands& o, 
   dn.out = o.d_down;
   dn.main_grad = o.main_down;
   dn.acc = o.acc_dn;
+  set_out_strides(dn, o.s_down, o.ms_down);
   gemm::launch_grouped_wgrad(dn, stream);
   gemm::GroupedWgradArgs gu = w;
   gu.a = o.dh;
@@ -290,10 +300,14 @@ void launch_wgrad_pair(const gemm::GroupedWgradArgs& w, const WgradOperands& o, 
   gu.main_grad1 = o.main_up;
   gu.out_split = o.inter;
   gu.acc = o.acc_gu;
+  set_out_strides(gu, o.s_gate_up, o.ms_gate_up);
   gemm::launch_grouped_wgrad(gu, stream);
 }
 
-gemm::GroupedGemmArgs with_deadline(gemm::GroupedGemmArgs g, const mokConfig_t& c, int64_t* timeout) {
+// A launch of the unfused backward: B's weights in place (strides s), the call's deadline.
+gemm::GroupedGemmArgs with_b(gemm::GroupedGemmArgs g, const ref::MatrixStrides& s, const mokConfig_t& c,
+                             int64_t* timeout) {
+  set_b_strides(g, s);
   g.timeout_s = c.timeout_s;
   g.timeout_record = timeout;
   return g;
@@ -340,9 +354,12 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
   const int64_t El = plan_dims(c).local_experts(), R = ws.max_rows;
   const bool ep = ws.ep_size > 1;
+  const WeightStacks w = weight_stacks(c, in);
   fb::BackwardParams p{};
   p.hidden = static_cast<int32_t>(H);
   p.inter = static_cast<int32_t>(I);
+  p.gate_up_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_gate));
+  p.down_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_down));
   p.shared_inter = static_cast<int32_t>(Is);
   p.topk = static_cast<int32_t>(k);
   p.num_tokens = T;
@@ -402,26 +419,34 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.dx = bf(g.dx);
   p.d_topk_weights = g.d_topk_weights;
   // The weight gradients' targets (the unfused launch_wgrad_pair's)
+  // (in place: the gradients' and main_grads' strides s and ms)
   auto wgrad = [&](int64_t mo, int64_t no, void* out, float* main_grad, void* out1, float* main_grad1, int64_t split,
-                   float* acc) {
-    gemm::WgradParams w{};
-    w.mo = mo;
-    w.no = no;
-    w.out = bf(out);
-    w.main_grad = main_grad;
-    w.out1 = bf(out1);
-    w.main_grad1 = main_grad1;
-    w.out_split = split;
-    w.acc = acc;
-    return w;
+                   float* acc, const ref::MatrixStrides& s, const ref::MatrixStrides& ms) {
+    gemm::WgradParams t{};
+    t.mo = mo;
+    t.no = no;
+    t.out = bf(out);
+    t.main_grad = main_grad;
+    t.out1 = bf(out1);
+    t.main_grad1 = main_grad1;
+    t.out_split = split;
+    t.acc = acc;
+    t.out_es = s.expert;
+    t.out_rs = s.row;
+    t.mg_es = ms.expert;
+    t.mg_rs = ms.row;
+    gemm::wgrad_strides(t);
+    return t;
   };
   float* const acc_dn = b.n_acc > 0 ? b.acc_dn : nullptr;
   float* const acc_gu = b.n_acc > 0 ? b.acc_gu : nullptr;
-  p.wg_down = wgrad(H, I, g.dw_down, g.main_down, nullptr, nullptr, 0, acc_dn);
-  p.wg_gate_up = wgrad(2 * I, H, g.dw_gate, g.main_gate, g.dw_up, g.main_up, I, acc_gu);
+  const ref::WeightStrides &gs = g.grad_strides, &ms = g.main_strides;
+  p.wg_down = wgrad(H, I, g.dw_down, g.main_down, nullptr, nullptr, 0, acc_dn, gs.w_down, ms.w_down);
+  p.wg_gate_up = wgrad(2 * I, H, g.dw_gate, g.main_gate, g.dw_up, g.main_up, I, acc_gu, gs.w_gate, ms.w_gate);
   if (Is > 0) {
-    p.wg_shared_down = wgrad(H, Is, g.dws_down, g.main_s_down, nullptr, nullptr, 0, nullptr);
-    p.wg_shared_gate_up = wgrad(2 * Is, H, g.dws_gate, g.main_s_gate, g.dws_up, g.main_s_up, Is, nullptr);
+    p.wg_shared_down = wgrad(H, Is, g.dws_down, g.main_s_down, nullptr, nullptr, 0, nullptr, gs.ws_down, ms.ws_down);
+    p.wg_shared_gate_up =
+        wgrad(2 * Is, H, g.dws_gate, g.main_s_gate, g.dws_up, g.main_s_up, Is, nullptr, gs.ws_gate, ms.ws_gate);
   }
   p.group = ep_group(ws);
   p.trace = ws.trace;  // MOK_TRACE=1 at creation: the timing ring (tools/trace_forward.py --backward)
@@ -459,26 +484,26 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   fb::Maps m{};
   auto tm = [](const void* q, int64_t rows, int64_t cols, int box) { return gemm::tensor_map_2d(q, rows, cols, box); };
   m.x_rows_k = tm(b.x_rows, R, H, 128);
-  m.w_gate_k = tm(in.w_gate, El * I, H, 128);
-  m.w_up_k = tm(in.w_up, El * I, H, 128);
+  m.w_gate_k = gemm::tensor_map_stack(w.w_gate, 128);
+  m.w_up_k = gemm::tensor_map_stack(w.w_up, 128);
   m.dy_rows_k = tm(b.dy_rows, R, H, 128);
-  m.w_down_n = tm(in.w_down, El * H, I, 64);
+  m.w_down_n = gemm::tensor_map_stack(w.w_down, 64);
   m.dh_k = tm(b.dh, R, 2 * I, 128);
-  m.w_gate_n = tm(in.w_gate, El * I, H, 64);
-  m.w_up_n = tm(in.w_up, El * I, H, 64);
+  m.w_gate_n = gemm::tensor_map_stack(w.w_gate, 64);
+  m.w_up_n = gemm::tensor_map_stack(w.w_up, 64);
   m.dy_rows_mn = tm(b.dy_rows, R, H, 64);
   m.wa_mn = tm(b.wa, R, I, 64);
   m.dh_mn = tm(b.dh, R, 2 * I, 64);
   m.x_rows_mn = tm(b.x_rows, R, H, 64);
   if (Is > 0 && T > 0) {
     m.x_k = tm(in.x, T, H, 128);
-    m.ws_gate_k = tm(in.ws_gate, Is, H, 128);
-    m.ws_up_k = tm(in.ws_up, Is, H, 128);
+    m.ws_gate_k = gemm::tensor_map_stack(w.ws_gate, 128);
+    m.ws_up_k = gemm::tensor_map_stack(w.ws_up, 128);
     m.dy_k = tm(dy, T, H, 128);
-    m.ws_down_n = tm(in.ws_down, H, Is, 64);
+    m.ws_down_n = gemm::tensor_map_stack(w.ws_down, 64);
     m.sh_dh_k = tm(b.sh_dh, T, 2 * Is, 128);
-    m.ws_gate_n = tm(in.ws_gate, Is, H, 64);
-    m.ws_up_n = tm(in.ws_up, Is, H, 64);
+    m.ws_gate_n = gemm::tensor_map_stack(w.ws_gate, 64);
+    m.ws_up_n = gemm::tensor_map_stack(w.ws_up, 64);
     m.dy_mn = tm(dy, T, H, 64);
     m.sh_a_mn = tm(b.sh_a, T, Is, 64);
     m.sh_dh_mn = tm(b.sh_dh, T, 2 * Is, 64);
@@ -610,14 +635,14 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
   // gate/up into the route slots
   void* const h = saved.h ? saved.h : b.h;
   if (!saved.h)
-    gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(b.x_rows, R, H, in.w_gate, in.w_up, El, I,
-                                                                      ws.block_expert, max_blocks, b.h),
-                                            c, timeout),
+    gemm::launch_grouped_gemm(with_b(gemm::gate_up_preact_args(b.x_rows, R, H, in.w_gate, in.w_up, El, I,
+                                                               ws.block_expert, max_blocks, b.h),
+                                     in.strides.w_gate, c, timeout),
                               stream);
   gemm::launch_grouped_gemm(
-      with_deadline(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert, max_blocks, h,
-                                                 b.row_weight, b.dh, b.wa, b.dtw_partials),
-                    c, timeout),
+      with_b(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert, max_blocks, h,
+                                          b.row_weight, b.dh, b.wa, b.dtw_partials),
+             in.strides.w_down, c, timeout),
       stream);
   // EP = 1: the epilogue scatters each row into its slot; EP >= 2: rows in plan order, then
   // pushed to their home ranks' slots (bwd_push_kernel)
@@ -628,7 +653,7 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
     dx_rows.plan_rows = ws.rows;
     dx_rows.topk = static_cast<int32_t>(k);
   }
-  gemm::launch_grouped_gemm(with_deadline(dx_rows, c, timeout), stream);
+  gemm::launch_grouped_gemm(with_b(dx_rows, in.strides.w_gate, c, timeout), stream);
   if (ep) {
     bwd_push_kernel<<<528, 256, 0, stream>>>(group, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
                                              static_cast<int32_t>(k), row_vecs, static_cast<const uint4*>(b.dx_rows));
@@ -651,7 +676,8 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
     launch_wgrad_pair(w,
                       WgradOperands{b.dy_rows, b.wa, b.dh, b.x_rows, H, I, g.dw_gate, g.dw_up, g.dw_down, g.main_gate,
                                     g.main_up, g.main_down, b.n_acc > 0 ? b.acc_gu : nullptr,
-                                    b.n_acc > 0 ? b.acc_dn : nullptr},
+                                    b.n_acc > 0 ? b.acc_dn : nullptr, g.grad_strides.w_gate, g.grad_strides.w_down,
+                                    g.main_strides.w_gate, g.main_strides.w_down},
                       stream);
   }
 
@@ -661,18 +687,17 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
     void* const sh_h = saved.shared_h ? saved.shared_h : b.sh_h;
     if (T > 0) {
       if (!saved.shared_h)
-        gemm::launch_grouped_gemm(with_deadline(gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is,
-                                                                          ws.shared_block, sblocks, b.sh_h),
-                                                c, timeout),
+        gemm::launch_grouped_gemm(with_b(gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is,
+                                                                   ws.shared_block, sblocks, b.sh_h),
+                                         in.strides.ws_gate, c, timeout),
                                   stream);
-      gemm::launch_grouped_gemm(with_deadline(gemm::dgrad_down_swiglu_args(dy, T, H, in.ws_down, 1, Is, ws.shared_block,
-                                                                           sblocks, sh_h, b.ones, b.sh_dh, b.sh_a,
-                                                                           nullptr),
-                                              c, timeout),
+      gemm::launch_grouped_gemm(with_b(gemm::dgrad_down_swiglu_args(dy, T, H, in.ws_down, 1, Is, ws.shared_block,
+                                                                    sblocks, sh_h, b.ones, b.sh_dh, b.sh_a, nullptr),
+                                       in.strides.ws_down, c, timeout),
                                 stream);
-      gemm::launch_grouped_gemm(with_deadline(gemm::dgrad_gate_up_args(b.sh_dh, T, Is, in.ws_gate, in.ws_up, 1, H,
-                                                                       ws.shared_block, sblocks, ws.shared_out),
-                                              c, timeout),
+      gemm::launch_grouped_gemm(with_b(gemm::dgrad_gate_up_args(b.sh_dh, T, Is, in.ws_gate, in.ws_up, 1, H,
+                                                                ws.shared_block, sblocks, ws.shared_out),
+                                       in.strides.ws_gate, c, timeout),
                                 stream);
     }
     gemm::GroupedWgradArgs w;
@@ -684,7 +709,9 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
     w.timeout_record = timeout;
     launch_wgrad_pair(w,
                       WgradOperands{T > 0 ? dy : nullptr, b.sh_a, b.sh_dh, T > 0 ? in.x : nullptr, H, Is, g.dws_gate,
-                                    g.dws_up, g.dws_down, g.main_s_gate, g.main_s_up, g.main_s_down, nullptr, nullptr},
+                                    g.dws_up, g.dws_down, g.main_s_gate, g.main_s_up, g.main_s_down, nullptr, nullptr,
+                                    g.grad_strides.ws_gate, g.grad_strides.ws_down, g.main_strides.ws_gate,
+                                    g.main_strides.ws_down},
                       stream);
   }
 

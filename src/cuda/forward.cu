@@ -124,18 +124,21 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
   // Gate/up with SwiGLU, then down scattering to the route slots
   gemm::GroupedGemmArgs gu = gemm::gate_up_args(ws.unfused_ring, ws.max_rows, H, in.w_gate, in.w_up, El, I, ws.block_expert,
                                                 max_blocks, ws.unfused_act);
+  set_b_strides(gu, in.strides.w_gate);
   gu.timeout_s = c.timeout_s;
   gu.timeout_record = timeout;
   gemm::launch_grouped_gemm(gu, stream);
   if (save.h) {  // the same tiles without the SwiGLU: the pre-activations at the plan rows
     gemm::GroupedGemmArgs pre = gemm::gate_up_preact_args(ws.unfused_ring, ws.max_rows, H, in.w_gate, in.w_up, El, I,
                                                           ws.block_expert, max_blocks, save.h);
+    set_b_strides(pre, in.strides.w_gate);
     pre.timeout_s = c.timeout_s;
     pre.timeout_record = timeout;
     gemm::launch_grouped_gemm(pre, stream);
   }
   gemm::GroupedGemmArgs dn = gemm::down_args(ws.unfused_act, ws.max_rows, I, in.w_down, El, H, ws.block_expert, max_blocks,
                                              ws.slots);
+  set_b_strides(dn, in.strides.w_down);
   dn.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
   dn.plan_rows = ws.rows;
   dn.topk = static_cast<int32_t>(k);
@@ -148,18 +151,21 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
     const int32_t blocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
     gemm::GroupedGemmArgs sg = gemm::gate_up_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is, ws.shared_block, blocks,
                                                   ws.shared_act);
+    set_b_strides(sg, in.strides.ws_gate);
     sg.timeout_s = c.timeout_s;
     sg.timeout_record = timeout;
     gemm::launch_grouped_gemm(sg, stream);
     if (save.shared_h) {
       gemm::GroupedGemmArgs pre = gemm::gate_up_preact_args(in.x, T, H, in.ws_gate, in.ws_up, 1, Is, ws.shared_block,
                                                             blocks, save.shared_h);
+      set_b_strides(pre, in.strides.ws_gate);
       pre.timeout_s = c.timeout_s;
       pre.timeout_record = timeout;
       gemm::launch_grouped_gemm(pre, stream);
     }
     gemm::GroupedGemmArgs sd = gemm::down_args(ws.shared_act, T, Is, in.ws_down, 1, H, ws.shared_block, blocks,
                                                ws.shared_out);
+    set_b_strides(sd, in.strides.ws_down);
     sd.timeout_s = c.timeout_s;
     sd.timeout_record = timeout;
     gemm::launch_grouped_gemm(sd, stream);
@@ -177,6 +183,7 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
 
 void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
                    void* y, cudaStream_t stream, const Saved& save) {
+  const WeightStacks w = weight_stacks(c, in);
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
   const int32_t num_comm = static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.grid - 1));
@@ -185,6 +192,8 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.hidden = static_cast<int32_t>(H);
   p.inter = static_cast<int32_t>(I);
   p.shared_inter = static_cast<int32_t>(Is);
+  p.gate_up_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_gate));
+  p.down_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_down));
   p.topk = static_cast<int32_t>(c.topk);
   p.num_tokens = T;
   p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / 128);
@@ -234,18 +243,17 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
 
   // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones)
   fused::Maps m{};
-  const int64_t El = d.local_experts();
   m.ring = gemm::tensor_map_2d(ws.ring, ws.ring_rows, H, 128);
-  m.w_gate = gemm::tensor_map_2d(in.w_gate, El * I, H, 128);
-  m.w_up = gemm::tensor_map_2d(in.w_up, El * I, H, 128);
+  m.w_gate = gemm::tensor_map_stack(w.w_gate, 128);
+  m.w_up = gemm::tensor_map_stack(w.w_up, 128);
   m.act = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, 128);
-  m.w_down = gemm::tensor_map_2d(in.w_down, El * H, I, 128);
+  m.w_down = gemm::tensor_map_stack(w.w_down, 128);
   if (Is > 0 && T > 0) {
     m.x = gemm::tensor_map_2d(in.x, T, H, 128);
-    m.ws_gate = gemm::tensor_map_2d(in.ws_gate, Is, H, 128);
-    m.ws_up = gemm::tensor_map_2d(in.ws_up, Is, H, 128);
+    m.ws_gate = gemm::tensor_map_stack(w.ws_gate, 128);
+    m.ws_up = gemm::tensor_map_stack(w.ws_up, 128);
     m.shared_act = gemm::tensor_map_2d(ws.shared_act, c.max_tokens, Is, 128);
-    m.ws_down = gemm::tensor_map_2d(in.ws_down, H, Is, 128);
+    m.ws_down = gemm::tensor_map_stack(w.ws_down, 128);
   } else {
     m.x = m.ws_gate = m.ws_up = m.ring;
     m.shared_act = m.act;
@@ -509,6 +517,23 @@ void grouped_wgrad(const GroupedWgradCall& call, void* stream) {
 
 // The routing the plan build and the combine read: this call's ids at EP = 1; at EP >= 2 the
 // whole group's, as exchanged into the own region.
+WeightStacks weight_stacks(const mokConfig_t& c, const ref::RankInputs& in) {
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
+  const int64_t El = plan_dims(c).local_experts();
+  const ref::WeightStrides& s = in.strides;
+  auto stack = [](const void* q, int64_t num, int64_t rows, int64_t cols, const ref::MatrixStrides& st) {
+    return gemm::MatrixStack{q, num, rows, cols, st.expert, st.row};
+  };
+  return WeightStacks{stack(in.w_gate, El, I, H, s.w_gate),    stack(in.w_up, El, I, H, s.w_up),
+                      stack(in.w_down, El, H, I, s.w_down),    stack(in.ws_gate, 1, Is, H, s.ws_gate),
+                      stack(in.ws_up, 1, Is, H, s.ws_up),      stack(in.ws_down, 1, H, Is, s.ws_down)};
+}
+
+void set_b_strides(gemm::GroupedGemmArgs& g, const ref::MatrixStrides& s) {
+  g.b_expert_stride = s.expert;
+  g.b_row_stride = s.row;
+}
+
 plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in) {
   if (ws.ep_size > 1) return ep_routing(ws, c);
   plan::RoutingView v;

@@ -12,6 +12,8 @@
 #include "common/workspace_layout.hpp"
 #include "mok/mok.h"
 #include "cuda/cuda_api.hpp"
+#include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/tensor_map.hpp"
 #include "ref/reference.hpp"
 
 namespace mok::cuda {
@@ -62,6 +64,15 @@ struct DeviceWorkspace {
   size_t bytes = 0;
   BackwardBuffers* bwd = nullptr;  // the backward's buffers, at its first call (backward.cu)
 };
+
+// The six weights of `in` in place, as stacks of matrices for their tensor maps (a shared
+// weight is a stack of one; absent ones have no base).
+struct WeightStacks {
+  gemm::MatrixStack w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
+};
+WeightStacks weight_stacks(const mokConfig_t& c, const ref::RankInputs& in);
+// The routed B operand of a grouped-GEMM launch in place (its strides: gate and up share them).
+void set_b_strides(gemm::GroupedGemmArgs& g, const ref::MatrixStrides& s);
 
 // The routing of this call (EP = 1: its ids; EP >= 2: the group's, in the own region).
 plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in);

@@ -38,13 +38,36 @@ void to_float(const bf16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
-// One expert's weights: gate/up [I, H], down [H, I].
+// One expert's weights: gate/up [I, H], down [H, I], rows *_ld elements apart.
 struct Expert {
   const bf16_t* gate;
   const bf16_t* up;
   const bf16_t* down;
   int64_t inter;
+  int64_t gate_ld, up_ld, down_ld;
 };
+
+// Expert e of a stack of [rows, cols] matrices at `base` with strides s.
+template <typename T>
+T* matrix_of(T* base, const MatrixStrides& s, int64_t e, int64_t rows, int64_t cols) {
+  return base ? base + e * s.expert_or(rows, cols) : nullptr;
+}
+
+// Expert e's weights (routed: e of the stacks; shared: the matrices themselves, e = 0).
+Expert expert_of(const RankInputs& rk, const LayerDims& d, int64_t e, bool shared) {
+  const int64_t H = d.hidden, I = shared ? d.shared_intermediate : d.intermediate;
+  const WeightStrides& s = rk.strides;
+  const MatrixStrides& sg = shared ? s.ws_gate : s.w_gate;
+  const MatrixStrides& su = shared ? s.ws_up : s.w_up;
+  const MatrixStrides& sd = shared ? s.ws_down : s.w_down;
+  return Expert{matrix_of(shared ? rk.ws_gate : rk.w_gate, sg, e, I, H),
+                matrix_of(shared ? rk.ws_up : rk.w_up, su, e, I, H),
+                matrix_of(shared ? rk.ws_down : rk.w_down, sd, e, H, I),
+                I,
+                sg.row_or(H),
+                su.row_or(H),
+                sd.row_or(I)};
+}
 
 // One row an expert processes: source rank, token, route j (-1 = shared expert), weight.
 struct Row {
@@ -118,13 +141,13 @@ void expert_forward(const Expert& ex, const std::vector<Row>& rows, const std::v
       const Row& row = rows[static_cast<size_t>(ri)];
       to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf.data(), hidden);
       for (int64_t i = 0; i < inter; ++i) {
-        const float g = dot_f_bf(xf.data(), ex.gate + i * hidden, hidden);
-        const float u = dot_f_bf(xf.data(), ex.up + i * hidden, hidden);
+        const float g = dot_f_bf(xf.data(), ex.gate + i * ex.gate_ld, hidden);
+        const float u = dot_f_bf(xf.data(), ex.up + i * ex.up_ld, hidden);
         af[static_cast<size_t>(i)] = bf16_to_float(float_to_bf16(silu(g) * u));
       }
       bf16_t* out = dst(row);
       for (int64_t h = 0; h < hidden; ++h)
-        out[h] = float_to_bf16(dot_f_bf(af.data(), ex.down + h * inter, inter));
+        out[h] = float_to_bf16(dot_f_bf(af.data(), ex.down + h * ex.down_ld, inter));
     }
   });
 }
@@ -134,29 +157,53 @@ bool route_ok(const plan::RoutingView& v, int s, int64_t t, int j) {
   return plan::check_route(v, s, t, j, &id) == RouteCheck::kOk;
 }
 
-// Transpose [rows, cols] bf16 -> [cols, rows].
-std::vector<bf16_t> transpose(const bf16_t* src, int64_t rows, int64_t cols) {
+// Transpose [rows, cols] bf16 (rows ld elements apart) -> [cols, rows].
+std::vector<bf16_t> transpose(const bf16_t* src, int64_t rows, int64_t cols, int64_t ld) {
   std::vector<bf16_t> out(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(c * rows + r)] = src[r * cols + c];
+    for (int64_t c = 0; c < cols; ++c) out[static_cast<size_t>(c * rows + r)] = src[r * ld + c];
   return out;
 }
 
-// Where one expert's backward writes: per-row dx and d_topk_weights, and the weight grads.
+// Where one expert's weight gradients go: a bf16 matrix and an optional fp32 main_grad.
+struct GradOut {
+  bf16_t* out;
+  int64_t out_ld;
+  float* main;  // optional (+=)
+  int64_t main_ld;
+};
 struct ExpertGradOut {
-  bf16_t* dw_gate;    // [I, H]
-  bf16_t* dw_up;      // [I, H]
-  bf16_t* dw_down;    // [H, I]
-  float* main_gate;   // optional
-  float* main_up;
-  float* main_down;
+  GradOut gate;  // [I, H]
+  GradOut up;    // [I, H]
+  GradOut down;  // [H, I]
 };
 
-void store_grad(const std::vector<float>& acc, bf16_t* out, float* main_grad) {
-  for (size_t i = 0; i < acc.size(); ++i) {
-    out[i] = float_to_bf16(acc[i]);
-    if (main_grad) main_grad[i] = main_grad[i] + acc[i];
-  }
+// Expert e's gradient targets (shared: the matrices themselves, e = 0).
+ExpertGradOut grad_out_of(const RankGrads& g, const LayerDims& d, int64_t e, bool shared) {
+  const int64_t H = d.hidden, I = shared ? d.shared_intermediate : d.intermediate;
+  const WeightStrides &gs = g.grad_strides, &ms = g.main_strides;
+  auto at = [&](bf16_t* out, float* main, const MatrixStrides& so, const MatrixStrides& sm, int64_t rows,
+                int64_t cols) {
+    return GradOut{matrix_of(out, so, e, rows, cols), so.row_or(cols), matrix_of(main, sm, e, rows, cols),
+                   sm.row_or(cols)};
+  };
+  if (shared)
+    return ExpertGradOut{at(g.dws_gate, g.main_s_gate, gs.ws_gate, ms.ws_gate, I, H),
+                         at(g.dws_up, g.main_s_up, gs.ws_up, ms.ws_up, I, H),
+                         at(g.dws_down, g.main_s_down, gs.ws_down, ms.ws_down, H, I)};
+  return ExpertGradOut{at(g.dw_gate, g.main_gate, gs.w_gate, ms.w_gate, I, H),
+                       at(g.dw_up, g.main_up, gs.w_up, ms.w_up, I, H),
+                       at(g.dw_down, g.main_down, gs.w_down, ms.w_down, H, I)};
+}
+
+// acc [rows, cols] into its target: out = bf16(acc), main += acc.
+void store_grad(const std::vector<float>& acc, int64_t rows, int64_t cols, const GradOut& to) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = acc[static_cast<size_t>(r * cols + c)];
+      to.out[r * to.out_ld + c] = float_to_bf16(v);
+      if (to.main) to.main[r * to.main_ld + c] = to.main[r * to.main_ld + c] + v;
+    }
 }
 
 // Backward of one expert over its rows.  dx_dst(row) gets the row's dx contribution;
@@ -166,13 +213,13 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
                      const std::vector<const bf16_t*>& dy, int64_t hidden, DxDst dx_dst, DwDst dw_dst,
                      const ExpertGradOut& gout, int num_threads) {
   const int64_t inter = ex.inter, num_rows = static_cast<int64_t>(rows.size());
-  const std::vector<bf16_t> down_t = transpose(ex.down, hidden, inter);  // [I, H]
+  const std::vector<bf16_t> down_t = transpose(ex.down, hidden, inter, ex.down_ld);  // [I, H]
   // [H, 2I]: row h = (w_gate[:, h], w_up[:, h]), the K of the gate/up dgrad.
   std::vector<bf16_t> gu_t(static_cast<size_t>(hidden * 2 * inter));
   for (int64_t i = 0; i < inter; ++i)
     for (int64_t h = 0; h < hidden; ++h) {
-      gu_t[static_cast<size_t>(h * 2 * inter + i)] = ex.gate[i * hidden + h];
-      gu_t[static_cast<size_t>(h * 2 * inter + inter + i)] = ex.up[i * hidden + h];
+      gu_t[static_cast<size_t>(h * 2 * inter + i)] = ex.gate[i * ex.gate_ld + h];
+      gu_t[static_cast<size_t>(h * 2 * inter + inter + i)] = ex.up[i * ex.up_ld + h];
     }
   // Per-row operands of the weight-gradient sums, as the GEMMs would read them (bf16).
   std::vector<float> xs(static_cast<size_t>(num_rows * hidden)), dys(static_cast<size_t>(num_rows * hidden));
@@ -192,8 +239,8 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
       float dw = 0.f;
       float dw_acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int64_t i = 0; i < inter; ++i) {
-        gf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.gate + i * hidden, hidden);
-        uf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.up + i * hidden, hidden);
+        gf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.gate + i * ex.gate_ld, hidden);
+        uf[static_cast<size_t>(i)] = dot_f_bf(xf, ex.up + i * ex.up_ld, hidden);
         daf[static_cast<size_t>(i)] = dot_f_bf(dyf, &down_t[static_cast<size_t>(i * hidden)], hidden);
       }
       // SwiGLU backward with the router-weight gradient fused in, from h = [g | u] rounded to
@@ -254,9 +301,9 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
         }
       }
   });
-  store_grad(acc_gate, gout.dw_gate, gout.main_gate);
-  store_grad(acc_up, gout.dw_up, gout.main_up);
-  store_grad(acc_down, gout.dw_down, gout.main_down);
+  store_grad(acc_gate, inter, hidden, gout.gate);
+  store_grad(acc_up, inter, hidden, gout.up);
+  store_grad(acc_down, hidden, inter, gout.down);
 }
 
 }  // namespace
@@ -267,7 +314,7 @@ float dot_fixed(const float* a, const float* b, int64_t n) {
 
 void forward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std::vector<bf16_t*>& y,
              int num_threads) {
-  const int64_t H = d.hidden, I = d.intermediate, k = d.topk, P = d.ep_size;
+  const int64_t H = d.hidden, k = d.topk, P = d.ep_size;
   const plan::RoutingView v = routing_of(d, ranks);
   // Home slots: one bf16 row per route (token*k + j) and one per token for the shared expert.
   std::vector<std::vector<bf16_t>> slots(static_cast<size_t>(P)), shared(static_cast<size_t>(P));
@@ -280,8 +327,7 @@ void forward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std
   for (int64_t r = 0; r < P; ++r) {
     const auto rows = expert_rows(d, ranks, v, static_cast<int>(r));
     for (int64_t e = 0; e < d.local_experts(); ++e) {
-      const RankInputs& owner = ranks[static_cast<size_t>(r)];
-      const Expert ex{owner.w_gate + e * I * H, owner.w_up + e * I * H, owner.w_down + e * H * I, I};
+      const Expert ex = expert_of(ranks[static_cast<size_t>(r)], d, e, false);
       expert_forward(ex, rows[static_cast<size_t>(e)], ranks, H,
                      [&](const Row& row) {
                        return &slots[static_cast<size_t>(row.rank)][static_cast<size_t>((row.token * k + row.slot) * H)];
@@ -292,7 +338,7 @@ void forward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std
   for (int64_t s = 0; s < P; ++s) {
     if (d.shared_intermediate <= 0) break;
     const RankInputs& rk = ranks[static_cast<size_t>(s)];
-    const Expert ex{rk.ws_gate, rk.ws_up, rk.ws_down, d.shared_intermediate};
+    const Expert ex = expert_of(rk, d, 0, true);
     expert_forward(ex, shared_rows(rk, static_cast<int>(s)), ranks, H,
                    [&](const Row& row) { return &shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },
                    num_threads);
@@ -322,7 +368,7 @@ void forward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std
 
 void backward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std::vector<const bf16_t*>& dy,
               const std::vector<RankGrads>& grads, int num_threads) {
-  const int64_t H = d.hidden, I = d.intermediate, Is = d.shared_intermediate, k = d.topk, P = d.ep_size;
+  const int64_t H = d.hidden, Is = d.shared_intermediate, k = d.topk, P = d.ep_size;
   const plan::RoutingView v = routing_of(d, ranks);
   std::vector<std::vector<bf16_t>> dx_slots(static_cast<size_t>(P)), dx_shared(static_cast<size_t>(P));
   for (int64_t s = 0; s < P; ++s) {
@@ -336,11 +382,8 @@ void backward(const LayerDims& d, const std::vector<RankInputs>& ranks, const st
     const RankInputs& owner = ranks[static_cast<size_t>(r)];
     const RankGrads& g = grads[static_cast<size_t>(r)];
     for (int64_t e = 0; e < d.local_experts(); ++e) {
-      const Expert ex{owner.w_gate + e * I * H, owner.w_up + e * I * H, owner.w_down + e * H * I, I};
-      const ExpertGradOut gout{g.dw_gate + e * I * H, g.dw_up + e * I * H, g.dw_down + e * H * I,
-                               g.main_gate ? g.main_gate + e * I * H : nullptr,
-                               g.main_up ? g.main_up + e * I * H : nullptr,
-                               g.main_down ? g.main_down + e * H * I : nullptr};
+      const Expert ex = expert_of(owner, d, e, false);
+      const ExpertGradOut gout = grad_out_of(g, d, e, false);
       expert_backward(
           ex, rows[static_cast<size_t>(e)], ranks, dy, H,
           [&](const Row& row) {
@@ -353,8 +396,8 @@ void backward(const LayerDims& d, const std::vector<RankInputs>& ranks, const st
   for (int64_t s = 0; s < P && Is > 0; ++s) {
     const RankInputs& rk = ranks[static_cast<size_t>(s)];
     const RankGrads& g = grads[static_cast<size_t>(s)];
-    const Expert ex{rk.ws_gate, rk.ws_up, rk.ws_down, Is};
-    const ExpertGradOut gout{g.dws_gate, g.dws_up, g.dws_down, g.main_s_gate, g.main_s_up, g.main_s_down};
+    const Expert ex = expert_of(rk, d, 0, true);
+    const ExpertGradOut gout = grad_out_of(g, d, 0, true);
     expert_backward(
         ex, shared_rows(rk, static_cast<int>(s)), ranks, dy, H,
         [&](const Row& row) { return &dx_shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },

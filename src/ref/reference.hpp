@@ -39,7 +39,22 @@ struct LayerDims {
   int64_t local_experts() const { return num_experts / ep_size; }
 };
 
-// One rank's inputs.  Pointers are to contiguous row-major arrays.
+// Where row r of matrix e of a stack of row-major matrices starts: e·expert + r·row elements
+// (a stack's innermost stride is 1; 0 = contiguous).  The layouts frameworks store are such
+// views: HF's fused gate_up_proj [E, 2I, H] gives w_gate = [:, :I] and w_up = [:, I:] (expert
+// stride 2I·H, row stride H); interleaved gate/up rows give row stride 2H.
+struct MatrixStrides {
+  int64_t expert = 0;
+  int64_t row = 0;
+  int64_t row_or(int64_t cols) const { return row > 0 ? row : cols; }
+  int64_t expert_or(int64_t rows, int64_t cols) const { return expert > 0 ? expert : rows * row_or(cols); }
+};
+struct WeightStrides {
+  MatrixStrides w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
+};
+
+// One rank's inputs.  x, topk_ids, topk_weights are contiguous row-major; the weights are
+// read through `strides`.
 struct RankInputs {
   int64_t num_tokens = 0;                   // T of this rank
   const bf16_t* x = nullptr;                // [T, H]
@@ -52,6 +67,7 @@ struct RankInputs {
   const bf16_t* ws_gate = nullptr;          // [I_s, H] or null
   const bf16_t* ws_up = nullptr;            // [I_s, H] or null
   const bf16_t* ws_down = nullptr;          // [H, I_s] or null
+  WeightStrides strides;                    // of the six weights
 };
 
 // One rank's weight gradients: bf16 outputs, and optional fp32 main_grad accumulators.
@@ -70,6 +86,8 @@ struct RankGrads {
   float* main_s_gate = nullptr;
   float* main_s_up = nullptr;
   float* main_s_down = nullptr;
+  WeightStrides grad_strides;               // of dw_* / dws_*
+  WeightStrides main_strides;               // of main_*
 };
 
 // y[r] [T_r, H] for every rank r.

@@ -209,20 +209,37 @@ void check_ids_host(const plan::RoutingView& v, int s, const std::string& tag) {
 
 namespace {
 
-void check_weights(const mokConfig_t& c, const mokWeights_t& w, int32_t device, const std::string& who,
-                   std::initializer_list<int32_t> dtypes, bool require_routed) {
+// The six weights (or their gradients, main_grads) in place; returns their strides.
+ref::WeightStrides check_weights(const mokConfig_t& c, const mokWeights_t& w, int32_t device, const std::string& who,
+                                 std::initializer_list<int32_t> dtypes, bool require_routed) {
   const int64_t El = c.num_experts / c.ep_size, H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
-  if (require_routed || present(w.w_gate)) check_tensor(w.w_gate, who + "w_gate", dtypes, {El, I, H}, device);
-  if (require_routed || present(w.w_up)) check_tensor(w.w_up, who + "w_up", dtypes, {El, I, H}, device);
-  if (require_routed || present(w.w_down)) check_tensor(w.w_down, who + "w_down", dtypes, {El, H, I}, device);
+  ref::WeightStrides s;
+  auto check = [&](const mokTensor_t& t, const char* name, std::vector<int64_t> shape, ref::MatrixStrides* out) {
+    if (require_routed || present(t)) *out = check_matrices(t, who + name, dtypes, shape, device);
+  };
+  check(w.w_gate, "w_gate", {El, I, H}, &s.w_gate);
+  check(w.w_up, "w_up", {El, I, H}, &s.w_up);
+  check(w.w_down, "w_down", {El, H, I}, &s.w_down);
   if (Is > 0) {
-    if (require_routed || present(w.ws_gate)) check_tensor(w.ws_gate, who + "ws_gate", dtypes, {Is, H}, device);
-    if (require_routed || present(w.ws_up)) check_tensor(w.ws_up, who + "ws_up", dtypes, {Is, H}, device);
-    if (require_routed || present(w.ws_down)) check_tensor(w.ws_down, who + "ws_down", dtypes, {H, Is}, device);
+    check(w.ws_gate, "ws_gate", {Is, H}, &s.ws_gate);
+    check(w.ws_up, "ws_up", {Is, H}, &s.ws_up);
+    check(w.ws_down, "ws_down", {H, Is}, &s.ws_down);
   } else {
     MOK_CHECK_ARG(!present(w.ws_gate) && !present(w.ws_up) && !present(w.ws_down),
                   who << "ws_gate/ws_up/ws_down given but config.shared_intermediate = 0");
   }
+  // Gate and up are read (and their gradients written) through one row index per tile
+  auto same = [&](const ref::MatrixStrides& a, const ref::MatrixStrides& b, const mokTensor_t& ta,
+                  const mokTensor_t& tb, const char* na, const char* nb) {
+    if (!present(ta) || !present(tb)) return;
+    MOK_CHECK_ARG(a.expert == b.expert && a.row == b.row,
+                  who << nb << " has strides " << shape_str(tb.strides, tb.ndim) << " but " << who << na << " has "
+                      << shape_str(ta.strides, ta.ndim) << ": mok reads gate and up through one row index, so they "
+                      << "must share strides (e.g. both halves of one fused [E, 2I, H] tensor)");
+  };
+  same(s.w_gate, s.w_up, w.w_gate, w.w_up, "w_gate", "w_up");
+  same(s.ws_gate, s.ws_up, w.ws_gate, w.ws_up, "ws_gate", "ws_up");
+  return s;
 }
 
 }  // namespace
@@ -237,8 +254,9 @@ ref::RankInputs check_forward_args(const mokConfig_t& c, const mokForwardArgs_t&
   check_tensor(a.topk_ids, tag + "topk_ids", {mokInt32, mokInt64}, {T, k}, device);
   check_tensor(a.topk_weights, tag + "topk_weights", {mokFloat32}, {T, k}, device);
   if (check_y) check_tensor(a.y, tag + "y", {mokBFloat16}, {T, H}, device);
-  check_weights(c, a.weights, device, tag, {mokBFloat16}, true);
+  const ref::WeightStrides strides = check_weights(c, a.weights, device, tag, {mokBFloat16}, true);
   ref::RankInputs in;
+  in.strides = strides;
   in.num_tokens = T;
   in.x = static_cast<const bf16_t*>(a.x.data);
   in.topk_ids = a.topk_ids.data;
@@ -259,9 +277,9 @@ ref::RankGrads check_backward_args(const mokConfig_t& c, const mokBackwardArgs_t
   check_tensor(a.dy, tag + "dy", {mokBFloat16}, {T, H}, device);
   check_tensor(a.dx, tag + "dx", {mokBFloat16}, {T, H}, device);
   check_tensor(a.d_topk_weights, tag + "d_topk_weights", {mokFloat32}, {T, k}, device);
-  check_weights(c, a.grads, device, tag + "grad of ", {mokBFloat16}, true);
-  check_weights(c, a.main_grads, device, tag + "main_grad of ", {mokFloat32}, false);
   ref::RankGrads g;
+  g.grad_strides = check_weights(c, a.grads, device, tag + "grad of ", {mokBFloat16}, true);
+  g.main_strides = check_weights(c, a.main_grads, device, tag + "main_grad of ", {mokFloat32}, false);
   g.dx = static_cast<bf16_t*>(a.dx.data);
   g.d_topk_weights = static_cast<float*>(a.d_topk_weights.data);
   g.dw_gate = static_cast<bf16_t*>(a.grads.w_gate.data);

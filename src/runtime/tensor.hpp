@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mok/mok.h"
+#include "ref/reference.hpp"
 
 namespace mok {
 
@@ -19,6 +20,15 @@ inline bool present(const mokTensor_t& t) { return t.data != nullptr || t.ndim !
 // `dtypes`, exactly `shape`, lives on `device`, and is contiguous row-major.
 void check_tensor(const mokTensor_t& t, const std::string& who, std::initializer_list<int32_t> dtypes,
                   const std::vector<int64_t>& shape, int32_t device);
+
+// A stack of row-major matrices ([E, rows, cols], or one [rows, cols]) read or written in
+// place with any strides the kernels can follow (ref::MatrixStrides): unit stride along
+// cols; rows and matrices that do not overlap; on CUDA (device >= 0) 16-byte aligned data
+// and row stride (TMA), and an expert stride that is a multiple of the row stride (the
+// kernels address expert e's rows as rows e·expert/row of one tensor map).  Checks what
+// check_tensor does but contiguity, and returns the strides.
+ref::MatrixStrides check_matrices(const mokTensor_t& t, const std::string& who, std::initializer_list<int32_t> dtypes,
+                                  const std::vector<int64_t>& shape, int32_t device);
 
 // First dimension of a 2-D tensor after checking it is 2-D (used to read T).
 int64_t leading_dim(const mokTensor_t& t, const std::string& who);

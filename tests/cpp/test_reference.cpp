@@ -369,7 +369,7 @@ TEST(Reference, MainGradAccumulates) {
   std::vector<float> main_gate = random_f32(rng, n, -1, 1), main_sdown = random_f32(rng, 32 * 8, -1, 1);
   const std::vector<float> before_gate = main_gate, before_sdown = main_sdown;
   ref::RankGrads g{dx.data(), dtopk.data(), g1.data(), g2.data(), g3.data(), s1.data(), s2.data(), s3.data(),
-                   zero_gate.data(), nullptr, nullptr, nullptr, nullptr, zero_sdown.data()};
+                   zero_gate.data(), nullptr, nullptr, nullptr, nullptr, zero_sdown.data(), {}, {}};
   ref::backward(p.d, in, {p.dy[0].data()}, {g}, 2);  // zero main_grad: receives the fp32 gradient itself
   g.main_gate = main_gate.data();
   g.main_s_down = main_sdown.data();

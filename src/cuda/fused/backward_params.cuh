@@ -38,6 +38,8 @@ struct Task {
 struct BackwardParams {
   // Dimensions
   int32_t hidden, inter, shared_inter, topk;
+  // Map rows between experts of the weight stacks (gemm::matrix_pitch: I and H when contiguous)
+  int32_t gate_up_pitch, down_pitch;
   int64_t num_tokens;
   int32_t ring_blocks, minibatch_blocks, num_comm, num_local;
   int32_t shared_blocks;      // ceil(T / 128) with a shared expert, else 0

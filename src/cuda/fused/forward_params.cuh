@@ -34,6 +34,8 @@ struct TaskInfo {
 struct ForwardParams {
   // Dimensions
   int32_t hidden, inter, shared_inter, topk;
+  // Map rows between experts of the weight stacks (gemm::matrix_pitch: I and H when contiguous)
+  int32_t gate_up_pitch, down_pitch;
   int64_t num_tokens;
   int32_t ring_blocks, minibatch_blocks, num_comm;
   int32_t max_blocks, shared_blocks;

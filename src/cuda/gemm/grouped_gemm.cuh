@@ -42,7 +42,7 @@ struct GroupedGemmParams {
   int32_t num_n_blocks;      // output tiles along N
   int32_t num_k_blocks;      // K / BLOCK_K
   int32_t max_m_blocks;      // length of block_expert
-  int32_t b_rows_per_expert; // rows of one expert in the B maps
+  int32_t b_rows_per_expert; // map rows between experts in the B maps (gemm::matrix_pitch)
   int32_t b_n_step;          // B rows per n_block (128 gate/up, 256 down)
   int32_t b_half_offset;     // row offset of the second half in its map (0 gate/up, 128 down)
   int32_t k_split_blocks;    // kBNMajor: k-blocks read from map_b0 before map_b1

@@ -137,13 +137,19 @@ unsigned pair_grid(Kernel* kernel, int sms, int64_t pairs, int32_t num_blocks) {
   return static_cast<unsigned>(2 * want);
 }
 
+// B's stack of expert matrices [b_rows_per_expert, cols] at q (b0 or b1), in place.
+MatrixStack b_stack(const GroupedGemmArgs& g, const void* q, int64_t cols) {
+  return MatrixStack{q, g.num_experts, g.b_rows_per_expert, cols, g.b_expert_stride, g.b_row_stride};
+}
+
 // The kernel parameters every orientation shares.
 GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   GroupedGemmParams p{};
   p.num_n_blocks = g.num_n_blocks;
   p.num_k_blocks = static_cast<int32_t>(g.k / TileConfig::kBlockK);
   p.max_m_blocks = g.max_m_blocks;
-  p.b_rows_per_expert = static_cast<int32_t>(g.b_rows_per_expert);
+  // B's rows per expert in its maps: the stack's pitch (independent of its columns)
+  p.b_rows_per_expert = static_cast<int32_t>(matrix_pitch(b_stack(g, g.b0, g.k)));
   p.b_n_step = g.b_n_step;
   p.b_half_offset = g.b_half_offset;
   p.k_split_blocks = static_cast<int32_t>(g.b_k_split / TileConfig::kBlockK);
@@ -182,10 +188,16 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM, kBytes);
   // B: N-major as stored, 64 (N) x 64 (K) boxes; or K-major halves of BLOCK_N/2 rows
   const int64_t b_rows = g.num_experts * g.b_rows_per_expert;
-  const CUtensorMap map_b0 = kBNMajor ? tensor_map_2d(g.b0, b_rows, n, T::kBlockK)
-                                      : tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2, kBytes);
-  const CUtensorMap map_b1 = kBNMajor ? tensor_map_2d(g.b1, b_rows, n, T::kBlockK)
-                                      : tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2, kBytes);
+  const MatrixStack b0 = b_stack(g, g.b0, kBNMajor ? n : g.k), b1 = b_stack(g, g.b1, kBNMajor ? n : g.k);
+  CUtensorMap map_b0, map_b1;
+  if constexpr (kBytes == 2) {
+    map_b0 = tensor_map_stack(b0, kBNMajor ? T::kBlockK : T::kBlockN / 2);
+    map_b1 = tensor_map_stack(b1, kBNMajor ? T::kBlockK : T::kBlockN / 2);
+  } else {  // e4m3 operands: contiguous (the C ABI's fp8 seam)
+    MOK_CHECK_ARG(g.b_expert_stride == 0 && g.b_row_stride == 0, "grouped GEMM (e4m3): B must be contiguous");
+    map_b0 = tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2, kBytes);
+    map_b1 = tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2, kBytes);
+  }
   GroupedGemmParamsOf<kSwiGLUBwd> p;
   if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g);
   else p = common_params(g);
@@ -286,8 +298,8 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   if (env::get_int(env::kGemmCluster) == 2 && g.tile_n == C::kBlockN) {
     // 2-CTA clusters sharing B: as many clusters as fit at once
     const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
-    const CUtensorMap map_b0 = tensor_map_2d(g.b0, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
-    const CUtensorMap map_b1 = tensor_map_2d(g.b1, g.num_experts * g.b_rows_per_expert, g.k, C::kBlockN / 2);
+    const CUtensorMap map_b0 = tensor_map_stack(b_stack(g, g.b0, g.k), C::kBlockN / 2);
+    const CUtensorMap map_b1 = tensor_map_stack(b_stack(g, g.b1, g.k), C::kBlockN / 2);
     const GroupedGemmParams p = common_params(g);
     const int64_t pairs = int64_t{(g.max_m_blocks + 1) / 2} * g.num_n_blocks;
     const unsigned grid = pair_grid(grouped_gemm_pair_kernel, sms, pairs, g.num_blocks);
@@ -355,6 +367,13 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.out_split = g.out_split;
   p.out1 = static_cast<__nv_bfloat16*>(g.out1);
   p.main_grad1 = g.main_grad1;
+  p.out_es = g.out_expert_stride;
+  p.out_rs = g.out_row_stride;
+  p.mg_es = g.mg_expert_stride;
+  p.mg_rs = g.mg_row_stride;
+  MOK_CHECK_ARG(g.out_split == 0 || 2 * g.out_split == g.mo || (p.out_es > 0 && p.mg_es > 0),
+                "grouped wgrad: split outputs of unequal halves need their strides");
+  wgrad_strides(p);
   p.generic_epilogue = env::get(env::kWgradEpilogue) == "generic" ? 1 : 0;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");

@@ -17,6 +17,10 @@ struct GroupedGemmArgs {
   const void* b1 = nullptr;      // second half's source (== b0 for down)
   int64_t num_experts = 0;
   int64_t b_rows_per_expert = 0;
+  // b0 / b1 in place with these strides (elements; 0: contiguous), the same for both: a
+  // stack of [b_rows_per_expert, cols] matrices (gemm::MatrixStack; e.g. the halves of a fused
+  // [E, 2I, H] gate_up parameter).
+  int64_t b_expert_stride = 0, b_row_stride = 0;
   int32_t b_n_step = 256;
   int32_t b_half_offset = 128;
   int32_t num_n_blocks = 0;
@@ -110,6 +114,9 @@ struct GroupedWgradArgs {
   int64_t out_split = 0;
   void* out1 = nullptr;
   float* main_grad1 = nullptr;
+  // The outputs in place (elements; 0: contiguous): expert e's row r of out / out1 at
+  // e·out_expert_stride + r·out_row_stride; main_grad / main_grad1 likewise.
+  int64_t out_expert_stride = 0, out_row_stride = 0, mg_expert_stride = 0, mg_row_stride = 0;
 };
 void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 

@@ -32,11 +32,12 @@ EncodeTiled encode_tiled() {
 
 }  // namespace
 
-CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, int elem_bytes) {
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, int elem_bytes,
+                          int64_t row_stride) {
   MOK_CHECK_ARG(elem_bytes == 1 || elem_bytes == 2, "tensor map: elements of " << elem_bytes << " bytes");
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * elem_bytes)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>((row_stride > 0 ? row_stride : cols) * elem_bytes)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / elem_bytes), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUtensorMapDataType dtype = elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8;
@@ -50,5 +51,16 @@ CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_
   return map;
 }
 
+int64_t matrix_pitch(const MatrixStack& m) {
+  const int64_t row = m.row_stride > 0 ? m.row_stride : m.cols;
+  const int64_t expert = m.expert_stride > 0 ? m.expert_stride : m.rows * row;
+  MOK_CHECK_ARG(expert % row == 0, "tensor map: matrix stride " << expert << " is not a multiple of the row stride " << row);
+  return m.num > 1 ? expert / row : m.rows;
+}
+
+CUtensorMap tensor_map_stack(const MatrixStack& m, int box_rows) {
+  const int64_t span = m.num > 0 ? (m.num - 1) * matrix_pitch(m) + m.rows : 0;
+  return tensor_map_2d(m.base, span, m.cols, box_rows, 2, m.row_stride);
+}
 
 }  // namespace mok::gemm

@@ -11,6 +11,20 @@ namespace mok::gemm {
 // 2-D map over [rows, cols] (cols contiguous) of elem_bytes-wide elements (2: bf16, 1: fp8),
 // box (box_rows, one 128-byte row: 64 bf16 or 128 fp8 cols), 128 B swizzle: the operand layout
 // of the tile engine.
-CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, int elem_bytes = 2);
+// row_stride: elements between rows (0: cols; a multiple of 16 bytes).
+CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, int elem_bytes = 2,
+                          int64_t row_stride = 0);
+
+// A stack of num [rows, cols] bf16 matrices in place, strides s (ref::MatrixStrides, checked
+// by runtime/tensor.hpp check_matrices): one 2-D map whose rows are every row of the stack's
+// span, matrix e's row r at map row e·pitch + r (matrix_pitch).  Frameworks' fused and
+// interleaved gate/up layouts are read this way, with no copy.
+struct MatrixStack {
+  const void* base;
+  int64_t num, rows, cols;
+  int64_t expert_stride, row_stride;  // elements; 0: contiguous
+};
+int64_t matrix_pitch(const MatrixStack& m);  // map rows between matrices
+CUtensorMap tensor_map_stack(const MatrixStack& m, int box_rows);
 
 }  // namespace mok::gemm

@@ -55,7 +55,20 @@ struct WgradParams {
   float* main_grad1;
   int32_t generic_epilogue;    // MOK_WGRAD_EPILOGUE=generic: every tile through the generic loop (A/B;
                                // the standalone launches)
+  // The outputs in place (elements): row r of expert e's matrix of out / out1 at e·out_es +
+  // r·out_rs, of main_grad / main_grad1 at e·mg_es + r·mg_rs (wgrad_strides: contiguous ones)
+  int64_t out_es, out_rs, mg_es, mg_rs;
 };
+
+// Fills the strides of p left 0 with the contiguous ones ([E, rows, No] per output, rows =
+// out_split or Mo); split outputs of contiguous tensors need halves of one size.
+inline void wgrad_strides(WgradParams& p) {
+  const int64_t rows = p.out_split > 0 ? p.out_split : p.mo;
+  if (p.out_rs == 0) p.out_rs = p.no;
+  if (p.out_es == 0) p.out_es = rows * p.out_rs;
+  if (p.mg_rs == 0) p.mg_rs = p.no;
+  if (p.mg_es == 0) p.mg_es = rows * p.mg_rs;
+}
 
 
 struct WgradTile {
@@ -120,7 +133,6 @@ struct WgradTarget {
   bool accumulate, store_acc;
   int64_t slot;             // expert index in acc
   int64_t row_base;         // subtracted from the tile's rows in the output
-  int64_t out_rows;         // rows per expert of the output
   __nv_bfloat16* out;       // null: no bf16 output for this tile
   float* main_grad;         // null: none
 };
@@ -130,14 +142,13 @@ __device__ __forceinline__ WgradTarget wgrad_target_at(const WgradParams& p, con
   // All of a tile's rows are on one side of out_split (a multiple of 128)
   const bool second = p.out_split > 0 && int64_t{t.m_block} * TileConfig::kBlockM >= p.out_split;
   return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0, slot,
-                     second ? p.out_split : 0, p.out_split > 0 ? (second ? p.mo - p.out_split : p.out_split) : p.mo,
-                     final_ ? (second ? p.out1 : p.out) : nullptr,
+                     second ? p.out_split : 0, final_ ? (second ? p.out1 : p.out) : nullptr,
                      final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr};
 }
 template <bool kTables>
 __device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const WgradTile& t) {
   if constexpr (!kTables) {
-    return WgradTarget{p.accumulate != 0, p.store_acc != 0, t.expert, 0, p.mo, p.out, p.main_grad};
+    return WgradTarget{p.accumulate != 0, p.store_acc != 0, t.expert, 0, p.out, p.main_grad};
   } else {
     return wgrad_target_at(p, t, p.acc_slot ? p.acc_slot[t.expert] : t.expert);
   }
@@ -162,8 +173,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     for (int half = 0; half < 2; ++half) {
       const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
       const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
-      const int64_t out_row_off = kTables ? (int64_t{t.expert} * w.out_rows + row - w.row_base) * p.no + col0
-                                          : (w.slot * p.mo + row) * p.no + col0;
+      const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + col0;
       store_row<C::kBlockN / 8>(out + out_row_off, true, [&](int n8) {
         return kZero ? 0u : pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
       });
@@ -175,7 +185,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
     const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
     const int64_t acc_row_off = (w.slot * p.mo + row) * p.no + col0;
-    const int64_t out_row_off = kTables ? (int64_t{t.expert} * w.out_rows + row - w.row_base) * p.no + col0 : acc_row_off;
+    const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + col0;
     const int64_t lane_col = (threadIdx.x % 4) * 2;  // this thread's first column
     const float* prior_row = accumulate ? p.acc + acc_row_off + lane_col : nullptr;
     auto total = [&](int n8) {
@@ -196,7 +206,8 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     // fp32: the accumulator and main_grad
     if (store_acc || main_grad) {
       float* acc_row = p.acc ? p.acc + acc_row_off + lane_col : nullptr;
-      float* mg_row = main_grad ? main_grad + out_row_off + lane_col : nullptr;
+      float* mg_row =
+          main_grad ? main_grad + int64_t{t.expert} * p.mg_es + (row - w.row_base) * p.mg_rs + col0 + lane_col : nullptr;
 #pragma unroll
       for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
         const float2 v = total(n8);

@@ -19,7 +19,7 @@ struct Down {
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskInfo& t) {
     return gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.hidden + t.n_block * 256, 128, k_blocks(p)};
+                          p.block_expert[t.block] * p.down_pitch + t.n_block * 256, 128, k_blocks(p)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,

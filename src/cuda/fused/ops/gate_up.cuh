@@ -21,7 +21,7 @@ struct GateUp {
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskInfo& t) {
     return gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.inter + t.n_block * 128, 0, k_blocks(p)};
+                          p.block_expert[t.block] * p.gate_up_pitch + t.n_block * 128, 0, k_blocks(p)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,

@@ -32,7 +32,7 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * 128, e * p.hidden,
+    return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * 128, e * p.down_pitch,
                 t.n_block * 256, p.hidden / 64, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
@@ -99,7 +99,7 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * 128, e * p.inter,
+    return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * 128, e * p.gate_up_pitch,
                 t.n_block * 256, p.inter / 64, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>

@@ -25,7 +25,7 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
     return Load{static_cast<int32_t>(kOps), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * 128,
-                e * p.inter + t.n_block * 128, 0, 0, k_blocks(p, g, c, t), 0};
+                e * p.gate_up_pitch + t.n_block * 128, 0, 0, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
