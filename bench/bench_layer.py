@@ -2,7 +2,8 @@
 """MoE layer benchmark (docs/benchmarks.md): per shape and routing, the torch EP=1 pipeline
 (forward in each gate/up × combine variant, and forward+backward of the fastest), the experts-only grouped
 GEMMs, the dense-rate floor, and mok where it is built. Prints a table, writes
-DIR/bench_layer.json and DIR/bench_layer.png.
+DIR/bench_layer.json (every figure) and DIR/bench_layer.png (mok against the best torch baseline of
+each shape, forward and forward+backward: bench/plot.py).
 
   python3 bench/bench_layer.py --shapes all --routing uniform,zipf --out out/bench
   python3 bench/bench_layer.py --device cpu --tiny      # CPU smoke test of every code path
@@ -10,6 +11,7 @@ DIR/bench_layer.json and DIR/bench_layer.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -25,6 +27,7 @@ import torch  # noqa: E402
 
 from bench import baselines as bl  # noqa: E402
 from bench import harness as hz  # noqa: E402
+from bench import plot as lp  # noqa: E402
 from bench import shapes as sh  # noqa: E402
 
 VARIANTS = ("fused/gather", "split/gather", "fused/index_add", "split/index_add")
@@ -279,7 +282,8 @@ def bench_case(h: hz.Harness, case: LayerCase, args, mok_state: Dict[str, str]) 
     # mok, where it is built
     bench_mok(h, case, args, mok_state, group, tokens, setup_fwd, setup_fb,
               (fwd_flops, fwd_bytes, fb_flops, fb_bytes))
-    return {"group": group, **notes, "ratios": ratios(h, group, best)}
+    return {"group": group, **notes, "ratios": ratios(h, group, best),
+            "best_baseline": lp.best_baselines(h.results, group)}
 
 
 def best_variant(h: hz.Harness, group: str, prefix: str, variants: List[str]) -> Optional[str]:
@@ -502,7 +506,8 @@ def main(argv=None) -> int:
         "grouped_mm": bl.grouped_mm_backend(device), "shapes": [_shape_dict(s) for s in shape_list],
         "mok": mok_summary(mok_state), "cases": cases})
     png = os.path.join(args.out, "bench_layer.png")
-    why_not = h.plot(png, title="MoE layer", panels=("fwd", "fwd+bwd"))
+    with open(out_json) as f:  # the picture is drawn from the JSON (python3 bench/plot.py JSON redraws it)
+        why_not = lp.plot_layer(json.load(f), png)
     print(f"\nwrote {out_json}" + (f" and {png}" if why_not is None else f"; no chart: {why_not}"))
     failed = h.failed_checks()
     if failed:
