@@ -43,6 +43,20 @@ pip_install torch torch
 pip_install numpy numpy
 pip_install pytest pytest
 pip_install "scikit-build-core>=0.10" scikit_build_core
+# The tests of the optional integrations and benchmarks (import mok needs none of them):
+#   transformers (mok.integrations.hf; the version the suite is run against), matplotlib (the
+#   benchmarks' PNGs), TorchTitan's MoE (mok.integrations.torchtitan) with only the five small
+#   wheels its MoE imports need; its full dependency tree (datasets, wandb, ...) is ~100 packages.
+if [ "${MOK_SETUP_INTEGRATIONS:-1}" = 1 ]; then
+  pip_install "transformers==5.17.0" transformers
+  pip_install matplotlib matplotlib
+  python3 -c "import torchtitan" 2>/dev/null || {
+    echo "setup: pip install --no-deps torchtitan==0.3.0 (and the four wheels its MoE imports)"
+    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore --retries 2 --timeout 30 --no-deps \
+      torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 ||
+      echo "setup: pip could not install torchtitan; its tests skip" >&2
+  }
+fi
 
 # nvcc lives outside PATH on some images; the scripts and CMake look in /usr/local/cuda/bin too.
 if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
