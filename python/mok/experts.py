@@ -183,9 +183,19 @@ def experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Ten
     [E, H, I] read in place; autograd gives one fused gradient for gate_up_proj."""
     ids, weights = _routing(topk_ids, topk_weights, gate_up_proj.shape[0])
     ws_gate, ws_up, ws_down = _shared(shared)
+    if not _needs_grad(x, weights, gate_up_proj, down_proj, ws_gate, ws_up, ws_down):
+        # Inference: the plain forward, nothing kept for a backward
+        from .ops import config_args
+        w_gate, w_up = split_gate_up(gate_up_proj, interleaved)
+        return torch.ops.mok.forward(x.contiguous(), ids, weights, w_gate, w_up, down_proj, ws_gate, ws_up, ws_down,
+                                     0, *config_args(config).values())
     y, _, _ = experts_saving(x.contiguous(), ids, weights, gate_up_proj, down_proj, ws_gate, ws_up, ws_down,
                              bool(interleaved), _knobs(config))
     return y
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def experts_separate(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w_up: Tensor,
@@ -197,6 +207,7 @@ def experts_separate(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: 
     ws_gate, ws_up, ws_down = _shared(shared)
     args = (x.contiguous(), ids, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, 0,
             *config_args(config).values())
-    if x.device.type == "cuda":  # the training forward keeps h for the backward
+    if x.device.type == "cuda" and _needs_grad(x, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
+        # the training forward keeps h for the backward
         return torch.ops.mok.forward_saving(*args)[0]
     return torch.ops.mok.forward(*args)

@@ -292,7 +292,7 @@ def test_reads_parameters_in_place(device, monkeypatch):
 def test_float32_experts_fall_back_once(device):
     """float32 parameters: TorchTitan copies them to bf16 on each call, mok does not: TorchTitan's
     own path runs (the same results as without mok) and one warning says why."""
-    mok_titan._warned.clear()
+    mok.integrations._warned.clear()
     model = build_moe(device, dtype=torch.float32)
     x, probe = inputs(device, dtype=torch.float32)
     y_t, dx_t, g_t, _ = run(model, x, probe)
@@ -350,7 +350,7 @@ def test_fallback_reasons(monkeypatch):
     routed.inner_experts.__class__ = GroupedExperts
 
     # a shape mok cannot run: its reason is the warning's, and TorchTitan's path computes the call
-    mok_titan._warned.clear()
+    mok.integrations._warned.clear()
     monkeypatch.setattr(mok.experts, "unsupported_reason", lambda **kw: "a shape this mok does not run")
     routed.__dict__.pop("_mok_decisions")
     counts = torch.bincount(ids.flatten(), minlength=E)

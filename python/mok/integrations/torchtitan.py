@@ -46,7 +46,6 @@ tyro, docstring-parser and typeguard, none of TorchTitan's training extras).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional
 
 import torch
@@ -63,6 +62,7 @@ except ImportError as err:  # TorchTitan missing, or not 0.3 (0.2 kept its MoE i
                       'pip install "mok[torchtitan]"') from err
 
 from .. import experts as _mok_experts
+from . import MokFallbackWarning, warn_once
 
 __all__ = ["MokConverter", "MokFallbackWarning", "MokRoutedExperts", "convert_config", "disable", "enable",
            "fallback_reason", "mok_routed_experts_forward"]
@@ -71,20 +71,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _UNDECIDED = object()
 
 
-class MokFallbackWarning(UserWarning):
-    """A RoutedExperts call ran TorchTitan's own path instead of mok; the message says why."""
-
-
-# (module class, reason) pairs already warned about.
-_warned: set = set()
-
-
 def _warn_once(module: torch.nn.Module, reason: str) -> None:
-    key = (type(module), reason)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(f"mok: {type(module).__name__} runs TorchTitan's experts, not mok: {reason}",
-                      MokFallbackWarning, stacklevel=3)
+    warn_once(module, f"mok: {type(module).__name__} runs TorchTitan's experts, not mok", reason)
 
 
 def _weights(module: torch.nn.Module):
