@@ -34,10 +34,9 @@ vocab 32000, untied embeddings, no router aux loss, 2 x 4096 tokens per step):
          one H200 holds one such layer and nothing else.
   --smoke  both families at hidden 128, 8 experts, top-2, 2 layers, seq 64, vocab 128, 24 steps.
 
-Time on one H200 (estimates from the earlier 4-layer measurement in BENCH.md and FLOP counts):
-qwen3 about 0.25-0.3 s per step, dsv3 about 0.5 s; with 100 steps per implementation, model
-builds and host copies of the initial weights, the default run (2 models x grouped_mm, mok) takes
-about 4-5 minutes. eager adds roughly 2-3 minutes (qwen3's 128 experts loop on the host).
+Time on one H200 (measured 2026-12-02): qwen3 0.22-0.28 s per step, dsv3 0.34-0.42 s; with
+150 steps per implementation the default run (qwen3 x grouped_mm, mok; dsv3 x grouped_mm, mok,
+mok+shared) takes about 5-6 minutes. eager adds minutes (qwen3's 128 experts loop on the host).
 
 Method (also in the JSON under "method"):
   step      zero_grad, forward with labels (HF's shifted cross-entropy), backward, grad-norm clip
@@ -590,7 +589,7 @@ def parse_args(argv=None):
                         "--smoke also eager); eager is slow at full size; mok+shared (mok with the shared "
                         "experts fused into its call) runs on the DeepSeek-V3-family model only")
     p.add_argument("--baseline", default=BASELINE, help="implementation the others are compared with")
-    p.add_argument("--steps", type=int, default=None, help="training steps per implementation (default 100; smoke 24)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per implementation (default 150; smoke 24)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 5; smoke 2)")
     p.add_argument("--share-steps", type=int, default=None,
                    help="last steps with the MoE timing hooks, not in the tokens/s median (default 5; smoke 2)")
@@ -599,7 +598,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 32000; smoke 128)")
     p.add_argument("--qwen3-layers", type=int, default=12)
     p.add_argument("--dsv3-layers", type=int, default=4)
-    p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 3e-4; smoke 1e-3)")
+    p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 1e-4: at 3e-4 both models "
+                   "spiked early in both implementations, and the runs diverged chaotically after; smoke 1e-3)")
     p.add_argument("--lr-warmup", type=int, default=10, help="linear learning-rate warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0, help="grad-norm clip (0: none)")
@@ -612,8 +612,8 @@ def parse_args(argv=None):
     p.add_argument("--verbose", action="store_true", help="print losses while training (syncs at those steps)")
     args = p.parse_args(argv)
     smoke = args.smoke
-    for name, full, tiny in (("steps", 100, 24), ("warmup", 5, 2), ("share_steps", 5, 2), ("seq", 4096, 64),
-                             ("vocab", 32000, 128), ("lr", 3e-4, 1e-3)):
+    for name, full, tiny in (("steps", 150, 24), ("warmup", 5, 2), ("share_steps", 5, 2), ("seq", 4096, 64),
+                             ("vocab", 32000, 128), ("lr", 1e-4, 1e-3)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if smoke else full)
     if args.impls is None:

@@ -105,7 +105,7 @@ def test_default_models_are_the_stated_shapes():
     # What the GPU run builds (on the meta device here: no memory, no init)
     args = bench_e2e.parse_args(["--device", "cuda"])
     assert args.impl_list == ["grouped_mm", "mok", "mok+shared"] and args.model_list == MODELS
-    assert (args.steps, args.batch, args.seq, args.vocab) == (100, 2, 4096, 32000)
+    assert (args.steps, args.batch, args.seq, args.vocab) == (150, 2, 4096, 32000)
     specs = bench_e2e.model_specs(args)
     qwen3 = bench_e2e.build_model(specs["qwen3"], "grouped_mm", torch.device("meta"))
     assert bench_e2e.param_counts(qwen3) == {"total": 7_608_521_728, "experts": 7_247_757_312,

@@ -167,9 +167,10 @@ def test_layouts_mok_cannot_read_are_named_before_launch(gen, device):
 def test_cuda_names_what_tma_cannot_follow(gen):
     x, ids, tw, w, _ = _layer(gen, "cuda", T=16)
     E, I, H = w["w_gate"].shape
-    odd = torch.zeros(E, I, H + 4, dtype=torch.bfloat16, device="cuda")[..., :H]  # 2 * (H + 4) bytes per row
+    # Rows 2 * (H + 4) bytes apart: TMA strides are multiples of 16 bytes
+    odd_gate, odd_up = (torch.zeros(E, I, H + 4, dtype=torch.bfloat16, device="cuda")[..., :H] for _ in range(2))
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
-        F.forward(x, ids, tw, odd, odd.clone().as_strided(odd.shape, odd.stride()), w["w_down"])
+        F.forward(x, ids, tw, odd_gate, odd_up, w["w_down"])
     skew = torch.zeros(E * I * H + 8 * E, dtype=torch.bfloat16, device="cuda").as_strided((E, I, H), (I * H + 8, H, 1))
     with pytest.raises(ValueError, match="multiple of the row stride"):
         F.forward(x, ids, tw, skew, skew, w["w_down"])
