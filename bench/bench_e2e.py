@@ -35,8 +35,8 @@ vocab 32000, untied embeddings, no router aux loss, 2 x 4096 tokens per step):
   --smoke  both families at hidden 128, 8 experts, top-2, 2 layers, seq 64, vocab 128, 24 steps.
 
 Time on one H200 (measured 2026-12-02): qwen3 0.22-0.28 s per step, dsv3 0.34-0.42 s; with
-150 steps per implementation the default run (qwen3 x grouped_mm, mok; dsv3 x grouped_mm, mok,
-mok+shared) takes about 5-6 minutes. eager adds minutes (qwen3's 128 experts loop on the host).
+150 steps per implementation the default run (both models x grouped_mm, mok) takes about 4-5
+minutes. eager adds minutes (qwen3's 128 experts loop on the host).
 
 Method (also in the JSON under "method"):
   step      zero_grad, forward with labels (HF's shifted cross-entropy), backward, grad-norm clip
@@ -142,28 +142,14 @@ def make_config(spec: Dict[str, Any]):
     return cls(**spec["config"])
 
 
-# "mok+shared": mok with the shared experts fused into its call (mok.integrations.hf.
-# fuse_shared_experts; models with DeepSeek-V3-style shared experts only).
-MOK_IMPLS = ("mok", "mok+shared")
-
-
-def experts_implementation(impl: str) -> str:
-    return "mok" if impl in MOK_IMPLS else impl
-
-
 def build_model(spec: Dict[str, Any], impl: str, device: torch.device):
     """A fresh causal LM of `spec` on `device` with experts implementation `impl`, bf16, SDPA
     attention, in training mode; its weights are HF's random init (replaced by the caller)."""
     from transformers import AutoModelForCausalLM
     cfg = make_config(spec)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, experts_implementation=experts_implementation(impl),
-                                                 attn_implementation="sdpa", dtype=torch.bfloat16)
-    if impl == "mok+shared":
-        import mok.integrations.hf as mok_hf
-        if mok_hf.fuse_shared_experts(model) == 0:
-            raise RuntimeError("mok+shared: the model has no shared experts mok can fuse")
-    impl = experts_implementation(impl)
+        model = AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, attn_implementation="sdpa",
+                                                 dtype=torch.bfloat16)
     model.train()
     # HF swaps "grouped_mm" for "eager" only when none was requested; an explicit request that
     # cannot dispatch raises. Check that the one asked for is the one set.
@@ -313,7 +299,7 @@ def mok_fallbacks(model) -> List[str]:
 def no_fallback(impl: str, mok_hf):
     """For mok: its MokFallbackWarning becomes an error (the first fallback of a module class and
     reason in this process warns; the cached decisions are checked as well)."""
-    if impl not in MOK_IMPLS:
+    if impl != "mok":
         yield
         return
     with warnings.catch_warnings():
@@ -322,7 +308,7 @@ def no_fallback(impl: str, mok_hf):
 
 
 def check_mok_ran(impl: str, model) -> None:
-    if impl in MOK_IMPLS:
+    if impl == "mok":
         problems = mok_fallbacks(model)
         if problems:
             raise RuntimeError("mok fell back to grouped_mm: " + "; ".join(problems))
@@ -408,12 +394,7 @@ def run_impl(spec, impl: str, init_state, corpus: torch.Tensor, args, device: to
         rec["moe_share"] = rec["moe_ms"] / rec["step_ms_hooked"]
         rec["experts_share"] = rec["experts_ms"] / rec["step_ms_hooked"]
         n_blocks = len(hooks.blocks)
-        keys = ("block_fwd", "block_bwd", "experts_fwd", "experts_bwd")
-        if impl == "mok+shared":
-            # The block calls mok itself: its experts module is not called, no experts-only share
-            keys = keys[:2]
-            rec["experts_share"] = rec["experts_ms"] = None
-        for key in keys:
+        for key in ("block_fwd", "block_bwd", "experts_fwd", "experts_bwd"):
             got = [s.get(f"{key}_count", 0) for s in share]
             if any(c != n_blocks for c in got):
                 raise RuntimeError(f"MoE hooks: {key} fired {got} times per step, expected {n_blocks}")
@@ -433,7 +414,7 @@ def run_impl(spec, impl: str, init_state, corpus: torch.Tensor, args, device: to
     else:
         rec["peak_mem_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
         rec["peak_mem_source"] = "process max RSS (CPU; not per implementation)"
-    if impl in MOK_IMPLS:
+    if impl == "mok":
         rec["mok_fallbacks"] = mok_fallbacks(model)
     rec["status"] = "ok" if rec["finite"] else "error"
     if not rec["finite"]:
@@ -585,9 +566,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="qwen3,dsv3", help="comma-separated: qwen3, dsv3")
     p.add_argument("--impls", default=None,
-                   help="comma-separated experts implementations (default grouped_mm,mok,mok+shared; with "
-                        "--smoke also eager); eager is slow at full size; mok+shared (mok with the shared "
-                        "experts fused into its call) runs on the DeepSeek-V3-family model only")
+                   help="comma-separated experts implementations (default grouped_mm,mok; with --smoke "
+                        "grouped_mm,mok,eager); eager is slow at full size")
     p.add_argument("--baseline", default=BASELINE, help="implementation the others are compared with")
     p.add_argument("--steps", type=int, default=None, help="training steps per implementation (default 150; smoke 24)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 5; smoke 2)")
@@ -617,7 +597,7 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, tiny if smoke else full)
     if args.impls is None:
-        args.impls = "grouped_mm,mok,mok+shared,eager" if smoke else "grouped_mm,mok,mok+shared"
+        args.impls = "grouped_mm,mok,eager" if smoke else "grouped_mm,mok"
     args.impl_list = [s.strip() for s in args.impls.split(",") if s.strip()]
     args.model_list = [s.strip() for s in args.models.split(",") if s.strip()]
     for m in args.model_list:
@@ -655,7 +635,7 @@ def main(argv=None) -> int:
 
     # mok's HF integration, where asked for
     mok_hf, mok_status = None, "not requested"
-    if any(i in MOK_IMPLS for i in args.impl_list):
+    if "mok" in args.impl_list:
         mok_hf, why = import_mok_hf()
         mok_status = why or "importable"
         if mok_hf is not None:
@@ -714,10 +694,8 @@ def main(argv=None) -> int:
               f"({counts['experts'] / 1e9:.3f} G in experts, {counts['moe_blocks_count']} MoE blocks)", flush=True)
         corpus = corpus_cpu.to(device)
         for impl in args.impl_list:
-            if impl == "mok+shared" and spec["family"] != "deepseek_v3":
-                continue  # no shared experts to fuse
             try:
-                if impl in MOK_IMPLS and mok_hf is None:
+                if impl == "mok" and mok_hf is None:
                     raise RuntimeError(f"mok.integrations.hf {mok_status}")
                 rec = run_impl(spec, impl, init_state, corpus, args, device, mok_hf)
             except Exception as exc:  # noqa: BLE001  (recorded; the exit status says it)

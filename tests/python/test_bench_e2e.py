@@ -19,12 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "bench_e2e.py"
 # mok's HF integration is part of the run wherever the package has it (an import error then fails)
 HAS_MOK_HF = (ROOT / "python" / "mok" / "integrations" / "hf.py").exists()
-IMPLS = ["grouped_mm", "eager"] + (["mok", "mok+shared"] if HAS_MOK_HF else [])
-
-
-def impls_of(model: str):
-    """The implementations a model runs: mok+shared only where there are shared experts (dsv3)."""
-    return [i for i in IMPLS if i != "mok+shared" or model == "dsv3"]
+IMPLS = ["grouped_mm", "eager"] + (["mok"] if HAS_MOK_HF else [])
 MODELS = ["qwen3", "dsv3"]
 # Figures every implementation reports (the baseline's speed-up 1, its differences 0)
 FIELDS = ("tokens_per_s", "step_ms_median", "step_ms_p10", "step_ms_p90", "speedup", "moe_share", "experts_share",
@@ -59,24 +54,21 @@ def test_smoke_writes_every_figure(smoke):
     assert [m["name"] for m in doc["models"]] == MODELS
     for m in doc["models"]:
         assert m["params"]["moe_blocks_count"] == 2 and m["params"]["experts"] > 0
-        assert list(m["results"]) == impls_of(m["name"])
+        assert list(m["results"]) == IMPLS
         for impl, r in m["results"].items():
             where = f"{m['name']}/{impl}"
             assert r["status"] == "ok", f"{where}: {r.get('error')}"
-            # mok+shared's blocks call mok themselves: no experts-module share
-            fields = [f for f in FIELDS if not (impl == "mok+shared" and f in ("experts_share", "experts_ms"))]
-            bad = {f: r.get(f) for f in fields if not _finite(r.get(f))}
+            bad = {f: r.get(f) for f in FIELDS if not _finite(r.get(f))}
             assert not bad, f"{where}: missing or non-finite {bad}"
             assert len(r["losses"]) == doc["settings"]["steps"] and all(map(_finite, r["losses"])), where
             settings = doc["settings"]
             assert r["timed_steps"] == settings["steps"] - settings["warmup"] - settings["share_steps"], where
-            assert 0 < (r["experts_share"] or r["moe_share"]) <= r["moe_share"] < 1, where
+            assert 0 < r["experts_share"] <= r["moe_share"] < 1, where
             assert r["tokens_per_s"] > 0 and r["peak_mem_gb"] > 0
         base = m["results"]["grouped_mm"]
         assert base["speedup"] == 1.0 and base["loss_diff_final"] == 0.0
-        for impl in ("mok", "mok+shared"):
-            if impl in m["results"]:
-                assert m["results"][impl]["mok_fallbacks"] == [], m["results"][impl]["mok_fallbacks"]
+        if "mok" in m["results"]:
+            assert m["results"]["mok"]["mok_fallbacks"] == [], m["results"]["mok"]["mok_fallbacks"]
 
 
 def test_smoke_losses_fall_and_match(smoke):
@@ -94,9 +86,8 @@ def test_smoke_png_and_table_last(smoke):
     png = out / "e2e.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [line for line in run.stdout.splitlines() if line.strip()]
-    expected = [(m, i) for m in MODELS for i in impls_of(m)]
-    rows = [line.split() for line in lines[-len(expected):]]
-    assert [(r[0], r[1]) for r in rows] == expected, run.stdout
+    rows = [line.split() for line in lines[-len(MODELS) * len(IMPLS):]]
+    assert [(r[0], r[1]) for r in rows] == [(m, i) for m in MODELS for i in IMPLS], run.stdout
     assert all(r[-1] == "ok" for r in rows), run.stdout
     assert lines[-len(rows) - 2].split()[:3] == ["model", "impl", "tokens/s"], run.stdout
 
@@ -104,7 +95,7 @@ def test_smoke_png_and_table_last(smoke):
 def test_default_models_are_the_stated_shapes():
     # What the GPU run builds (on the meta device here: no memory, no init)
     args = bench_e2e.parse_args(["--device", "cuda"])
-    assert args.impl_list == ["grouped_mm", "mok", "mok+shared"] and args.model_list == MODELS
+    assert args.impl_list == ["grouped_mm", "mok"] and args.model_list == MODELS
     assert (args.steps, args.batch, args.seq, args.vocab) == (150, 2, 4096, 32000)
     specs = bench_e2e.model_specs(args)
     qwen3 = bench_e2e.build_model(specs["qwen3"], "grouped_mm", torch.device("meta"))

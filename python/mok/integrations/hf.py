@@ -4,8 +4,6 @@
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, experts_implementation="mok")
     model.set_experts_implementation("mok")     # or switch a model already built (and back)
 
-    mok.integrations.hf.fuse_shared_experts(model)   # DeepSeek-V3-style shared experts in mok's call too
-
 Every experts module that transformers' @use_experts_implementation decorates then calls
 mok_experts_forward.  It runs mok.experts.experts on the module's own parameters (gate_up_proj
 read in place, its gradient one [E, 2I, H] tensor) when mok computes exactly what the module
@@ -41,10 +39,6 @@ Fall back to grouped_mm, with the reason (the first one that applies is named):
 """
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-import types
 
 from typing import Optional
 
@@ -61,8 +55,7 @@ from .. import experts as _mok_experts
 from ..config import MACROBATCH_ALL_ROWS, MoKConfig
 from . import MokFallbackWarning, warn_once
 
-__all__ = ["CONFIG", "MokFallbackWarning", "fallback_reason", "fuse_shared_experts", "mok_experts_forward",
-           "register"]
+__all__ = ["CONFIG", "MokFallbackWarning", "fallback_reason", "mok_experts_forward", "register"]
 
 # The layer configuration of every mok call made here: the training one (the ring holds every
 # routed row, so no expert's weight gradient is split into fp32 pieces: the faster backward,
@@ -179,112 +172,6 @@ def mok_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_
         return y.to(hidden_states.dtype)
     _warn_once(self, reason)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-
-
-# ---------------------------------------------------------------------------------------
-# Shared experts fused into mok's call (DeepSeek-V3-style blocks)
-#
-# A block of the DeepSeek-V3 form runs router -> experts -> + shared_experts(x). Fused, mok
-# computes the plain SwiGLU shared expert in the same kernel as the routed ones and adds it in
-# the same fp32 sum (y = bf16(sum_j w_j o_j + o_shared): one rounding, not two).
-
-# The statements of the block forwards this fuses (ast-normalised: DeepseekV3MoE, GLM-4-MoE,
-# dots1, ... in transformers 5.17) and of their shared MLPs' forwards.
-_BLOCK_FORWARD = ("residuals = hidden_states", "orig_shape = hidden_states.shape",
-                  "_, topk_weights, topk_indices = self.gate(hidden_states)",
-                  "hidden_states = hidden_states.view(-1, hidden_states.shape[-1])",
-                  "hidden_states = self.experts(hidden_states, topk_indices, topk_weights).view(*orig_shape)",
-                  "hidden_states = hidden_states + self.shared_experts(residuals)", "return hidden_states")
-_MLP_FORWARDS = (("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj"),
-                 ("return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))",))
-
-
-def _statements(fn) -> tuple:
-    """The statements of fn's body as ast.unparse writes them (docstring left out); () when
-    its source cannot be read."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return ()
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-        body = body[1:]
-    return tuple(ast.unparse(s) for s in body)
-
-
-def _shared_block_reason(block: torch.nn.Module) -> Optional[str]:
-    """Why the shared expert of `block` cannot be fused into mok's call; None when it can."""
-    if _statements(type(block).forward) != _BLOCK_FORWARD:
-        return f"{type(block).__name__}.forward is not the router -> experts -> + shared_experts block mok fuses"
-    shared, experts = block.shared_experts, block.experts
-    if _statements(type(shared).forward) not in _MLP_FORWARDS:
-        return f"its shared expert {type(shared).__name__} is not a plain SwiGLU MLP"
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        proj = getattr(shared, name)
-        if not isinstance(proj, torch.nn.Linear) or proj.bias is not None:
-            return f"its shared expert's {name} is not a Linear without bias"
-    return _activation_reason(shared) or _module_reason(experts)
-
-
-def _fused_shared_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The block's forward with its shared expert computed by mok (falls back to the block's
-    own forward, which still runs its experts through mok when it can)."""
-    orig_shape = hidden_states.shape
-    _, topk_weights, topk_indices = self.gate(hidden_states)
-    x = hidden_states.view(-1, orig_shape[-1])
-    experts, shared = self.experts, self.shared_experts
-    reason = (None if experts.config._experts_implementation == "mok" else
-              f'the experts implementation is "{experts.config._experts_implementation}", not "mok"')
-    reason = reason or fallback_reason(experts, x, topk_indices, topk_weights)
-    weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
-    if reason is None:
-        # The layer with the shared expert, on these inputs (dtypes, shape rules), once per kind
-        cache = self.__dict__.setdefault("_mok_shared_decisions", {})
-        backward = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, *weights))
-        key = (x.dtype, x.device, tuple(w.dtype for w in weights), topk_indices.shape[-1], backward)
-        if key not in cache:
-            cache[key] = _shared_input_reason(experts, x, weights, topk_indices.shape[-1], backward)
-        reason = cache[key]
-    if reason is not None:
-        _warn_once(self, f"its shared expert runs as transformers' MLP: {reason}")
-        return type(self).forward(self, hidden_states)
-    y = _mok_experts.experts(x, topk_indices, topk_weights, experts.gate_up_proj, experts.down_proj,
-                             interleaved=not experts.is_concatenated, shared=weights, config=CONFIG)
-    return y.view(orig_shape).to(hidden_states.dtype)
-
-
-def _shared_input_reason(experts, x, weights, topk, backward) -> Optional[str]:
-    if any(type(w) not in _PLAIN_TENSORS or w.dtype != torch.bfloat16 or w.device != x.device for w in weights):
-        return "its shared expert's weights are not plain bfloat16 tensors on the experts' device"
-    num_experts, two_i, hidden = experts.gate_up_proj.shape
-    return _mok_experts.unsupported_reason(hidden=hidden, intermediate=two_i // 2, num_experts=num_experts,
-                                           topk=topk, device=x.device, backward=backward,
-                                           shared_intermediate=weights[0].shape[0])
-
-
-def fuse_shared_experts(model: torch.nn.Module, enable: bool = True) -> int:
-    """Compute the shared experts of `model`'s DeepSeek-V3-style MoE blocks (router ->
-    experts -> + a plain SwiGLU shared expert) inside mok's call, with the routed experts
-    (enable=False: back to the blocks' own forward). Returns how many blocks changed; a block
-    of another form keeps its forward (MokFallbackWarning names why, once per class)."""
-    changed = 0
-    for block in model.modules():
-        # MoE blocks with a shared expert (DeepSeek-V3's shared_experts, Qwen2-MoE's shared_expert...)
-        if not (hasattr(block, "experts") and (hasattr(block, "shared_experts") or hasattr(block, "shared_expert"))):
-            continue
-        fused = block.__dict__.get("forward") is not None
-        if not enable:
-            if fused:
-                del block.forward
-                changed += 1
-            continue
-        reason = _shared_block_reason(block)
-        if reason is not None:
-            _warn_once(block, f"its shared expert stays transformers': {reason}")
-        elif not fused:
-            block.forward = types.MethodType(_fused_shared_forward, block)
-            changed += 1
-    return changed
 
 
 def register() -> None:
