@@ -37,7 +37,7 @@ for part in ${PARTS:-tests}; do
       done
       echo "== Python GPU tests of issue 21 and the backward"
       timeout 540 python3 -m pytest -q -rs tests/python/test_experts.py tests/python/test_hf.py \
-        tests/python/test_torchtitan.py tests/python/test_examples_hf.py tests/python/test_examples.py \
+        tests/python/test_torchtitan.py tests/python/test_examples.py \
         tests/python/test_gpu_backward.py tests/python/test_forward_hashes.py ${PYTEST_ARGS:-} 2>&1 |
         tee "$OUT/pytest.log" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
