@@ -80,7 +80,7 @@ if [ "${BACKWARD:-0}" = 1 ]; then
   done
 fi
 echo "== Python tests"
-PYTHONPATH=python python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
+PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -rs tests/python ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "== ceilings"
 python3 tools/ceilings.py "$OUT/ceilings.json" | tail -12
