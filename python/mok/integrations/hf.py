@@ -39,7 +39,6 @@ Fall back to grouped_mm, with the reason (the first one that applies is named):
 """
 from __future__ import annotations
 
-
 from typing import Optional
 
 import torch
