@@ -458,8 +458,8 @@ def table(doc: Dict[str, Any]) -> str:
     head = "  ".join(format(c, f"{a}{w}") for c, w, a in cols)
     lines = [head, "-" * len(head)]
     for m in doc["models"]:
-        if "error" in m:
-            failures.append(f"{m['name']}: {m['error']}")
+        if "error" in m:  # the model itself failed (its build, its initial weights)
+            lines.append(f"{m['name']:<7}  error: {str(m['error'])[:100]}")
         for impl, r in m["results"].items():
             if r.get("status") != "ok":
                 lines.append(f"{m['name']:<7}  {impl:<10}  {r.get('status')}: {str(r.get('error', ''))[:90]}")
