@@ -20,18 +20,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
+from bench import shapes as sh  # noqa: E402
 from bench.harness import median_ms  # noqa: E402
 from mok import ops  # noqa: E402
 
-# name: (H, I, E_l, rows per expert = T*k/E_l with uniform routing)
-SHAPES = {
-    "dsv3": (7168, 2048, 16, 2048),
-    "dsv3-t2k": (7168, 2048, 16, 1024),
-    "qwen3": (4096, 1536, 32, 1024),
-    "qwen35": (4096, 1024, 16, 2560),
-    "glm5": (6144, 2048, 16, 2048),
-    "dsv4pro": (7168, 3072, 12, 2048),
-}
+# name: (H, I, E_l, rows per expert = T*k/E_l with uniform routing), from the shapes table
+# (bench/shapes.py); the 32k-token fine-grained shapes are the layer benchmarks' only
+SHAPES = {n: (s.H, s.I, s.E_l, s.rows_per_expert) for n, s in sh.SHAPES.items() if not n.startswith("fg")}
 
 
 def mok_grouped_gemm(a, b0, b1, block_expert, out, swiglu):

@@ -22,6 +22,16 @@ class Shape:
     models: str = ""
 
     @property
+    def layer(self) -> Tuple[int, int, int, int, int]:
+        """(H, I, k, E_l, T): what the tools and tests unpack."""
+        return self.H, self.I, self.k, self.E_l, self.T
+
+    @property
+    def rows_per_expert(self) -> int:
+        """Routed rows per local expert with uniform routing, T·k / E_l."""
+        return self.T * self.k // self.E_l
+
+    @property
     def rows(self) -> int:
         """Routed rows T·k (every route selected)."""
         return self.T * self.k

@@ -26,13 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, ROOT)
 from bench import baselines as bl  # noqa: E402
+from bench.shapes import SHAPES as BENCH_SHAPES  # noqa: E402
 from mok import functional as F  # noqa: E402
 from mok import ops  # noqa: E402
 
-SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
-          "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
-          "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096),
-          "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}
+# The docs/benchmarks.md shapes by name (bench/shapes.py): (H, I, k, E_l, T)
+SHAPES = {name: s.layer for name, s in BENCH_SHAPES.items()}
 
 
 def interleaved(variants, heat_s, rounds):

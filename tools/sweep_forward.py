@@ -9,9 +9,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
 from bench.harness import median_ms  # noqa: E402
+from bench.shapes import SHAPES as BENCH_SHAPES  # noqa: E402
 from mok import functional as F  # noqa: E402
 
-SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "qwen3": (4096, 1536, 8, 32, 4096)}
+# The docs/benchmarks.md shapes by name (bench/shapes.py): (H, I, k, E_l, T)
+SHAPES = {name: s.layer for name, s in BENCH_SHAPES.items()}
 
 
 

@@ -13,12 +13,13 @@ import sys
 import torch
 
 os.environ["MOK_TRACE"] = "1"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "python")]
+from bench.shapes import SHAPES as BENCH_SHAPES  # noqa: E402
 from mok import functional as F  # noqa: E402
 
-SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
-          "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
-          "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096)}
+# The docs/benchmarks.md shapes by name (bench/shapes.py): (H, I, k, E_l, T)
+SHAPES = {name: s.layer for name, s in BENCH_SHAPES.items()}
 ROLES = ["gather", "producer wait", "producer load", "tile", "grid barrier", "combine"]
 KINDS = {0: "shared gate/up", 1: "gate/up", 2: "shared down", 3: "down", 255: "-"}
 KINDS_BWD = {0: "replay", 1: "dgrad down", 2: "dgrad gate/up", 3: "wgrad down", 4: "wgrad gate/up",

@@ -7,9 +7,14 @@ expert_e(v) = w_down_e (silu(w_gate_e v) * (w_up_e v)); gradients by torch.autog
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: bench/
+from bench import shapes as _bench_shapes  # noqa: E402
 
 WEIGHTS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
 
@@ -110,11 +115,8 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 1
     assert rel < tol, f"{name}: relative Frobenius error {rel:.3e} >= {tol} (max-abs {max_abs:.3e})"
 
 
-# The BENCH.md shapes (bench/shapes.py): H, I, k, E, T
-BENCH_SHAPES = {"dsv3": (7168, 2048, 8, 16, 4096), "dsv3-t2k": (7168, 2048, 8, 16, 2048),
-                "qwen3": (4096, 1536, 8, 32, 4096), "qwen35": (4096, 1024, 10, 16, 4096),
-                "glm5": (6144, 2048, 8, 16, 4096), "dsv4pro": (7168, 3072, 6, 12, 4096),
-                "fg30b": (4096, 1024, 4, 64, 32768), "fg120b": (4096, 2048, 4, 64, 32768)}
+# The BENCH.md shapes (bench/shapes.py, the one table): H, I, k, E, T
+BENCH_SHAPES = {name: s.layer for name, s in _bench_shapes.SHAPES.items()}
 
 
 def bench_shape_layer(gen, name, dev="cuda"):
