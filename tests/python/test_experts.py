@@ -219,3 +219,25 @@ def test_unsupported_reason_names_the_shape():
         assert "without its CUDA part" in why
     assert "topk" in X.unsupported_reason(hidden=256, intermediate=256, num_experts=4, topk=9, device="cpu")
     assert "mps" in X.unsupported_reason(hidden=256, intermediate=256, num_experts=4, topk=2, device="mps")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_experts_under_torch_compile(gen, device, interleaved):
+    # mok::experts_saving / experts_backward traced through their fake implementations
+    # (fullgraph: no graph break); the compiled step gives the eager bits
+    x, ids, tw, w, dy = _layer(gen, device, T=100, I_s=256)
+    _, (gu,) = _lay_out(w, "interleaved" if interleaved else "concatenated", None)
+    shared = [w[n] for n in ("ws_gate", "ws_up", "ws_down")]
+
+    def step(x, tw, gate_up, down):
+        return X.experts(x, ids, tw, gate_up, down, interleaved=interleaved, shared=shared)
+
+    results = []
+    for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (x, tw, gu, w["w_down"])]
+        y = fn(*leaves)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("y", "dx", "d topk_weights", "d gate_up", "d down"), *results):
+        _assert_equal(f"compiled vs eager: {name}", b, a)
