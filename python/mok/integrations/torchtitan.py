@@ -62,10 +62,15 @@ except ImportError as err:  # TorchTitan missing, or not 0.3 (0.2 kept its MoE i
                       'pip install "mok[torchtitan]"') from err
 
 from .. import experts as _mok_experts
+from ..config import MACROBATCH_ALL_ROWS, MoKConfig
 from . import MokFallbackWarning, warn_once
 
-__all__ = ["MokConverter", "MokFallbackWarning", "MokRoutedExperts", "convert_config", "disable", "enable",
+__all__ = ["CONFIG", "MokConverter", "MokFallbackWarning", "MokRoutedExperts", "convert_config", "disable", "enable",
            "fallback_reason", "mok_routed_experts_forward"]
+
+# The layer configuration of every mok call made here: the training one (the ring holds every
+# routed row: the faster backward, README "Knobs"), as mok.integrations.hf's.
+CONFIG = MoKConfig(macrobatch_size=MACROBATCH_ALL_ROWS)
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _UNDECIDED = object()
@@ -193,7 +198,7 @@ def mok_routed_experts_forward(module: torch.nn.Module, x_BLD: torch.Tensor, top
         x_TD = x_TD.to(torch.bfloat16)
     w_gate, w_up, w_down = _weights(module)
     y_TD = _mok_experts.experts_separate(x_TD, topk_expert_ids_BLK.reshape(B * L, K),
-                                         topk_scores_BLK.reshape(B * L, K), w_gate, w_up, w_down)
+                                         topk_scores_BLK.reshape(B * L, K), w_gate, w_up, w_down, config=CONFIG)
     return y_TD.to(x_BLD.dtype).view(B, L, D)
 
 
