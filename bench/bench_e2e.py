@@ -619,17 +619,10 @@ def main(argv=None) -> int:
     except ImportError as exc:
         print(f"bench_e2e: transformers is not importable ({exc}); nothing to run.")
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_e2e: no CUDA GPU visible. Use --smoke --device cpu for a smoke test of the code paths.")
-        return 0
-    if args.device == "cpu" and not args.smoke:
-        print("bench_e2e: --device cpu runs only with --smoke (the full models are GPU-sized).")
-        return 2
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        torch.set_num_threads(args.threads)  # tiny shapes: more threads only add contention
+    device, status = hz.bench_device("bench_e2e", args.device, args.smoke, "--smoke", "the full models are GPU-sized",
+                                     threads=args.threads)
+    if device is None:
+        return status
     os.makedirs(args.out, exist_ok=True)
     out_json, out_png = os.path.join(args.out, "e2e.json"), os.path.join(args.out, "e2e.png")
 

@@ -451,16 +451,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     # No GPU: nothing to measure here (the CPU demo lives elsewhere)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_layer: no CUDA GPU visible; nothing to benchmark. "
-              "Use --device cpu --tiny for a smoke test of the code paths.")
-        return 0
-    if args.device == "cpu" and not args.tiny:
-        print("bench_layer: --device cpu runs only with --tiny (the docs/benchmarks.md shapes are GPU-sized).")
-        return 2
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # tiny shapes: threads only add noise on a shared CPU
+    device, status = hz.bench_device("bench_layer", args.device, args.tiny, "--tiny",
+                                     "the docs/benchmarks.md shapes are GPU-sized")
+    if device is None:
+        return status
     shape_list = [sh.TINY] if args.tiny else sh.parse_shapes(args.shapes)
     shape_list = [s.with_shared(bool(args.shared)) for s in shape_list]
     os.makedirs(args.out, exist_ok=True)

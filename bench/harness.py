@@ -128,6 +128,25 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
+def bench_device(tool: str, device: str, small: bool, small_flag: str, why_big: str,
+                 threads: int = 1) -> "tuple[Optional[torch.device], int]":
+    """(device, 0) to run on, or (None, exit status): no visible GPU for a cuda run is nothing
+    to measure (0, with a hint at the CPU smoke mode); a CPU run needs the small mode
+    (`small_flag`; 2, saying `why_big`). On the CPU, `threads` threads (tiny shapes: more only
+    add noise on a shared CPU); a cuda device is the current one."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"{tool}: no CUDA GPU visible; nothing to run. Use --device cpu {small_flag} for a smoke test of "
+              "the code paths.")
+        return None, 0
+    if device == "cpu" and not small:
+        print(f"{tool}: --device cpu runs only with {small_flag} ({why_big}).")
+        return None, 2
+    if device == "cpu":
+        torch.set_num_threads(threads)
+        return torch.device("cpu"), 0
+    return torch.device("cuda", torch.cuda.current_device()), 0
+
+
 def _fmt(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
