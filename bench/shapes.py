@@ -52,6 +52,19 @@ SHAPES: Dict[str, Shape] = {s.name: s for s in (
     Shape("fg120b", 4096, 2048, 4, 64, 32768, models="fine-grained 120B-class MoE, 32k tokens per GPU"),
 )}
 
+# The expert dimensions of released models (the checkpoints' config.json: hidden_size,
+# moe_intermediate_size or intermediate_size, shared-expert width, routed experts, top-k).
+# T is a per-GPU token count for benchmarks; tests scale E and T down and keep H, I and I_s.
+MODELS: Dict[str, Shape] = {s.name: s for s in (
+    Shape("glm45air", 4096, 1408, 8, 128, 4096, I_s=1408, models="GLM-4.5-Air"),
+    Shape("dsv2lite", 2048, 1408, 6, 64, 4096, I_s=2816, models="DeepSeek-V2-Lite"),
+    Shape("qwen15moe", 2048, 1408, 4, 60, 4096, I_s=5632, models="Qwen1.5-MoE-A2.7B"),
+    Shape("gptoss20b", 2880, 2880, 4, 32, 4096, models="gpt-oss-20b"),
+    Shape("olmoe", 2048, 1024, 8, 64, 4096, models="OLMoE-1B-7B"),
+    Shape("qwen3_30b", 2048, 768, 8, 128, 4096, models="Qwen3-30B-A3B"),
+    Shape("mixtral", 4096, 14336, 2, 8, 4096, models="Mixtral-8x7B"),
+)}
+
 # CPU smoke shape: small, T·k a multiple of 8, more experts than k.
 TINY = Shape("tiny", 64, 32, 4, 8, 96, models="CPU smoke test")
 

@@ -235,29 +235,29 @@ typedef struct mokPlanArgs_t {
 /* Grouped GEMM over 128-row blocks (the engine of the CUDA layer, exposed for tests and
  * benchmarks).  a [M, K] bf16; block_expert [ceil(M/128)] int32, the expert of each 128-row
  * block of a, -1 for blocks past the end (their rows are left unwritten).  By kind:
- *   mokGemmDown:        out [M, N] = a · b0[e]ᵀ, b0 [E, N, K]              (N % 256 == 0)
- *   mokGemmGateUp:      out [M, N] = silu(a · b0[e]ᵀ) ⊙ (a · b1[e]ᵀ), b0, b1 [E, N, K]  (N % 128 == 0)
+ *   mokGemmDown:        out [M, N] = a · b0[e]ᵀ, b0 [E, N, K]
+ *   mokGemmGateUp:      out [M, N] = silu(a · b0[e]ᵀ) ⊙ (a · b1[e]ᵀ), b0, b1 [E, N, K]
  *   mokGemmDgradDown:   out [M, N] = a · b0[e], b0 = w_down [E, K, N] as stored: da = dy · W_down
- *                       (K = H, N = I; N % 256 == 0)
+ *                       (K = H, N = I)
  *   mokGemmDgradGateUp: out [M, N] = a · [b0[e]; b1[e]], b0 = w_gate, b1 = w_up [E, K/2, N] as
- *                       stored: dx = [dg | du] · [W_gate; W_up] (K = 2I, N = H; N % 256, K/2 % 64)
+ *                       stored: dx = [dg | du] · [W_gate; W_up] (K = 2I, N = H; K/2 % 64)
  *   mokGemmDgradDownSwiGLU: the dgrad of down with the SwiGLU backward in its epilogue
  *                       (docs/design.md, "The dgrad-down SwiGLU-backward epilogue").  a = dy rows
- *                       [M, H], b0 = w_down [E, H, I] as stored (K = H, N = I; I % 256 == 0);
+ *                       [M, H], b0 = w_down [E, H, I] as stored (K = H, N = I);
  *                       da = a · b0[e] stays in fp32 registers.  Per row r and channel i, with
  *                       g = h[r, i], u = h[r, I + i] (bf16 as stored), w = row_weight[r],
  *                       sg = sigmoid(g), sl = g·sg, a = bf16(sl·u), silu' = sg·(1 + g·(1 − sg)):
  *                         out = dh [M, 2I] bf16: dh[r, i] = bf16(w·da·u·silu'), dh[r, I + i] = bf16(w·da·sl)
  *                         wa [M, I] bf16 (optional): bf16(w·a), the wgrad-down operand
- *                         dtw_partials [M, I/128] fp32 (optional): [r, c] = Σ da·a over channels
- *                           [128c, 128c + 128), in a fixed order; d topk_weights of the row's route
+ *                         dtw_partials [M, ceil(I/128)] fp32 (optional): [r, c] = Σ da·a over channels
+ *                           [128c, min(128c + 128, I)), in a fixed order; d topk_weights of the row's route
  *                           is their sum in ascending c (exact for w = 0 and w < 0: no division)
  *                       h [M, 2I] bf16 and row_weight [M] fp32 are required.  Padding rows should
  *                       have w = 0 and h = 0: they then get dh = 0, wa = 0 and partials 0.
  *   mokGemmGateUpPreact: the gate/up pre-activations without the SwiGLU (the backward's replay):
  *                       out [M, 2N] = [bf16(a · b0[e]ᵀ) | bf16(a · b1[e]ᵀ)], b0, b1 [E, N, K]
- *                       (N % 128 == 0): h = [g | u] as the dgrad-down SwiGLU kind reads it
- * K % 64 == 0 for every kind.  num_blocks: grid size, 0 = one block per SM.  CUDA tensors only.
+ *                       h = [g | u] as the dgrad-down SwiGLU kind reads it
+ * K % 64 == 0 and N % 64 == 0 for every kind.  num_blocks: grid size, 0 = one block per SM.  CUDA tensors only.
  * The fields after num_blocks are read for mokGemmDgradDownSwiGLU only (callers compiled before
  * they existed keep working for the other kinds).
  * (kind replaced the former swiglu flag with the same values for its two kinds.) */
@@ -281,7 +281,7 @@ typedef struct mokGroupedGemmArgs_t {
  *   out[e] [Mo, No] = Σ over rows r of expert e of a[r, :]ᵀ ⊗ b[r, :]
  *     dW_down[e]          = (w·dy)_rowsᵀ · act_rows   (a [R, H], b [R, I])
  *     [dW_gate; dW_up][e] = [dg | du]_rowsᵀ · x_rows   (a [R, 2I], b [R, H])
- * a [R, Mo], b [R, No] bf16 (Mo % 128 == 0, No % 256 == 0); expert_offset [E+1] int32, the
+ * a [R, Mo], b [R, No] bf16 (Mo % 64 == 0, No % 64 == 0); expert_offset [E+1] int32, the
  * first row of each expert, a multiple of 64 (the plan's padded offsets are); expert_count [E]
  * int32, its rows, and the rows [count, round_up(count, 64)) of a and b must be zero (the
  * plan's padding rows, kept zero by the caller).  An expert with no rows gets zeros.

@@ -208,21 +208,21 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
     """mok's grouped-GEMM engine on CUDA tensors (tests and benchmarks).
 
     a [M, K] bf16, rows grouped in 128-row blocks; block_expert [ceil(M/128)] int32 gives each
-    block's expert (-1: past the end, left unwritten).  kind (default: "gate_up" with b1,
-    "down" without):
-      "down":          out = a @ b0[e].T, b0 [E, N, K] (N a multiple of 256);
-      "gate_up":       out = silu(a @ b0[e].T) * (a @ b1[e].T), b0, b1 [E, N, K] (N % 128 == 0);
+    block's expert (-1: past the end, left unwritten).  K and N multiples of 64.  kind
+    (default: "gate_up" with b1, "down" without):
+      "down":          out = a @ b0[e].T, b0 [E, N, K];
+      "gate_up":       out = silu(a @ b0[e].T) * (a @ b1[e].T), b0, b1 [E, N, K];
       "dgrad_down":    out = a @ b0[e], b0 = w_down [E, K, N] as stored (da = dy @ W_down);
       "dgrad_gate_up": out = a @ cat(b0[e], b1[e]), b0 = w_gate, b1 = w_up [E, K/2, N] as
                        stored (dx = [dg | du] @ [W_gate; W_up]);
       "gate_up_preact": out = [a @ b0[e].T | a @ b1[e].T] [M, 2N] bf16, b0, b1 [E, N, K]: the
-                       pre-activations h = [g | u] the backward replays (N % 128 == 0);
+                       pre-activations h = [g | u] the backward replays;
       "dgrad_down_swiglu": the SwiGLU backward in the epilogue of da = a @ b0[e] (a = dy rows
-                       [M, H], b0 = w_down [E, H, I] as stored, I % 256 == 0).  h [M, 2I] bf16
+                       [M, H], b0 = w_down [E, H, I] as stored).  h [M, 2I] bf16
                        (= [g | u], required), row_weight [M] fp32 (required); returns
                        out = dh [M, 2I] bf16 = [bf16(w*da*u*silu'(g)) | bf16(w*da*silu(g))], and
-                       writes wa [M, I] bf16 = bf16(w*a) and dtw_partials [M, I/128] fp32 (the
-                       sums of da*a over each 128 channels: d topk_weights = their sum in
+                       writes wa [M, I] bf16 = bf16(w*a) and dtw_partials [M, ceil(I/128)] fp32
+                       (the sums of da*a over each 128 channels: d topk_weights = their sum in
                        ascending order) where given; a = bf16(silu(g)*u) from h as stored."""
     if kind is None:
         kind = "gate_up" if b1 is not None else "down"

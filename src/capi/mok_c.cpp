@@ -92,8 +92,6 @@ void run_forward_cuda(mok::Workspace& ws, const mokForwardArgs_t* args, void* st
 // Backward on the workspace's GPU (saved: the forward's pre-activations, or null).
 void run_backward_cuda(mok::Workspace& ws, const mokBackwardArgs_t* args, void* stream, const mokSaved_t* saved) {
   const mok::ref::RankInputs in = check_forward_cuda(ws, &args->fwd, std::string(), false);
-  const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
-  if (!why.empty()) MOK_FAIL(mokNotSupported, why);
   const mok::ref::RankGrads grads =
       mok::check_backward_args(ws.config, *args, static_cast<int32_t>(ws.config.device), std::string());
   const mok::cuda::Saved s = saved ? check_saved(ws, saved, in.num_tokens) : mok::cuda::Saved{};
@@ -214,8 +212,9 @@ mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t backward) {
     mok::check_config(c);
     if (c.device < 0) return;  // the CPU backend takes every valid layer
     if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
-    std::string why = mok::cuda::unsupported_shape(c);
-    if (why.empty() && backward) why = mok::cuda::unsupported_backward_shape(c);
+    // The backward takes every shape the forward takes (`backward` names no further limit)
+    (void)backward;
+    const std::string why = mok::cuda::unsupported_shape(c);
     if (!why.empty()) MOK_FAIL(mokNotSupported, why);
   });
 }
@@ -329,10 +328,7 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
     const bool two_b = kind == mokGemmGateUp || kind == mokGemmDgradGateUp || preact;
     if (two_b) mok::check_tensor(args->b1, "b1", {mokBFloat16}, b_shape, dev);
     mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
-    const int64_t n_multiple = kind == mokGemmGateUp || preact ? 128 : 256;
-    MOK_CHECK_ARG(N % n_multiple == 0, (swiglu_bwd ? "I = b0.shape[2] = " : "N = ")
-                                           << N << " must be a multiple of " << n_multiple
-                                           << (swiglu_bwd ? " (the C ABI launches 128 x 256 tiles)" : ""));
+    MOK_CHECK_ARG(N % 64 == 0, (swiglu_bwd ? "I = b0.shape[2] = " : "N = ") << N << " must be a multiple of 64");
     if (swiglu_bwd) {
       // out is dh = [dg | du]; the epilogue's inputs are required, its other outputs optional
       MOK_CHECK_ARG(mok::present(args->h), "kind 4 (dgrad down SwiGLU) needs h: [M, 2I] = ["
@@ -345,7 +341,7 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
       mok::check_tensor(args->row_weight, "row_weight", {mokFloat32}, {M}, dev);
       if (mok::present(args->wa)) mok::check_tensor(args->wa, "wa", {mokBFloat16}, {M, N}, dev);
       if (mok::present(args->dtw_partials))
-        mok::check_tensor(args->dtw_partials, "dtw_partials", {mokFloat32}, {M, N / 128}, dev);
+        mok::check_tensor(args->dtw_partials, "dtw_partials", {mokFloat32}, {M, (N + 127) / 128}, dev);
     } else {
       mok::check_tensor(args->out, preact ? "out (h)" : "out", {mokBFloat16}, {M, preact ? 2 * N : N}, dev);
     }
@@ -384,8 +380,8 @@ mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream) {
     if (has_mg) mok::check_tensor(args->main_grad, "main_grad", {mokFloat32}, {E, Mo, No}, dev);
     MOK_CHECK_ARG(!(args->accumulate || args->store_acc) || has_acc, "accumulate / store_acc need acc");
     MOK_CHECK_ARG(has_out || has_mg || args->store_acc, "nothing to write: give out, main_grad or store_acc with acc");
-    MOK_CHECK_ARG(Mo % 128 == 0, "Mo = a.shape[1] = " << Mo << " must be a multiple of 128");
-    MOK_CHECK_ARG(No % 256 == 0, "No = b.shape[1] = " << No << " must be a multiple of 256");
+    MOK_CHECK_ARG(Mo > 0 && Mo % 64 == 0, "Mo = a.shape[1] = " << Mo << " must be a positive multiple of 64");
+    MOK_CHECK_ARG(No > 0 && No % 64 == 0, "No = b.shape[1] = " << No << " must be a positive multiple of 64");
     mok::cuda::grouped_wgrad(
         mok::cuda::GroupedWgradCall{args->a.data, args->b.data, R, Mo, No, E,
                                     static_cast<const int32_t*>(args->expert_offset.data),
@@ -553,8 +549,6 @@ mokResult_t mokBackwardGroup(const mokWorkspace_t* workspaces, const mokBackward
       const std::string tag = "rank " + std::to_string(r) + ": ";
       mok::Workspace& ws = group_rank(workspaces, r, num_ranks, tag);
       in.push_back(check_forward_cuda(ws, &args[r].fwd, tag, false));
-      const std::string why = mok::cuda::unsupported_backward_shape(ws.config);
-      if (!why.empty()) MOK_FAIL(mokNotSupported, tag << why);
       grads.push_back(mok::check_backward_args(ws.config, args[r], static_cast<int32_t>(ws.config.device), tag));
       sv.push_back(saved ? check_saved(ws, &saved[r], in.back().num_tokens) : mok::cuda::Saved{});
     }

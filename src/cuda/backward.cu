@@ -56,7 +56,7 @@ struct BackwardBuffers {
   void* wa = nullptr;
   void* dx_rows = nullptr;        // EP >= 2: [max_rows, H], the routed dx rows before their push home
   float* row_weight = nullptr;    // [max_rows]
-  float* dtw_partials = nullptr;  // [max_rows, I / 128]
+  float* dtw_partials = nullptr;  // [max_rows, ceil(I / 128)]
   // the shared expert, per token: h_s, dh_s [T_max, 2I_s], a_s [T_max, I_s]
   void* sh_h = nullptr;
   void* sh_dh = nullptr;
@@ -325,7 +325,7 @@ int32_t fused_minibatch_blocks(const DeviceWorkspace& ws, const mokConfig_t& c) 
   MOK_CHECK_ARG(knob >= 0 && knob % 128 == 0 && (knob == 0 || ring % (knob / 128) == 0),
                 env::kBackwardMinibatch.name << " = " << knob << ": a multiple of 128 rows that divides the macrobatch ("
                                              << c.macrobatch_size << " rows), or 0");
-  const int64_t tiles_per_block = std::max<int64_t>(1, c.intermediate / 256);
+  const int64_t tiles_per_block = gemm::tiles_of(c.intermediate, gemm::TileConfig::kBlockN);
   const int64_t want = knob > 0 ? knob / 128
                                 : std::max<int64_t>(c.minibatch_size / 128, plan::ceil_div(2 * ws.grid, tiles_per_block));
   for (int64_t m = std::max<int64_t>(1, std::min(want, ring)); m <= ring; ++m)
@@ -435,7 +435,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     t.out_rs = s.row;
     t.mg_es = ms.expert;
     t.mg_rs = ms.row;
-    gemm::wgrad_strides(t);
+    gemm::wgrad_layout(t);
     return t;
   };
   float* const acc_dn = b.n_acc > 0 ? b.acc_dn : nullptr;
@@ -556,17 +556,6 @@ void destroy_backward_buffers(BackwardBuffers* b) {
   if (b == nullptr) return;
   if (b->block) cudaFree(b->block);
   delete b;
-}
-
-std::string unsupported_backward_shape(const mokConfig_t& c) {
-  std::ostringstream why;
-  if (c.intermediate % 256 != 0)
-    why << "intermediate = " << c.intermediate
-        << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
-  else if (c.shared_intermediate % 256 != 0)
-    why << "shared_intermediate = " << c.shared_intermediate
-        << " must be a multiple of 256 for the CUDA backward (the dgrad-down and wgrad tiles are 256 wide)";
-  return why.str();
 }
 
 void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
@@ -719,7 +708,7 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
   if (T > 0 && !ep) MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
   if (T > 0 || ep) {
     bwd_dtw_kernel<<<264, 256, 0, stream>>>(group, ws.rows, ws.expert_offset, static_cast<int32_t>(El), b.dtw_partials,
-                                            static_cast<int32_t>(I / gemm::kDtwChunk), static_cast<int32_t>(k),
+                                            gemm::tiles_of(I, gemm::kDtwChunk), static_cast<int32_t>(k),
                                             g.d_topk_weights);
     MOK_CUDA_CHECK(cudaGetLastError());
   }

@@ -41,7 +41,7 @@ enum class ForwardPhase { kStart, kPlan, kLayer };
 void forward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, void* y, void* stream,
                    ForwardPhase phase, const Saved& save = Saved{});
 // The gradients of this rank's layer on device pointers (checked by the caller), dy [T, H]
-// bf16; EP = 1 (unsupported_backward_shape says what else it needs).
+// bf16; the shapes of unsupported_shape.
 // saved: the forward's pre-activations of the same inputs (the replay is skipped), or empty.
 void backward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in, const ref::RankGrads& grads,
               const void* dy, void* stream, const Saved& saved = Saved{});
@@ -51,7 +51,6 @@ void backward(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInp
 void backward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::RankInputs& in,
                     const ref::RankGrads& grads, const void* dy, void* stream, ForwardPhase phase,
                     const Saved& saved = Saved{});
-std::string unsupported_backward_shape(const mokConfig_t& config);
 // Allocates the backward's buffers of a workspace if it has none (the first backward does it
 // itself).  NOTES: cudaMalloc can wait for the device: a group issued from one process
 // allocates every rank's buffers before any rank's start barrier runs, or a rank spinning in

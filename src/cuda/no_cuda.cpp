@@ -38,7 +38,6 @@ void backward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&
                     void*, ForwardPhase, const Saved&) {
   no_cuda();
 }
-std::string unsupported_backward_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
 void prepare_backward(DeviceWorkspace&, const mokConfig_t&) { no_cuda(); }
 void load_plan_kernels() { no_cuda(); }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }

@@ -314,8 +314,8 @@ TEST(CApiGroupedGemm, DgradDownSwiGLUArgumentsAreChecked) {
   bad.dtw_partials = tensor_view(part.data(), mokFloat32, {M, 1});
   expect(bad, "dtw_partials has shape [130, 1], expected [130, 2]");
   bad = a;
-  bad.b0 = tensor_view(w.data(), mokBFloat16, {E, H, 384});
-  expect(bad, "I = b0.shape[2] = 384 must be a multiple of 256");
+  bad.b0 = tensor_view(w.data(), mokBFloat16, {E, H, 352});
+  expect(bad, "I = b0.shape[2] = 352 must be a multiple of 64");
   // Optional outputs may be absent
   bad = a;
   bad.wa = mokTensor_t{};

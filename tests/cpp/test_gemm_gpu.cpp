@@ -193,11 +193,10 @@ TEST(GemmGpu, DgradGateUpTiles) {
 // with 0, 1, 130 and 256 rows at the plan's 128-padded offsets (padding rows zero); one call
 // against float64 (bf16 out, fp32 main_grad += on a non-zero start), run twice bitwise, and
 // the same rows split over two calls through the fp32 accumulator.
-void check_wgrad() {
+void check_wgrad(int64_t Mo = 256, int64_t No = 512) {
   const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed=" + std::to_string(seed));
+  SCOPED_TRACE("seed=" + std::to_string(seed) + " Mo=" + std::to_string(Mo) + " No=" + std::to_string(No));
   std::mt19937_64 rng(seed);
-  const int64_t Mo = 256, No = 512;
   const std::vector<int32_t> count = {0, 1, 130, 256};
   const int64_t E = static_cast<int64_t>(count.size());
   std::vector<int32_t> offset(static_cast<size_t>(E + 1), 0);
@@ -386,6 +385,21 @@ TEST(GemmGpu, TileShape128x128EveryKind) {
   check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3, 128);
 }
 
+// Dimensions that are multiples of 64 but not of the tile: the last tile of N (and of the
+// wgrad's Mo and No) is partial; its columns past N are neither written nor read (the outputs
+// start as NaN, each row against float64, bitwise twice).
+TEST(GemmGpu, PartialTilesEveryKind) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (int32_t tile_n : {256, 128}) {
+    check_grouped_gemm(fresh_seed(), 3, 192, 320, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0, tile_n);
+    check_grouped_gemm(fresh_seed(), 2, 320, 192, {1, 0, 1, -1}, mokGemmGateUp, 0, tile_n);
+    check_grouped_gemm(fresh_seed(), 3, 192, 320, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0, tile_n);
+    check_grouped_gemm(fresh_seed(), 2, 384, 320, {0, 1, 1, 0, -1}, mokGemmDgradGateUp, 3, tile_n);
+  }
+  check_wgrad(320, 192);
+  check_wgrad(64, 64);
+}
+
 // ---- the dgrad-down SwiGLU-backward kind (mokGemmDgradDownSwiGLU, gemm/epilogue_bwd.cuh) -----
 
 // Rows of one expert, laid out as the plan lays them out: `rows` routed rows, then padding
@@ -451,7 +465,7 @@ SwiGLUBwdInputs make_swiglu_bwd_inputs(uint64_t seed, int64_t E, int64_t H, int6
 
 struct SwiGLUBwdOutputs {
   std::vector<bf16_t> dh, wa;  // [M, 2I], [M, I]
-  std::vector<float> part;     // [M, I / 128]
+  std::vector<float> part;     // [M, ceil(I / 128)]
 };
 
 // One call at tile N = tile_n: 256 through the C ABI (what it launches), 128 through the
@@ -459,7 +473,7 @@ struct SwiGLUBwdOutputs {
 // `optional`, wa and the partials are not passed (and come back all 0xFF).
 ::testing::AssertionResult run_swiglu_bwd(const SwiGLUBwdInputs& in, int32_t tile_n, int64_t num_blocks, bool optional,
                                           SwiGLUBwdOutputs* out) {
-  const int64_t M = in.M, H = in.H, I = in.I, E = in.E, C = I / 128;
+  const int64_t M = in.M, H = in.H, I = in.I, E = in.E, C = (I + 127) / 128;
   DeviceBuffer ddy(in.dy), dw(in.w_down), dhin(in.h), drw(in.row_weight), dblk(in.block_expert);
   DeviceBuffer ddh(static_cast<size_t>(M * 2 * I) * 2), dwa(static_cast<size_t>(M * I) * 2),
       dpart(static_cast<size_t>(M * C) * 4);
@@ -507,7 +521,7 @@ struct SwiGLUBwdOutputs {
 // wa and of the partials take that one-ulp choice into account and nothing else.
 struct SwiGLUBwdWant {
   std::vector<double> dg, du, wa, wa_amb;   // [M, I]
-  std::vector<double> part, part_abs, part_amb;  // [M, I / 128]: Σ da·a, Σ |da·a|, Σ |da|·a_amb
+  std::vector<double> part, part_abs, part_amb;  // [M, ceil(I / 128)]: Σ da·a, Σ |da·a|, Σ |da|·a_amb
   std::vector<double> da;                   // [M, I], for the messages
 };
 
@@ -531,7 +545,7 @@ double bf16_rounding_ambiguity(double v) {
 }
 
 SwiGLUBwdWant swiglu_bwd_reference(const SwiGLUBwdInputs& in) {
-  const int64_t M = in.M, H = in.H, I = in.I, C = I / 128;
+  const int64_t M = in.M, H = in.H, I = in.I, C = (I + 127) / 128;
   SwiGLUBwdWant w;
   for (auto* v : {&w.dg, &w.du, &w.wa, &w.wa_amb, &w.da}) v->assign(static_cast<size_t>(M * I), 0.0);
   for (auto* v : {&w.part, &w.part_abs, &w.part_amb}) v->assign(static_cast<size_t>(M * C), 0.0);
@@ -595,7 +609,7 @@ std::string num(double v) {
 // Padding rows: dh and wa exactly ±0, partials exactly 0.  Rows of -1 blocks: unwritten (0xFF).
 void check_swiglu_bwd_outputs(const SwiGLUBwdInputs& in, const SwiGLUBwdWant& want, const SwiGLUBwdOutputs& got,
                               bool optional, const std::string& what) {
-  const int64_t M = in.M, I = in.I, C = I / 128;
+  const int64_t M = in.M, I = in.I, C = (I + 127) / 128;
   double rms_g = 0, rms_u = 0, num_g = 0, num_u = 0;
   int64_t n = 0;
   for (int64_t r = 0; r < M; ++r) {
@@ -751,17 +765,27 @@ TEST(GemmGpu, DgradDownSwiGLUEpilogue) {
   }
 }
 
-// I % 256 == 128: the C ABI (128 x 256 tiles) refuses it, the engine runs it in 128 x 128 tiles.
-TEST(GemmGpu, DgradDownSwiGLUIntermediateOf384At128x128) {
+// I not a multiple of the tile: I = 384 (a partial last tile at 128 x 256) and I = 320 (a
+// partial last tile at both shapes, and a last 128-channel chunk of 64 channels), through the
+// C ABI (128 x 256) and the engine at 128 x 128.
+TEST(GemmGpu, DgradDownSwiGLUPartialTiles) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const uint64_t seed = fresh_seed();
-  const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, 2, 192, 384, {{1, 77}, {0, 300}}, 2, 0);
-  const std::string what = "E=2 H=192 I=384 experts 1:77 0:300, tile 128x128, seed " + std::to_string(seed);
-  SCOPED_TRACE(what);
-  SwiGLUBwdOutputs out;
-  ASSERT_TRUE(run_swiglu_bwd(in, 128, 0, true, &out));
-  check_swiglu_bwd_outputs(in, swiglu_bwd_reference(in), out, true, what);
-  EXPECT_FALSE(run_swiglu_bwd(in, 256, 0, true, &out)) << "the C ABI must refuse I = 384 (not a multiple of 256)";
+  for (int64_t I : {384, 320}) {
+    const uint64_t seed = fresh_seed();
+    const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, 2, 192, I, {{1, 77}, {0, 300}}, 2, 0);
+    const SwiGLUBwdWant want = swiglu_bwd_reference(in);
+    for (int32_t tile_n : {256, 128}) {
+      const std::string what = "E=2 H=192 I=" + std::to_string(I) + " experts 1:77 0:300, tile 128x" +
+                               std::to_string(tile_n) + ", seed " + std::to_string(seed);
+      SCOPED_TRACE(what);
+      SwiGLUBwdOutputs out, again;
+      ASSERT_TRUE(run_swiglu_bwd(in, tile_n, 0, true, &out));
+      check_swiglu_bwd_outputs(in, want, out, true, what);
+      ASSERT_TRUE(run_swiglu_bwd(in, tile_n, 0, true, &again));
+      std::string where;
+      EXPECT_TRUE(bitwise_equal(out, again, &where)) << what << ": run twice, not bitwise equal; " << where;
+    }
+  }
 }
 
 // The partials are defined per 128 channels with one summation order for both tile shapes, so

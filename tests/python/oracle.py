@@ -84,7 +84,7 @@ def route_term_norms(x, topk_ids, weights, dy) -> torch.Tensor:
     """
     ids = topk_ids.long()
     x64, dy64 = x.double(), dy.double()
-    norms = torch.zeros(ids.shape, dtype=torch.float64)
+    norms = torch.zeros(ids.shape, dtype=torch.float64, device=x.device)
     for e in range(weights["w_gate"].shape[0]):
         tok, j = (ids == e).nonzero(as_tuple=True)
         if tok.numel():

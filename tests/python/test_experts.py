@@ -8,6 +8,7 @@ import mok
 from mok import experts as X
 from mok import functional as F
 from oracle import WEIGHTS, assert_close, make_routing, make_weights, make_x, reference
+from bench.shapes import MODELS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and mok.has_cuda() else [])
 needs_cuda = pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA GPU and libmok's CUDA part")
@@ -209,12 +210,14 @@ def test_unsupported_reason_names_the_shape():
     assert X.unsupported_reason(hidden=2048, intermediate=768, num_experts=128, topk=8, device="cpu") is None
     why = X.unsupported_reason(hidden=2048, intermediate=1408, num_experts=64, topk=6, device="cuda")
     if mok.has_cuda():
-        assert "intermediate = 1408 must be a multiple of 256 for the CUDA backward" in why
-        assert X.unsupported_reason(hidden=2048, intermediate=1408, num_experts=64, topk=6, device="cuda",
-                                    backward=False) is None
-        assert X.unsupported_reason(hidden=2048, intermediate=768, num_experts=128, topk=8, device="cuda") is None
-        assert "hidden = 2880" in X.unsupported_reason(hidden=2880, intermediate=2880, num_experts=32, topk=4,
-                                                       device="cuda")
+        # Every model of bench/shapes.py MODELS, forward and backward (DeepSeek-V2-Lite, gpt-oss...)
+        for s in MODELS.values():
+            assert X.unsupported_reason(hidden=s.H, intermediate=s.I, num_experts=s.E_l, topk=s.k,
+                                        shared_intermediate=s.I_s, device="cuda") is None, s.name
+        assert "hidden = 2912 must be a multiple of 64" in X.unsupported_reason(
+            hidden=2912, intermediate=2880, num_experts=32, topk=4, device="cuda")
+        assert "intermediate = 1400 must be a multiple of 64" in X.unsupported_reason(
+            hidden=2048, intermediate=1400, num_experts=64, topk=6, device="cuda", backward=False)
     else:
         assert "without its CUDA part" in why
     assert "topk" in X.unsupported_reason(hidden=256, intermediate=256, num_experts=4, topk=9, device="cpu")

@@ -201,7 +201,7 @@ def test_cuda_moe_module_forward(gen):
 def test_cuda_forward_unsupported_shape_is_a_clear_error(gen):
     x, ids, tw, w = _layer(gen, 64, 32, 8, 2, 10)
     args = [x.cuda(), ids.cuda(), tw.cuda()] + [w[n].cuda() if w[n] is not None else None for n in WEIGHTS]
-    with pytest.raises(NotImplementedError, match="multiple of 256"):
+    with pytest.raises(NotImplementedError, match="intermediate = 32 must be a multiple of 64"):
         F.forward(*args)
 
 

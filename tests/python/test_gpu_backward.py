@@ -188,8 +188,8 @@ def test_cuda_backward_through_autograd_and_torch_library(gen):
 
 
 def test_cuda_backward_rejects_what_it_cannot_run(gen):
-    x, ids, tw, w, dy = _layer(gen, 256, 128, 8, 2, 10)  # I = 128: the wgrad tile is 256 wide
-    with pytest.raises(NotImplementedError, match="multiple of 256"):
+    x, ids, tw, w, dy = _layer(gen, 256, 96, 8, 2, 10)  # I = 96: not a multiple of 64
+    with pytest.raises(NotImplementedError, match="intermediate = 96 must be a multiple of 64"):
         _backward(x, ids, tw, w, dy)
     x, ids, tw, w, dy = _layer(gen, 256, 256, 8, 2, 10)
     ctx = F.recompute_forward_context(x.cuda(), ids.cuda(), tw.cuda(), **_cuda(w))

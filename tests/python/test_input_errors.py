@@ -258,9 +258,9 @@ class TestGroupedMMDgradDownSwiGLU:
             with _raises(ValueError, fragment):
                 ops.grouped_mm(**args)
         args = self._inputs()
-        args.update(b0=torch.zeros(2, self.H_, 384, dtype=torch.bfloat16), h=torch.zeros(M, 768, dtype=torch.bfloat16),
+        args.update(b0=torch.zeros(2, self.H_, 352, dtype=torch.bfloat16), h=torch.zeros(M, 704, dtype=torch.bfloat16),
                     wa=None, dtw_partials=None)
-        with _raises(ValueError, "I = b0.shape[2] = 384 must be a multiple of 256"):
+        with _raises(ValueError, "I = b0.shape[2] = 352 must be a multiple of 64"):
             ops.grouped_mm(**args)
 
     def test_epilogue_inputs_belong_to_this_kind(self):

@@ -36,7 +36,7 @@ MokFallbackWarning names the reason, once per (module class, reason).  The reaso
     MixedPrecisionPolicy(param_dtype=torch.bfloat16), or model.to(torch.bfloat16));
   - tokens or weights on a device other than cpu / cuda, or not all on one device;
   - SPMD type checking (TorchTitan's debug.spmd_typechecking);
-  - a shape mok.experts.unsupported_reason() names (e.g. the CUDA path needs H % 256 == 0).
+  - a shape mok.experts.unsupported_reason() names (e.g. the CUDA path needs H, I % 64 == 0).
 Tokens in another floating dtype are cast to bfloat16, as GroupedExperts does, and the result
 cast back to their dtype.
 

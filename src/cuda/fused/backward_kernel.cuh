@@ -237,7 +237,7 @@ __device__ void combine_warps(const BackwardParams& p, const Geometry& g, const 
   const int64_t W = 2 * static_cast<int64_t>(gridDim.x), w = 2 * static_cast<int64_t>(blockIdx.x) + cw;
   TraceWriter trace(p, 2);
   const uint64_t t_begin = ptx::globaltimer_ns();
-  const int chunks = p.inter / gemm::kDtwChunk;
+  const int chunks = gemm::tiles_of(p.inter, gemm::kDtwChunk);
   for (int64_t rb = w; rb < g.num_blocks; rb += W) {
     if (!wait_counter(counter_of(p, CounterArray::kDgradDownDone, static_cast<int32_t>(rb)), c.n_dgrad_down, wait,
                       9990))
@@ -279,7 +279,7 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
   // d topk_weights of every routed row here: the fixed-order sum of its partials
   const int64_t total = p.expert_offset[p.num_local];
-  const int chunks = p.inter / gemm::kDtwChunk;
+  const int chunks = gemm::tiles_of(p.inter, gemm::kDtwChunk);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) dtw_row(p, i, chunks, ep);
   if (ep) {
     // Every rank's dx rows and d topk_weights landed here before the reductions

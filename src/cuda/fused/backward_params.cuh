@@ -69,7 +69,7 @@ struct BackwardParams {
   // Rows (plan order) and the shared expert's (token order)
   __nv_bfloat16 *x_rows, *dy_rows, *h, *dh, *wa;
   float* row_weight;
-  float* partials;            // [max_rows, I / 128]
+  float* partials;            // [max_rows, ceil(I / 128)]
   __nv_bfloat16 *sh_h, *sh_dh, *sh_a;
   __nv_bfloat16* slots;       // [T*k, H]: each route's dx row (EP >= 2: this rank's region)
   __nv_bfloat16* shared_dx;   // [T, H]
@@ -139,27 +139,31 @@ __device__ __forceinline__ bool wait_all(const BackwardParams& p, const Wait* wa
 // The tile counts of the call (the schedule's TaskCounts) from the parameters.
 __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
   TaskCounts c{};
+  // Gate/up replay tiles of BLOCK_N / 2 channels (gate and up), dgrad tiles of BLOCK_N
+  // columns, the wgrad tiling of its targets (gemm::wgrad_layout); the last tile of each
+  // dimension may be partial
+  constexpr int kN = TileConfig::kBlockN;
   const int32_t H = p.hidden, I = p.inter, Is = p.shared_inter;
-  c.n_replay = p.replay ? 2 * I / 256 : 0;
-  c.n_dgrad_down = I / 256;
-  c.n_dgrad_gate_up = H / 256;
-  c.n_wgrad_down = (H / 128) * (I / 256);
-  c.n_wgrad_gate_up = (2 * I / 128) * (H / 256);
+  c.n_replay = p.replay ? gemm::tiles_of(I, kN / 2) : 0;
+  c.n_dgrad_down = gemm::tiles_of(I, kN);
+  c.n_dgrad_gate_up = gemm::tiles_of(H, kN);
+  c.n_wgrad_down = p.wg_down.num_m_blocks * p.wg_down.num_n_blocks;
+  c.n_wgrad_gate_up = p.wg_gate_up.num_m_blocks * p.wg_gate_up.num_n_blocks;
   c.replay_all = p.replay;
   c.saved_all = p.replay ? 0 : 1;
   c.raster_group = p.n_group;
   c.resident = 1;
-  c.wgrad_down_n_blocks = I / 256;
-  c.wgrad_gate_up_n_blocks = H / 256;
+  c.wgrad_down_n_blocks = p.wg_down.num_n_blocks;
+  c.wgrad_gate_up_n_blocks = p.wg_gate_up.num_n_blocks;
   if (Is > 0) {
     c.shared_blocks = p.shared_blocks;
-    c.n_shared_replay = p.shared_replay ? 2 * Is / 256 : 0;
-    c.n_shared_dgrad_down = Is / 256;
-    c.n_shared_dgrad_gate_up = H / 256;
-    c.n_shared_wgrad_down = (H / 128) * (Is / 256);
-    c.n_shared_wgrad_gate_up = (2 * Is / 128) * (H / 256);
-    c.shared_wgrad_down_n_blocks = Is / 256;
-    c.shared_wgrad_gate_up_n_blocks = H / 256;
+    c.n_shared_replay = p.shared_replay ? gemm::tiles_of(Is, kN / 2) : 0;
+    c.n_shared_dgrad_down = gemm::tiles_of(Is, kN);
+    c.n_shared_dgrad_gate_up = gemm::tiles_of(H, kN);
+    c.n_shared_wgrad_down = p.wg_shared_down.num_m_blocks * p.wg_shared_down.num_n_blocks;
+    c.n_shared_wgrad_gate_up = p.wg_shared_gate_up.num_m_blocks * p.wg_shared_gate_up.num_n_blocks;
+    c.shared_wgrad_down_n_blocks = p.wg_shared_down.num_n_blocks;
+    c.shared_wgrad_gate_up_n_blocks = p.wg_shared_gate_up.num_n_blocks;
   }
   return c;
 }

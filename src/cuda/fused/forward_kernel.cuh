@@ -58,7 +58,11 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // Geometry and the task table, identical on every block
   const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
   const Geometry g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
-  const TaskCounts counts{p.inter / 128, p.hidden / 256, p.shared_inter / 128, p.hidden / 256, p.shared_blocks,
+  // Tiles per row block: gate/up tiles of BLOCK_N / 2 channels (gate and up), down tiles of
+  // BLOCK_N columns; the last of each may be partial
+  constexpr int kN = gemm::TileConfig::kBlockN;
+  const TaskCounts counts{gemm::tiles_of(p.inter, kN / 2), gemm::tiles_of(p.hidden, kN),
+                          gemm::tiles_of(p.shared_inter, kN / 2), gemm::tiles_of(p.hidden, kN), p.shared_blocks,
                           p.push_mode};
   const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
   if (threadIdx.x == 0) {

@@ -96,10 +96,10 @@ struct Geometry {
 };
 
 struct TaskCounts {
-  int32_t n_gate_up;         // I / 128
-  int32_t n_down;            // H / 256
-  int32_t n_shared_gate_up;  // I_s / 128 (0 = no shared expert)
-  int32_t n_shared_down;     // H / 256
+  int32_t n_gate_up;         // ceil(I / 128)
+  int32_t n_down;            // ceil(H / 256)
+  int32_t n_shared_gate_up;  // ceil(I_s / 128) (0 = no shared expert)
+  int32_t n_shared_down;     // ceil(H / 256)
   int32_t shared_blocks;     // ceil(T / 128)
   int32_t push_by_comm = 0;  // MOK_PUSH=comm: down tiles write the ring, comm blocks push rows home
 };

@@ -42,11 +42,11 @@ enum class TaskKind : int32_t {
 
 // Tiles per unit of work (from the shape and the tile engine).
 struct TaskCounts {
-  int32_t n_replay;          // 2I / BLOCK_N tiles per block
-  int32_t n_dgrad_down;      // I / BLOCK_N tiles per block
-  int32_t n_dgrad_gate_up;   // H / BLOCK_N tiles per block
-  int32_t n_wgrad_down;      // (H / 128) * (I / BLOCK_N) tiles per expert and macrobatch
-  int32_t n_wgrad_gate_up;   // (2I / 128) * (H / BLOCK_N) tiles per expert and macrobatch
+  int32_t n_replay;          // ceil(2I / BLOCK_N) tiles per block
+  int32_t n_dgrad_down;      // ceil(I / BLOCK_N) tiles per block
+  int32_t n_dgrad_gate_up;   // ceil(H / BLOCK_N) tiles per block
+  int32_t n_wgrad_down;      // ceil(H / 128) * ceil(I / BLOCK_N) tiles per expert and macrobatch
+  int32_t n_wgrad_gate_up;   // 2 ceil(I / 128) * ceil(H / BLOCK_N) tiles per expert and macrobatch
   int32_t replay_all = 0;    // recompute_forward_context: replay macrobatch 0 too
   // The shared expert (0 tiles: none): per 128-token block, and its wgrad tiles
   int32_t shared_blocks = 0, n_shared_replay = 0, n_shared_dgrad_down = 0, n_shared_dgrad_gate_up = 0;

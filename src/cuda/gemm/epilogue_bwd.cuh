@@ -14,6 +14,7 @@
 //   dh[r, I + i]   = du = bf16(wda · sl)
 //   wa[r, i]       = bf16(w · a)                     (optional: the wgrad-down operand)
 //   dtw_partials[r, c] = Σ_{i in chunk c} da · a     (optional), chunk c = channels [128c, 128c + 128)
+//                                                    below I (I % 128 == 64: the last chunk has 64)
 // Every operation is one rounding, in exactly this order: products and sums are written with
 // __fmul_rn / __fadd_rn / __fsub_rn, which the compiler never contracts into an FMA, so the
 // CPU reference (src/ref/reference.cpp, compiled with -ffp-contract=off) evaluates the same
@@ -29,7 +30,9 @@
 // the tile shape.  No division by w: exact for w = 0 and w < 0.
 //
 // Rows: tile rows r < valid_rows are read and written; the others (past the tensors' end) are
-// neither read nor written.  A padding row of the plan is an ordinary row here: with w = 0 and
+// neither read nor written.  Channels: those below I, the same way (a partial last tile: its
+// channels past I have da = 0 from TMA's zero fill and are skipped; a chunk's partial sums its
+// channels below I in the same order).  A padding row of the plan is an ordinary row here: with w = 0 and
 // h = 0 (the caller keeps them so) it gets dg = du = wa = ±0 and a partial of da · 0 = 0.
 #pragma once
 
@@ -42,8 +45,8 @@ struct SwiGLUBwdArgs {
   const __nv_bfloat16* h;  // [rows, 2I]: g at column i, u at column I + i
   __nv_bfloat16* dh;       // [rows, 2I]: dg at column i, du at column I + i
   __nv_bfloat16* wa;       // [rows, I] or null
-  float* dtw_partials;     // [partial rows, I / 128] or null
-  int64_t inter;           // I (a multiple of 128)
+  float* dtw_partials;     // [partial rows, ceil(I / 128)] or null
+  int64_t inter;           // I (a multiple of 64)
 };
 
 // The element math of the epilogue (see the header comment for the order of record).
@@ -78,7 +81,7 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
   constexpr int kChunks = kBlocks / kChunkBlocks;
   static_assert(kChunks >= 1 && kBlocks == kChunks * kChunkBlocks, "a tile holds whole 128-channel chunks");
   const int t = threadIdx.x & 3;
-  const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = inter / kDtwChunk;
+  const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = tiles_of(inter, kDtwChunk);
   // da of fragment element (n8 block n8_in_chunk of chunk c, register pair half, element x):
   // every index static, the runtime (half, c) picked with selects, so acc stays in registers
   auto da_of = [&](int c, int half, int n8_in_chunk, int x) {
@@ -106,6 +109,8 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
     const int64_t row = row0 + r;
     const float w = valid ? weight(r) : 0.0f;
     const int64_t col = ch0 + c * kDtwChunk;  // the chunk's first channel
+    const int64_t chunk_cols = inter - col;   // its channels below I (<= 0: none; uniform)
+    if (chunk_cols <= 0) continue;
     const __nv_bfloat16* g_row = e.h + row * ld_h + col;
     const __nv_bfloat16* u_row = g_row + inter;
     __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
@@ -114,8 +119,8 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
     uint32_t gw[kChunkBlocks], uw[kChunkBlocks];
 #pragma unroll
     for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
-      gw[n8] = ptx::ld_global_b32_pred(g_row + n8 * 8 + 2 * t, valid);
-      uw[n8] = ptx::ld_global_b32_pred(u_row + n8 * 8 + 2 * t, valid);
+      gw[n8] = ptx::ld_global_b32_pred(g_row + n8 * 8 + 2 * t, valid && n8 * 8 < chunk_cols);
+      uw[n8] = ptx::ld_global_b32_pred(u_row + n8 * 8 + 2 * t, valid && n8 * 8 < chunk_cols);
     }
     float s = 0.0f;
 #pragma unroll
@@ -126,15 +131,18 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
         const int n8 = b + j;
         const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[n8]), bf16_lo(uw[n8]), w);
         const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[n8]), bf16_hi(uw[n8]), w);
-        s = __fadd_rn(s, x0.da_a);
-        s = __fadd_rn(s, x1.da_a);
+        if (n8 * 8 < chunk_cols) {
+          s = __fadd_rn(s, x0.da_a);
+          s = __fadd_rn(s, x1.da_a);
+        }
         dgp[j] = pack_bf16x2(x0.dg, x1.dg);
         dup[j] = pack_bf16x2(x0.du, x1.du);
         wap[j] = pack_bf16x2(x0.wa, x1.wa);
       }
-      store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], valid);
-      store_block_pair_8b(du_row + b * 8, dup[0], dup[1], valid);
-      if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], valid);
+      const bool write = valid && b * 8 < chunk_cols;
+      store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], write);
+      store_block_pair_8b(du_row + b * 8, dup[0], dup[1], write);
+      if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], write);
     }
     s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
     s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));

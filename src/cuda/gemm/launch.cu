@@ -47,7 +47,7 @@ GroupedGemmArgs dgrad_args(const void* a, int64_t a_rows, int64_t k, const void*
   g.b_n_major = true;
   g.b_k_split = k_split;
   g.n = n;
-  g.num_n_blocks = static_cast<int32_t>(n / TileConfig::kBlockN);
+  g.num_n_blocks = tiles_of(n, TileConfig::kBlockN);
   return g;
 }
 
@@ -61,7 +61,7 @@ GroupedGemmArgs gate_up_args(const void* a, int64_t a_rows, int64_t hidden, cons
                                 Epilogue::kSwiGLU, out, inter);
   g.b_n_step = 128;
   g.b_half_offset = 0;
-  g.num_n_blocks = static_cast<int32_t>(inter / 128);
+  g.num_n_blocks = tiles_of(inter, 128);
   return g;
 }
 
@@ -81,7 +81,7 @@ GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const vo
                                 Epilogue::kStore, out, hidden);
   g.b_n_step = 256;
   g.b_half_offset = 128;
-  g.num_n_blocks = static_cast<int32_t>(hidden / 256);
+  g.num_n_blocks = tiles_of(hidden, 256);
   return g;
 }
 
@@ -183,12 +183,11 @@ GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
 // per SM (or g.num_blocks), each taking tiles blockIdx.x, +gridDim.x, ...
 template <class T, bool kBNMajor, bool kSwiGLUBwd = false>
 void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
-  const int64_t n = int64_t{g.num_n_blocks} * T::kBlockN;
   constexpr int kBytes = T::kElemBytes;
   const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM, kBytes);
   // B: N-major as stored, 64 (N) x 64 (K) boxes; or K-major halves of BLOCK_N/2 rows
   const int64_t b_rows = g.num_experts * g.b_rows_per_expert;
-  const MatrixStack b0 = b_stack(g, g.b0, kBNMajor ? n : g.k), b1 = b_stack(g, g.b1, kBNMajor ? n : g.k);
+  const MatrixStack b0 = b_stack(g, g.b0, kBNMajor ? g.n : g.k), b1 = b_stack(g, g.b1, kBNMajor ? g.n : g.k);
   CUtensorMap map_b0, map_b1;
   if constexpr (kBytes == 2) {
     map_b0 = tensor_map_stack(b0, kBNMajor ? T::kBlockK : T::kBlockN / 2);
@@ -222,9 +221,8 @@ void check_swiglu_bwd(const GroupedGemmArgs& g) {
   const int64_t inter = g.n;
   MOK_CHECK_ARG(g.out_ld == 2 * inter, "grouped GEMM (dgrad down SwiGLU): dh rows must be 2I = " << 2 * inter << " wide");
   MOK_CHECK_ARG(g.b_n_major, "grouped GEMM (dgrad down SwiGLU): the epilogue needs the dgrad-down orientation");
-  MOK_CHECK_ARG(inter > 0 && inter % kDtwChunk == 0 && int64_t{g.num_n_blocks} * g.tile_n == inter,
-                "grouped GEMM (dgrad down SwiGLU): I = " << inter << " must be a positive multiple of " << kDtwChunk
-                                                          << " and of the tile N = " << g.tile_n);
+  MOK_CHECK_ARG(inter > 0 && inter % 64 == 0 && g.num_n_blocks == tiles_of(inter, g.tile_n),
+                "grouped GEMM (dgrad down SwiGLU): I = " << inter << " must be a positive multiple of 64");
   MOK_CHECK_ARG(g.h != nullptr, "grouped GEMM (dgrad down SwiGLU): h ([rows, 2I] bf16, the saved g | u) is missing");
   MOK_CHECK_ARG(g.row_weight != nullptr, "grouped GEMM (dgrad down SwiGLU): row_weight ([rows] fp32) is missing");
   MOK_CHECK_ARG(g.out != nullptr, "grouped GEMM (dgrad down SwiGLU): dh ([rows, 2I] bf16) is missing");
@@ -243,8 +241,9 @@ GroupedGemmArgs with_tile_n(GroupedGemmArgs g, int32_t tile_n) {
   if (f == 1) return g;
   g.b_n_step /= f;
   g.b_half_offset /= f;
-  // dgrad kinds: N from the builder, so that N % 256 == 128 gets all its tiles at N = 128
-  g.num_n_blocks = g.b_n_major && g.n > 0 ? static_cast<int32_t>(g.n / tile_n) : g.num_n_blocks * f;
+  // From N (the dgrad kinds' n, the forward kinds' rows per expert), so that a partial last
+  // tile at 256 does not become a whole tile of nothing at 128
+  g.num_n_blocks = g.b_n_major ? tiles_of(g.n, tile_n) : tiles_of(g.b_rows_per_expert, g.b_n_step);
   g.tile_n = tile_n;
   return g;
 }
@@ -267,13 +266,11 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
                   "grouped GEMM (dgrad): K split = " << g.b_k_split << " must be a multiple of " << C::kBlockK
                                                      << " within K = " << g.k);
     MOK_CHECK_ARG(g.b_k_split <= g.b_rows_per_expert, "grouped GEMM (dgrad): K split exceeds the rows per expert");
-    MOK_CHECK_ARG(g.n == 0 || int64_t{g.num_n_blocks} * g.tile_n == g.n,
-                  "grouped GEMM (dgrad): N = " << g.n << " is not a multiple of the tile N = " << g.tile_n);
+    MOK_CHECK_ARG(g.n % 64 == 0 && g.num_n_blocks == tiles_of(g.n, g.tile_n),
+                  "grouped GEMM (dgrad): N = " << g.n << " must be a multiple of 64");
   } else {
-    MOK_CHECK_ARG(g.b_rows_per_expert % 128 == 0, "grouped GEMM: N per expert = " << g.b_rows_per_expert
-                                                                                 << " must be a multiple of 128");
-    MOK_CHECK_ARG(int64_t{g.num_n_blocks} * g.b_n_step == g.b_rows_per_expert,
-                  "grouped GEMM: N per expert = " << g.b_rows_per_expert << " is not a multiple of " << g.b_n_step);
+    MOK_CHECK_ARG(g.b_rows_per_expert % 64 == 0 && g.num_n_blocks == tiles_of(g.b_rows_per_expert, g.b_n_step),
+                  "grouped GEMM: N per expert = " << g.b_rows_per_expert << " must be a multiple of 64");
   }
   const bool swiglu_bwd = g.epilogue == static_cast<int32_t>(Epilogue::kDgradSwiGLU);
   if (swiglu_bwd) check_swiglu_bwd(g);
@@ -326,12 +323,12 @@ void load_backward_kernels() {
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   using C = TileConfig;
-  MOK_CHECK_ARG(g.mo > 0 && g.mo % C::kBlockM == 0, "grouped wgrad: Mo = " << g.mo << " must be a multiple of " << C::kBlockM);
-  MOK_CHECK_ARG(g.no > 0 && g.no % C::kBlockN == 0, "grouped wgrad: No = " << g.no << " must be a multiple of " << C::kBlockN);
+  MOK_CHECK_ARG(g.mo > 0 && g.mo % 64 == 0, "grouped wgrad: Mo = " << g.mo << " must be a positive multiple of 64");
+  MOK_CHECK_ARG(g.no > 0 && g.no % 64 == 0, "grouped wgrad: No = " << g.no << " must be a positive multiple of 64");
   MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad: accumulate needs acc");
   MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad: store_acc needs acc");
-  MOK_CHECK_ARG(g.out_split >= 0 && g.out_split % C::kBlockM == 0 && g.out_split < g.mo,
-                "grouped wgrad: out_split = " << g.out_split << " must be a multiple of " << C::kBlockM << " below Mo");
+  MOK_CHECK_ARG(g.out_split == 0 || 2 * g.out_split == g.mo,
+                "grouped wgrad: out_split = " << g.out_split << " must be 0 or half of Mo = " << g.mo);
   MOK_CHECK_ARG(g.acc_slot == nullptr || g.acc != nullptr, "grouped wgrad: acc_slot without acc");
   if (g.num_experts == 0) return;
   int device = 0, sms = 0;
@@ -346,8 +343,6 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   const CUtensorMap map_b = tensor_map_2d(no_rows ? fallback : g.b, no_rows ? 1 : g.rows, g.no, C::kBlockK);
   WgradParams p{};
   p.num_experts = static_cast<int32_t>(g.num_experts);
-  p.num_m_blocks = static_cast<int32_t>(g.mo / C::kBlockM);
-  p.num_n_blocks = static_cast<int32_t>(g.no / C::kBlockN);
   p.expert_offset = g.expert_offset;
   p.expert_count = g.expert_count;
   p.out = static_cast<__nv_bfloat16*>(g.out);
@@ -371,9 +366,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.out_rs = g.out_row_stride;
   p.mg_es = g.mg_expert_stride;
   p.mg_rs = g.mg_row_stride;
-  MOK_CHECK_ARG(g.out_split == 0 || 2 * g.out_split == g.mo || (p.out_es > 0 && p.mg_es > 0),
-                "grouped wgrad: split outputs of unequal halves need their strides");
-  wgrad_strides(p);
+  wgrad_layout(p);
   p.generic_epilogue = env::get(env::kWgradEpilogue) == "generic" ? 1 : 0;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");

@@ -356,17 +356,21 @@ __device__ __forceinline__ void store_block_pair_8b(__nv_bfloat16* row_b, uint32
 // Stores this thread's row of `kBlocks` n8 blocks (pairs from `pair(n8)`) at dst + n8*8,
 // two blocks per store_block_pair_8b: one shuffle per two pairs (a 16-byte-per-lane quad
 // transpose took 4 shuffles and 28 selects per four, and was 2-12 % slower in whole kinds,
-// docs/perf.md session 13).  `write` predicates the stores only.
+// docs/perf.md session 13).  `write` predicates the stores only; so does `cols`: the row's
+// columns [0, cols) exist (the last tile of a dimension may be partial; cols is a multiple of
+// 64, a pair of blocks 16 columns, so a pair is wholly in or out).
 template <int kBlocks, typename Pair>
-__device__ __forceinline__ void store_row(__nv_bfloat16* dst, bool write, Pair pair) {
+__device__ __forceinline__ void store_row(__nv_bfloat16* dst, bool write, int64_t cols, Pair pair) {
 #pragma unroll
-  for (int b = 0; b < kBlocks; b += 2) store_block_pair_8b(dst + b * 8, pair(b), pair(b + 1), write);
+  for (int b = 0; b < kBlocks; b += 2) store_block_pair_8b(dst + b * 8, pair(b), pair(b + 1), write && b * 8 < cols);
 }
 
 // Epilogues take the accumulator of any tile shape: kRegs = BLOCK_N / 2 registers, the tile's
-// BLOCK_N / 8 n8 blocks.
-// out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < BLOCK_N / 2
-// (gate in the accumulator's first half of columns, up in the second).
+// BLOCK_N / 8 n8 blocks.  Their output rows are contiguous, ld wide: each writes rows below its
+// row limit and columns below ld (the last tile of a dimension may be partial: its other
+// accumulator columns hold products of rows past the matrix, never stored).
+// out[row0 + r, ch0 + c] = bf16(silu(gate) * up) for r < rows_limit - row0, c < BLOCK_N / 2,
+// ch0 + c < ld (gate in the accumulator's first half of columns, up in the second).
 template <int kRegs>
 __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int consumer,
                                                 __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
@@ -375,7 +379,7 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, [&](int n8) {
+    store_row<kHalfBlocks>(out + row * ld + ch0, row < rows_limit, ld - ch0, [&](int n8) {
       const float g0 = acc[n8 * 4 + half * 2], g1 = acc[n8 * 4 + half * 2 + 1];
       const float u0 = acc[(n8 + kHalfBlocks) * 4 + half * 2], u1 = acc[(n8 + kHalfBlocks) * 4 + half * 2 + 1];
       return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
@@ -384,8 +388,8 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
 }
 
 // The gate/up pre-activations (the backward's replay): out[row0 + r, ch0 + c] = bf16(gate) and
-// out[row0 + r, ld/2 + ch0 + c] = bf16(up), for r < rows_limit - row0, c < BLOCK_N / 2: the
-// rows of h = [g | u], 2I wide (ld = 2I).
+// out[row0 + r, ld/2 + ch0 + c] = bf16(up), for r < rows_limit - row0, c < BLOCK_N / 2 and
+// ch0 + c < ld / 2: the rows of h = [g | u], 2I wide (ld = 2I).
 template <int kRegs>
 __device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs], int consumer,
                                                         __nv_bfloat16* out, int64_t ld, int64_t row0,
@@ -396,14 +400,14 @@ __device__ __forceinline__ void epilogue_gate_up_preact(const float (&acc)[kRegs
     const int64_t row = row0 + fragment_row(consumer, half);
 #pragma unroll
     for (int part = 0; part < 2; ++part)
-      store_row<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, [&](int n8) {
+      store_row<kHalfBlocks>(out + row * ld + part * (ld / 2) + ch0, row < rows_limit, ld / 2 - ch0, [&](int n8) {
         const int r = (n8 + part * kHalfBlocks) * 4 + half * 2;
         return pack_bf16x2(acc[r], acc[r + 1]);
       });
   }
 }
 
-// out[row0 + r, col0 + c] = bf16(acc) for r < rows_limit - row0, c < BLOCK_N.
+// out[row0 + r, col0 + c] = bf16(acc) for r < rows_limit - row0, c < BLOCK_N, col0 + c < ld.
 template <int kRegs>
 __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int consumer,
                                                __nv_bfloat16* out, int64_t ld, int64_t row0, int64_t rows_limit,
@@ -411,8 +415,8 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int co
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + fragment_row(consumer, half);
-    store_row<kRegs / 4>(out + row * ld + col0, row < rows_limit,
-                      [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
+    store_row<kRegs / 4>(out + row * ld + col0, row < rows_limit, ld - col0,
+                         [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
 
@@ -427,8 +431,8 @@ __device__ __forceinline__ void epilogue_scatter(const float (&acc)[kRegs], int 
     const bool pad = row_is_pad(rec);
     const int64_t row = pad ? 0 : row_token(rec) * topk + row_slot(rec);
     __nv_bfloat16* out = slots(pad ? kPadRow : rec);
-    store_row<kRegs / 4>(out + row * ld + col0, !pad,
-                      [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
+    store_row<kRegs / 4>(out + row * ld + col0, !pad, ld - col0,
+                         [&](int n8) { return pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]); });
   }
 }
 

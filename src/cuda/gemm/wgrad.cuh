@@ -10,6 +10,11 @@
 // the rows of the last k-block past the count are the plan's padding rows, which the caller
 // keeps zero (the contract of mokGroupedWgrad).  An expert with no rows gets zeros.
 //
+// Mo and No are multiples of 64: the last tile of each may be partial (its rows or columns
+// past the matrix are computed from TMA's zero fill or neighbouring columns and never
+// stored).  With out_split, each part's rows are tiled on their own, so that no tile spans
+// both parts.
+//
 // Tile 128 (Mo) x 256 (No), four stages of 48 KB: A as two 64 (Mo) x 64 (K) TMA boxes
 // (consumer warpgroup w reads box w: its 64 rows), B as four 64 (No) x 64 (K) boxes, both
 // read through the wgmma transpose bits (mma_m64n256k16_bf16_tatb).  Tiles (e, m, n) are
@@ -33,8 +38,10 @@ namespace mok::gemm {
 
 struct WgradParams {
   int32_t num_experts;
-  int32_t num_m_blocks;        // Mo / 128
-  int32_t num_n_blocks;        // No / 256
+  int32_t num_m_blocks;        // parts · m_part_blocks (wgrad_tiling)
+  int32_t num_n_blocks;        // ceil(No / 256)
+  int32_t m_part_blocks;       // m-blocks per part: ceil(m_part / 128)
+  int64_t m_part;              // rows per part: out_split, or Mo (one part)
   const int32_t* expert_offset;  // [E + 1] first row of each expert (a multiple of 64)
   const int32_t* expert_count;   // [E] rows of each expert
   __nv_bfloat16* out;          // [E, Mo, No] or null
@@ -56,14 +63,19 @@ struct WgradParams {
   int32_t generic_epilogue;    // MOK_WGRAD_EPILOGUE=generic: every tile through the generic loop (A/B;
                                // the standalone launches)
   // The outputs in place (elements): row r of expert e's matrix of out / out1 at e·out_es +
-  // r·out_rs, of main_grad / main_grad1 at e·mg_es + r·mg_rs (wgrad_strides: contiguous ones)
+  // r·out_rs, of main_grad / main_grad1 at e·mg_es + r·mg_rs (wgrad_layout: contiguous ones)
   int64_t out_es, out_rs, mg_es, mg_rs;
 };
 
-// Fills the strides of p left 0 with the contiguous ones ([E, rows, No] per output, rows =
-// out_split or Mo); split outputs of contiguous tensors need halves of one size.
-inline void wgrad_strides(WgradParams& p) {
+// Fills p's tiling from mo, no and out_split, and the strides left 0 with the contiguous ones
+// ([E, rows, No] per output, rows = out_split or Mo); split outputs of contiguous tensors need
+// halves of one size.
+inline void wgrad_layout(WgradParams& p) {
   const int64_t rows = p.out_split > 0 ? p.out_split : p.mo;
+  p.m_part = rows;
+  p.m_part_blocks = tiles_of(rows, TileConfig::kBlockM);
+  p.num_m_blocks = (p.out_split > 0 ? 2 : 1) * p.m_part_blocks;
+  p.num_n_blocks = tiles_of(p.no, TileConfig::kBlockN);
   if (p.out_rs == 0) p.out_rs = p.no;
   if (p.out_es == 0) p.out_es = rows * p.out_rs;
   if (p.mg_rs == 0) p.mg_rs = p.no;
@@ -74,6 +86,16 @@ inline void wgrad_strides(WgradParams& p) {
 struct WgradTile {
   int32_t expert, m_block, n_block, num_k_blocks, row0, mode;
 };
+
+// The first output row (of all Mo) of m-block m, and how many of its 128 rows exist.
+__device__ __forceinline__ int64_t wgrad_row0(const WgradParams& p, int32_t m) {
+  const int32_t part = m / p.m_part_blocks;
+  return part * p.m_part + int64_t{m - part * p.m_part_blocks} * TileConfig::kBlockM;
+}
+__device__ __forceinline__ int32_t wgrad_valid_rows(const WgradParams& p, int32_t m) {
+  const int64_t left = (m / p.m_part_blocks + 1) * p.m_part - wgrad_row0(p, m);
+  return left < TileConfig::kBlockM ? static_cast<int32_t>(left) : TileConfig::kBlockM;
+}
 
 // The call's first expert and its tile count (experts [first, first + n) of expert_range).
 __device__ __forceinline__ int wgrad_first_expert(const WgradParams& p) { return p.expert_range ? p.expert_range[0] : 0; }
@@ -108,13 +130,14 @@ __device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int first_
 // Producer: one stage per k-block, A's two boxes and B's four at the k-block's rows.
 __device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
                                                    const CUtensorMap* map_a, const CUtensorMap* map_b,
-                                                   const WgradTile& t, const WaitContext& wait) {
+                                                   const WgradParams& p, const WgradTile& t, const WaitContext& wait) {
   using C = TileConfig;
+  const int32_t a_col = static_cast<int32_t>(wgrad_row0(p, t.m_block));
   return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
     const int32_t row = t.row0 + kb * C::kBlockK;
 #pragma unroll
     for (int c = 0; c < C::kBlockM / 64; ++c)
-      ptx::tma_load_2d(s.a[i] + c * kNChunkElems, map_a, full, t.m_block * C::kBlockM + c * 64, row);
+      ptx::tma_load_2d(s.a[i] + c * kNChunkElems, map_a, full, a_col + c * 64, row);
 #pragma unroll
     for (int c = 0; c < C::kBlockN / 64; ++c)
       ptx::tma_load_2d(s.b[i] + c * kNChunkElems, map_b, full, t.n_block * C::kBlockN + c * 64, row);
@@ -139,8 +162,8 @@ struct WgradTarget {
 // The target of a tile of the per-expert tables' kind (its mode's bits, fp32 slot `slot`).
 __device__ __forceinline__ WgradTarget wgrad_target_at(const WgradParams& p, const WgradTile& t, int64_t slot) {
   const bool final_ = (t.mode & kWgradFinal) != 0;
-  // All of a tile's rows are on one side of out_split (a multiple of 128)
-  const bool second = p.out_split > 0 && int64_t{t.m_block} * TileConfig::kBlockM >= p.out_split;
+  // All of a tile's rows are in one part (wgrad_layout)
+  const bool second = p.out_split > 0 && t.m_block >= p.m_part_blocks;
   return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0, slot,
                      second ? p.out_split : 0, final_ ? (second ? p.out1 : p.out) : nullptr,
                      final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr};
@@ -165,16 +188,20 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
   const bool accumulate = w.accumulate, store_acc = w.store_acc;
   __nv_bfloat16* const out = w.out;
   float* const main_grad = w.main_grad;
+  const int64_t tile_row0 = wgrad_row0(p, t.m_block);
+  const int32_t valid_rows = wgrad_valid_rows(p, t.m_block);
+  const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
+  const int64_t cols = p.no - col0;  // the tile's columns below No
   if (kFast && !accumulate && !store_acc && !main_grad && !p.generic_epilogue) {
     // The common tile (a final piece without fp32 in or out): bf16(sum) alone, without the
     // generic loop's per-element predicates (the same bits: total = the sum then too)
     if (!out) return;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
-      const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
+      const int r = fragment_row(consumer, half);
+      const int64_t row = tile_row0 + r;
       const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + col0;
-      store_row<C::kBlockN / 8>(out + out_row_off, true, [&](int n8) {
+      store_row<C::kBlockN / 8>(out + out_row_off, r < valid_rows, cols, [&](int n8) {
         return kZero ? 0u : pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
       });
     }
@@ -182,15 +209,18 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t row = int64_t{t.m_block} * C::kBlockM + fragment_row(consumer, half);
-    const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
+    const int r = fragment_row(consumer, half);
+    const bool row_ok = r < valid_rows;
+    const int64_t row = tile_row0 + r;
     const int64_t acc_row_off = (w.slot * p.mo + row) * p.no + col0;
     const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + col0;
     const int64_t lane_col = (threadIdx.x % 4) * 2;  // this thread's first column
     const float* prior_row = accumulate ? p.acc + acc_row_off + lane_col : nullptr;
+    // NOTES: rows and columns past the output are neither read nor written (acc has no slack)
+    auto in = [&](int n8) { return row_ok && n8 * 8 < cols; };
     auto total = [&](int n8) {
       float2 v = kZero ? make_float2(0.0f, 0.0f) : make_float2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
-      if (accumulate) {
+      if (accumulate && in(n8)) {
         const float2 prior = *reinterpret_cast<const float2*>(prior_row + n8 * 8);
         v.x = prior.x + v.x;
         v.y = prior.y + v.y;
@@ -202,7 +232,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
       const float2 v = total(n8);
       return pack_bf16x2(v.x, v.y);
     };
-    if (out) store_row<C::kBlockN / 8>(out + out_row_off, true, pair);
+    if (out) store_row<C::kBlockN / 8>(out + out_row_off, row_ok, cols, pair);
     // fp32: the accumulator and main_grad
     if (store_acc || main_grad) {
       float* acc_row = p.acc ? p.acc + acc_row_off + lane_col : nullptr;
@@ -210,6 +240,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
           main_grad ? main_grad + int64_t{t.expert} * p.mg_es + (row - w.row_base) * p.mg_rs + col0 + lane_col : nullptr;
 #pragma unroll
       for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
+        if (!in(n8)) continue;
         const float2 v = total(n8);
         if (store_acc) *reinterpret_cast<float2*>(acc_row + n8 * 8) = v;
         if (mg_row) {
@@ -259,7 +290,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     PipelineState<C::kStages> stage;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const WgradTile t = wgrad_tile<kTables>(p, e0, tile);
-      if ((!kTables || t.mode >= 0) && !produce_tile_wgrad(s, stage, &map_a, &map_b, t, wait)) return;
+      if ((!kTables || t.mode >= 0) && !produce_tile_wgrad(s, stage, &map_a, &map_b, p, t, wait)) return;
     }
     return;
   }

@@ -46,7 +46,8 @@ __device__ __forceinline__ gemm::WgradTile wgrad_tile(const Task& t, int32_t num
 
 #endif
 
-// Mo x No of the output per kind: down [H, I] (n blocks I/256), gate/up [2I, H] (H/256).
+// Mo x No of the output per kind: down [H, I], gate/up [2I, H], tiled as its target says
+// (gemm::wgrad_layout: partial last tiles, the gate and up halves tiled apart).
 template <TaskKind kKindV, bool kShared, bool kDown>
 struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
   MOK_HD static int waits(int32_t unit, int32_t macro, const Geometry& g, const TaskCounts& c, Wait* out) {
@@ -71,9 +72,6 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
     return 1;
   }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t num_n_blocks(const BackwardParams& p) {
-    return kDown ? (kShared ? p.shared_inter : p.inter) / 256 : p.hidden / 256;
-  }
   __device__ __forceinline__ static const gemm::WgradParams& target(const BackwardParams& p) {
     return kShared ? (kDown ? p.wg_shared_down : p.wg_shared_gate_up) : (kDown ? p.wg_down : p.wg_gate_up);
   }
@@ -84,17 +82,18 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry&,
                                               const TaskCounts&, const Task& t) {
-    const gemm::WgradTile w = wgrad_tile(t, num_n_blocks(p));
+    const gemm::WgradParams& wp = target(p);
+    const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
     const CUtensorMap* a = kShared ? (kDown ? &m.dy_mn : &m.sh_dh_mn) : (kDown ? &m.dy_rows_mn : &m.dh_mn);
     const CUtensorMap* b = kShared ? (kDown ? &m.sh_a_mn : &m.x_mn) : (kDown ? &m.wa_mn : &m.x_rows_mn);
-    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0, w.n_block * 256, 0, w.num_k_blocks,
-                w.m_block * 128};
+    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0, w.n_block * TileConfig::kBlockN, 0,
+                w.num_k_blocks, static_cast<int32_t>(gemm::wgrad_row0(wp, w.m_block))};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    const gemm::WgradTile w = wgrad_tile(t, num_n_blocks(p));
     const gemm::WgradParams& wp = target(p);
+    const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
     const gemm::WgradTarget to = gemm::wgrad_target_at(wp, w, t.slot);
     // Without the standalone launches' bf16-only path (kFast = false: faster here, wgrad.cuh)
     if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true, false>(acc, consumer, wp, w, to);
