@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 21's device calls (carry .whl: TorchTitan's MoE wheels).  PARTS picks what runs:
-#   tests  build; the GPU tests of the in-place weights, the integrations and the backward
-#          (tests/python/test_experts, test_hf, test_torchtitan, the examples, test_gpu_backward,
-#          test_forward_hashes) and the C++ grouped-GEMM tests
+# Issue 22's device calls (carry .whl: TorchTitan's MoE wheels).  PARTS picks what runs:
+#   tests  build; the C++ grouped-GEMM tests and the Python GPU tests of the shapes, the layer,
+#          the integrations and the forward's bits (tests/python/test_gpu_shapes, test_gpu,
+#          test_gpu_backward, test_experts, test_hf, test_torchtitan, test_forward_hashes)
 #   e2e    bench/bench_e2e.py (Qwen3-30B-A3B-shaped and DeepSeek-V3-family HF models, mok vs grouped_mm)
 #   perf   the layer's backward and forward at the sustained clock on dsv3 and qwen3 (regression check)
 #   suite  tools/gpu_check.sh (every GPU test, sanitizers)
@@ -35,10 +35,10 @@ for part in ${PARTS:-tests}; do
         echo "$t: rc=$rc $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$t.log" | tr '\n' ' ')"
         [ $rc -eq 0 ] || { status=1; tail -20 "$OUT/$t.log"; }
       done
-      echo "== Python GPU tests of issue 21 and the backward"
-      timeout 540 python3 -m pytest -q -rs tests/python/test_experts.py tests/python/test_hf.py \
-        tests/python/test_torchtitan.py tests/python/test_examples.py \
-        tests/python/test_gpu_backward.py tests/python/test_forward_hashes.py ${PYTEST_ARGS:-} 2>&1 |
+      echo "== Python GPU tests of the shapes, the layer and the integrations"
+      timeout "${PYTEST_TIMEOUT_S:-480}" python3 -m pytest -q -rs --durations=8 tests/python/test_gpu_shapes.py \
+        tests/python/test_gpu.py tests/python/test_gpu_backward.py tests/python/test_experts.py \
+        tests/python/test_hf.py tests/python/test_torchtitan.py tests/python/test_forward_hashes.py ${PYTEST_ARGS:-} 2>&1 |
         tee "$OUT/pytest.log" | tail -25
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
