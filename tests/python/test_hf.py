@@ -420,13 +420,21 @@ def test_fallback_more_routes_than_experts(device, gen, mok_calls):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA GPU and mok's CUDA build")
-def test_fallback_cuda_backward_shape(gen, mok_calls):
-    """intermediate = 128: mok's CUDA forward runs it, its backward does not (unsupported_reason)."""
-    module = experts_of(tiny_model("qwen3_moe", "cuda", moe_intermediate_size=128))[0]
-    reason = mok.experts.unsupported_reason(hidden=256, intermediate=128, num_experts=8, topk=2,
-                                            device=module.gate_up_proj.device)
-    if reason is None:
-        pytest.skip("this mok's CUDA backward runs intermediate = 128")
+def test_cuda_intermediate_on_the_64_grid(gen, mok_calls):
+    """moe_intermediate_size = 192, a multiple of 64 but not of the 128 x 256 tiles (as
+    DeepSeek-V2-Lite's 1408): mok trains it, against float64; 96 falls back, naming why."""
+    module = experts_of(tiny_model("qwen3_moe", "cuda", moe_intermediate_size=192))[0]
+    set_weights(module, gen)
+    x, ids, weights, dy = module_inputs(module, gen, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.MokFallbackWarning)
+        got = run_module(module, x, ids, weights, dy)
+    assert len(mok_calls) == 1
+    check_against_float64(got, float64_grads(module, x, ids, weights, dy))
+    mok_calls.clear()
+    module = experts_of(tiny_model("qwen3_moe", "cuda", moe_intermediate_size=96))[0]
+    reason = mok.experts.unsupported_reason(hidden=256, intermediate=96, num_experts=8, topk=2, device="cuda")
+    assert reason is not None and "intermediate = 96 must be a multiple of 64" in reason
     check_fallback(module, gen, "cuda", mok_calls, reason)
 
 
