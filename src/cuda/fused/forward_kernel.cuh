@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // Geometry and the task table, identical on every block
   const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
   const Geometry g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
-  const TaskCounts counts{p.inter / 128, p.hidden / 256, p.shared_inter / 128, p.hidden / 256, p.shared_blocks,
-                          p.push_mode};
+  const TaskCounts counts{p.inter / 128, p.hidden / 256, p.shared_inter / 128, p.hidden / 256, p.shared_blocks};
   const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
   if (threadIdx.x == 0) {
     int32_t num_tasks = 0;
@@ -84,21 +83,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     __syncthreads();
   }
   if (comm) {
-    if (p.gather_mode == 1) {
-      // Staging rows, then one zero row, in the stage memory
-      const StagingRows st = make_staging_rows(sh.stages, static_cast<uint32_t>(p.hidden) * 2);
-      if (threadIdx.x == 0)
-        comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, st.base, st.slots, st.zero_row);
-    } else {
-      comm_gather(sh, p, g, wait, gather_ready, counts, phase);
-    }
+    comm_gather(sh, p, g, wait, gather_ready, counts, phase);
     __syncthreads();
-    if (p.push_mode) {
-      // Pushing comm blocks stay comm blocks to the end: straight to the grid barrier (their
-      // pushes completed and were fenced in push_block) and the combine
-      finish_and_combine(sh, p, wait);
-      return;
-    }
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == kProducerWarpgroup) {
