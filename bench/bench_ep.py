@@ -475,14 +475,6 @@ def bench_case(h: EPHarness, report: hz.Harness, case: EPCase, args, state) -> D
             bench_mok_ep1(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch),
                           "mok EP=1 fwd+bwd (same per-GPU load)", "fwd+bwd", (fb_flops, 0.0), backward=True)
         if args.sweep:
-            # The push alternative: down rows into the ring, comm blocks push them home
-            # (MOK_PUSH is read per call; every rank sets it the same way)
-            os.environ["MOK_PUSH"] = "comm"
-            try:
-                bench_mok(h, report, case, state, group_name, mok_config(args.comm_sms, args.minibatch),
-                          f"mok fwd push=comm sms{args.comm_sms}", "sweep", (fwd_flops, pull_bytes))
-            finally:
-                os.environ.pop("MOK_PUSH", None)
             for comm in SWEEP_COMM_SMS:
                 for mb in SWEEP_MINIBATCH:
                     bench_mok(h, report, case, state, group_name, mok_config(comm, mb), f"mok fwd sms{comm} mb{mb}",

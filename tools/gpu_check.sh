@@ -3,7 +3,7 @@
 # probe, write logs and JSON under $OUT (default ./out; at most 8 files come back).  Carry
 # `build` to skip the build.  PERF=1 adds the measurements of docs/perf.md in the same call:
 # grouped GEMMs vs torch, the fused-forward knob sweep, its timing ring, and the layer bench.
-# SANITIZER=0 skips compute-sanitizer; GEMM_VARIANTS="base,skew2:MOK_GEMM_SKEW=2" times the
+# SANITIZER=0 skips compute-sanitizer; GEMM_VARIANTS="base,g4:MOK_TILE_N_GROUP=4" times the
 # backward's GEMM kinds against torch at the sustained clock (tools/sustained.py --gemm) on
 # dsv3 and qwen3 with those knob settings, interleaved; FWD_MINIBATCHES="0,1024" does the same
 # for the fused forward (tools/sustained.py --minibatches) against torch and the bare GEMMs;

@@ -19,18 +19,6 @@ from mok import ops  # noqa: E402
 from sustained import SHAPES  # noqa: E402
 
 
-def with_knob(name, value, fn):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="dsv3")
@@ -63,9 +51,6 @@ def main():
                                                             h=h, row_weight=rw),
         "wgrad_down": lambda: ops.grouped_wgrad(dy, act, ex_off, ex_cnt, out=gwd),
         "wgrad_gate_up": lambda: ops.grouped_wgrad(h, x, ex_off, ex_cnt, out=gwgu),
-        # the same in 2-CTA clusters multicasting B (MOK_WGRAD_CLUSTER=2, read at each launch)
-        "wgrad_gate_up_pair": lambda: with_knob("MOK_WGRAD_CLUSTER", "2",
-                                                lambda: ops.grouped_wgrad(h, x, ex_off, ex_cnt, out=gwgu)),
         # torch's kernels for the same products (torch._grouped_mm, 2-D x 2-D with offsets)
         "torch_wgrad_down": lambda: torch._grouped_mm(dy.t(), act, offs=ex_off[1:]),
         "torch_wgrad_gate_up": lambda: torch._grouped_mm(h.t(), x, offs=ex_off[1:]),

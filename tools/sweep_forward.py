@@ -43,17 +43,6 @@ def main():
             print(f"comm {comm:3d} minibatch {mini:5d} macrobatch {macro:6d}: {ms:7.3f} ms  "
                   f"{'same bits' if torch.equal(y, ref) else 'DIFFERENT BITS'}")
             del ws
-    os.environ["MOK_GATHER"] = "pipeline"
-    for comm in (1, 2, 4, 8):
-        for mini, macro in ((1024, 16384), (16384, 16384)):
-            cfg = F.MoKConfig(fwd_num_comm_sms=comm, minibatch_size=mini, macrobatch_size=macro)
-            ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
-            ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))
-            y, _ = F.forward(x, ids, tw, *w, workspace=ws)
-            print(f"pipelined gather, comm {comm:3d} minibatch {mini:5d} macrobatch {macro:6d}: {ms:7.3f} ms  "
-                  f"{'same bits' if torch.equal(y, ref) else 'DIFFERENT BITS'}")
-            del ws
-    os.environ["MOK_GATHER"] = "warps"
     os.environ["MOK_FORWARD_PATH"] = "unfused"
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda")
     ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))

@@ -208,7 +208,7 @@ typedef struct mokTraceEvent_t {
   uint64_t begin_ns, end_ns;
   uint32_t role;    /* mokTraceRole_t */
   uint32_t kind;    /* task kind (0 shared gate/up, 1 gate/up, 2 shared down, 3 down), 255 none;
-                       gather events: 255 a gather, 254 a push (MOK_PUSH=comm) */
+                       gather events: 255 a comm block's row block, 254 a block's start gather */
   int32_t block;    /* row block of the task, or of the gather */
   int32_t detail;   /* N-block of the task; -1 none */
 } mokTraceEvent_t;

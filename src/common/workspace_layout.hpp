@@ -161,7 +161,7 @@ inline constexpr int64_t kWsAlign = 256;      // every offset in the block (cuda
 inline constexpr int64_t kWsTmaAlign = 1024;  // TMA operands, bulk-copy targets, the block base
 inline constexpr int32_t kWsErrorWords = 11;  // route error [0, 4) + timeout record [4, 11) (gemm::kTimeoutWords = 7)
 inline constexpr int32_t kWsTraceCap = 4096;  // trace events per recorder (MOK_TRACE=1)
-inline constexpr int32_t kWsCounterArrays = 5;   // gather_ready, gu_done, dn_done, sgu_done, push_done (fused/forward_kernel.cuh)
+inline constexpr int32_t kWsCounterArrays = 4;   // gather_ready, gu_done, dn_done, sgu_done (fused/forward_kernel.cuh)
 inline constexpr int32_t kWsCounterHeader = 2;   // task_next, blocks_done
 inline constexpr int32_t kWsBwdCounterArrays = 6;  // provisional (the backward kernel fixes it): dy_ready, x_ready,
                                                    // h_ready, dh_ready, dx_done, wgrad_done [max_blocks]
@@ -296,8 +296,8 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
   L.block(WsBuffer::kRing, kWsTmaAlign, "ring_rows*H", "routed rows of x gathered per macrobatch (gate/up A, TMA)", 0,
           2, R, H);
   L.block(WsBuffer::kAct, kWsTmaAlign, "ring_rows*I", "silu(g)*u of the ring's rows (down A, TMA)", 0, 2, R, I);
-  L.block(WsBuffer::kCounters, kWsAlign, "5*max_blocks + 2",
-          "task_next, blocks_done; gather_ready, gu_done, dn_done, sgu_done, push_done [max_blocks]; zeroed per launch",
+  L.block(WsBuffer::kCounters, kWsAlign, "4*max_blocks + 2",
+          "task_next, blocks_done; gather_ready, gu_done, dn_done, sgu_done [max_blocks]; zeroed per launch",
           kWsCounterHeader, 2, kWsCounterArrays, L.max_blocks);
   if (ep) {
     L.block(WsBuffer::kRegionsDev, kWsAlign, "P", "the group's region pointers, as this process sees them", 0, 1, L.P);
@@ -365,11 +365,11 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
     L.put(WsBuffer::kUbAccDown, WsPlace::kSeparate, "n_acc*H*I", "fp32 dW_down of the same experts", 0, 3, L.n_acc, H,
           I);
     // The fused backward's dependency counters (cuda/fused/schedule_bwd.cuh, CounterArray):
-    // task claim and grid barrier, 5 per row block, 2 per (expert, macrobatch), 3 per shared
+    // task claim and grid barrier, 5 per row block, 2 per (expert, macrobatch), 2 per shared
     // token block and its total; zeroed per launch
-    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 3*(shared_blocks + 1)",
+    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 2*(shared_blocks + 1)",
           "zeroed per fused backward launch (the same allocation)", 2, 1,
-          5 * L.max_blocks + 2 * L.El * L.n_macro + 3 * (L.shared_blocks + 1));
+          5 * L.max_blocks + 2 * L.El * L.n_macro + 2 * (L.shared_blocks + 1));
   }
   if (!bwd) return L;
 

@@ -31,7 +31,6 @@
 #include "cuda/cuda_api.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/forward.hpp"
-#include "cuda/fused/engine_knobs.hpp"
 #include "cuda/fused/backward_kernel.cuh"
 #include "cuda/fused/schedule_bwd.cuh"
 #include "cuda/gemm/launch.hpp"
@@ -88,14 +87,11 @@ struct RowSources {
   const float* topk_weights;
   ep::Group group;  // size > 1: the sources are the record's rank's region
 };
-// Rows [0, row_limit) of the plan (every row: the unfused backward; the first blocks: the fused
-// backward's MOK_BACKWARD_PREGATHER).
 __global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ rows,
                                   const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
                                   int64_t row_vecs, uint4* __restrict__ x_rows, uint4* __restrict__ dy_rows,
-                                  float* __restrict__ row_weight, int64_t row_limit) {
+                                  float* __restrict__ row_weight) {
   for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
-    if (i >= row_limit) return;
     uint4* xd = x_rows + i * row_vecs;
     uint4* dd = dy_rows + i * row_vecs;
     if (row_is_pad(rec)) {
@@ -374,22 +370,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
   p.n_acc = static_cast<int32_t>(b.n_acc);
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  fused::set_engine_knobs(p);
-  const std::string gather = env::get(env::kGather);
-  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
-                env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
-  p.gather_mode = gather == "pipeline" ? 1 : gather == "pairs" ? 2 : 0;
-  // The end phase (EP >= 2 always: the home rank's sums need every rank's pushes first)
-  const std::string combine = env::get(env::kBackwardCombine);
-  MOK_CHECK_ARG(combine == "end" || combine == "overlap",
-                env::kBackwardCombine.name << " = " << combine << ": expected end or overlap");
-  p.combine_overlap = combine == "overlap" && !ep ? 1 : 0;
-  // The first row blocks gathered by a launch on every SM before the kernel (0: the comm blocks
-  // gather every block)
-  const long pregather = env::get_int(env::kBackwardPregather);
-  MOK_CHECK_ARG(pregather >= 0 && pregather % 128 == 0,
-                env::kBackwardPregather.name << " = " << pregather << ": a multiple of 128 rows, or 0");
-  p.pregathered = static_cast<int32_t>(std::min<int64_t>(pregather / 128, ws.max_blocks));
   const long start_gather = env::get_int(env::kBackwardStartGather);
   MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
                 env::kBackwardStartGather.name << " = " << start_gather << ": minibatches, 0 to 1024");
@@ -470,7 +450,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     put(A::kWgradDone, EM);
     put(A::kSharedReplayDone, SB);
     put(A::kSharedDgradDownDone, SB);
-    put(A::kSharedDgradGateUpDone, SB);
     if (at != b.num_counters)
       MOK_FAIL(mokInternalError, "fused backward: " << at << " counter words, the layout has " << b.num_counters);
   }
@@ -520,15 +499,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   auto* const kernel = fb::fused_backward_kernel;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(fb::kSmemBytes)));
-  if (p.pregathered > 0) {
-    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
-                         in.topk_weights, p.group.size > 1 ? p.group : ep::Group{}};
-    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
-                                               static_cast<int32_t>(k), H * 2 / 16, static_cast<uint4*>(b.x_rows),
-                                               static_cast<uint4*>(b.dy_rows), b.row_weight,
-                                               int64_t{p.pregathered} * 128);
-    MOK_CUDA_CHECK(cudaGetLastError());
-  }
   kernel<<<ws.grid, gemm::TileConfig::kThreads, fb::kSmemBytes, stream>>>(m, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
@@ -616,7 +586,7 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
                          in.topk_weights, group};
     bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
                                                static_cast<int32_t>(k), row_vecs, static_cast<uint4*>(b.x_rows),
-                                               static_cast<uint4*>(b.dy_rows), b.row_weight, INT64_MAX);
+                                               static_cast<uint4*>(b.dy_rows), b.row_weight);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 

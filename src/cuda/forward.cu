@@ -18,7 +18,6 @@
 #include "cuda/comm/plan_rows.cuh"
 #include "cuda/cuda_check.hpp"
 #include "cuda/ep.hpp"
-#include "cuda/fused/engine_knobs.hpp"
 #include "cuda/fused/forward_kernel.cuh"
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/tensor_map.hpp"
@@ -202,22 +201,10 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
   p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  fused::set_engine_knobs(p);
-  const std::string gather = env::get(env::kGather);
-  MOK_CHECK_ARG(gather == "warps" || gather == "pipeline" || gather == "pairs",
-                env::kGather.name << " = " << gather << ": expected warps, pipeline or pairs");
-  p.gather_mode = gather == "pipeline" ? 1 : 0;
-  const std::string push = env::get(env::kPush);
-  MOK_CHECK_ARG(push == "epilogue" || push == "comm", env::kPush.name << " = " << push << ": expected epilogue or comm");
-  p.push_mode = push == "comm" ? 1 : 0;
-  MOK_CHECK_ARG(!(p.push_mode && p.gather_mode), env::kPush.name << "=comm runs with " << env::kGather.name
-                                                                  << "=warps only");
   const long start_gather = env::get_int(env::kForwardStartGather);
   MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
                 env::kForwardStartGather.name << " = " << start_gather << ": minibatches, 0 to 1024");
-  p.start_blocks = p.push_mode || p.gather_mode
-                       ? 0
-                       : static_cast<int32_t>(std::min<int64_t>(start_gather * p.minibatch_blocks, p.max_blocks));
+  p.start_blocks = static_cast<int32_t>(std::min<int64_t>(start_gather * p.minibatch_blocks, p.max_blocks));
   p.rows = ws.rows;
   p.expert_offset = ws.expert_offset;
   p.block_expert = ws.block_expert;
@@ -271,7 +258,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
 static_assert(kWsErrorWords == kAllErrorWords, "error words of the layout differ from the kernels'");
 static_assert(kWsDtwChunk == gemm::kDtwChunk, "channels per router-gradient partial differ from the dgrad-down epilogue's");
 static_assert(kWsCounterHeader == static_cast<int>(fused::Counter::kHeader) &&
-                  kWsCounterArrays == static_cast<int>(fused::CounterArray::kPushDone) + 1,
+                  kWsCounterArrays == static_cast<int>(fused::CounterArray::kSharedGateUpDone) + 1,
               "counters of the layout differ from the fused kernel's");
 
 DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
@@ -292,7 +279,7 @@ DeviceWorkspace* create_workspace(const mokConfig_t& c, void* const* regions) {
     ws->max_blocks = L.max_blocks;
     ws->shared_blocks = L.shared_blocks;
     ws->ring_rows = L.ring_rows;
-    ws->num_counters = L[WsBuffer::kCounters].count;  // 5 arrays (fused/forward_kernel.cuh); max_blocks >= shared_blocks
+    ws->num_counters = L[WsBuffer::kCounters].count;  // 4 arrays (fused/forward_kernel.cuh); max_blocks >= shared_blocks
     size_t& b = ws->bytes;
 
     // One allocation for every block entry; cudaMalloc aligns to 256 B, the layout's offsets

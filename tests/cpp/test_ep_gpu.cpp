@@ -275,20 +275,6 @@ TEST(EpGpu, VirtualRanksMatchEp1) {
   }
 }
 
-// MOK_PUSH=comm: the down rows go to the ring and the comm blocks push them to the home
-// ranks' slots with bulk copies: the same bits.
-TEST(EpGpu, VirtualRanksPushByComm) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  setenv("MOK_PUSH", "comm", 1);
-  const uint64_t seed = fresh_seed();
-  Shape s;
-  s.Is = 128;
-  for (int64_t P : {2, 4})
-    check_group(Case{s, P, std::vector<int64_t>(static_cast<size_t>(P), 300), Routing::kUniform}, same_device(P), seed);
-  check_group(Case{s, 4, {300, 0, 517, 129}, Routing::kZipf, 128, 256}, same_device(4), seed);
-  unsetenv("MOK_PUSH");
-}
-
 TEST(EpGpu, VirtualRanksSkew) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const uint64_t seed = fresh_seed();

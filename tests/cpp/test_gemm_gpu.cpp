@@ -289,35 +289,6 @@ TEST(GemmGpu, WgradTiles) {
   check_wgrad();
 }
 
-// MOK_WGRAD_CLUSTER=2: the wgrad tiles in 2-CTA clusters multicasting B (Mo / 128 = 2: one
-// m-pair per expert), experts of 0, 1, 130 and 256 rows, accumulate and store paths
-TEST(GemmGpu, WgradPairClusters) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  setenv("MOK_WGRAD_CLUSTER", "2", 1);
-  check_wgrad();
-  unsetenv("MOK_WGRAD_CLUSTER");
-}
-
-// MOK_GEMM_SKEW: the second consumer warpgroup starts k-blocks behind the first (one lead
-// barrier at the start); every kind, tiles of one k-block (K = 64, skew past the tile's
-// length), a skew as deep as the stage ring, both tile shapes: float64 and run-twice bits.
-TEST(GemmGpu, ConsumerSkewEveryKind) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (const char* skew : {"1", "3", "200"}) {
-    SCOPED_TRACE(std::string("MOK_GEMM_SKEW=") + skew);
-    setenv("MOK_GEMM_SKEW", skew, 1);
-    check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, mokGemmDown, 0);
-    check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0);
-    check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0);
-    check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0);
-    check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3);
-    check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0, 128);
-    check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmDown, 3);
-    check_wgrad();
-  }
-  unsetenv("MOK_GEMM_SKEW");
-}
-
 // The fp8 seam: e4m3 operands through the engine's e4m3 MMA policy (MmaE4m3, TileConfigE4m3:
 // 128 x 128 tiles, 128-element k-blocks, one-byte TMA maps), no scales.  Operands are
 // multiples of 1/4 in [-4, 4] (exact in e4m3), so every product and the fp32 sum over K are
@@ -839,20 +810,6 @@ TEST(GemmGpu, DgradDownSwiGLUTileShapesAgreeBitwise) {
   }
 }
 
-// MOK_GEMM_CLUSTER=2: 2-CTA clusters, B multicast within a pair of row blocks of one expert;
-// pairs of two experts, a lone last block (CTA 1 recomputes and stores nothing), tiny grids.
-TEST(GemmGpu, PairClustersShareB) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  setenv("MOK_GEMM_CLUSTER", "2", 1);
-  check_grouped_gemm(fresh_seed(), 1, 64, 256, {0}, mokGemmDown, 0);
-  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0);
-  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {1, 0, 0, 1, -1, -1}, mokGemmDown, 0);
-  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0);
-  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmDown, 3);
-  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 0, 1, 1, 1, 1, 0, 0, 1}, mokGemmGateUp, 1);
-  unsetenv("MOK_GEMM_CLUSTER");
-}
-
 // A pipeline whose only job is to finish: many tiles over a tiny grid wrap the stage ring
 // many times (phases flip hundreds of times per block).
 TEST(GemmGpu, PipelineFinishesWithFewBlocks) {
@@ -1016,29 +973,19 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
       unsetenv("MOK_FORWARD_PATH");
       ASSERT_EQ(0, std::memcmp(fused.data(), unfused.data(), fused.size() * 2)) << "fused vs unfused";
     }
-    // Gather modes, MOK_PUSH=comm (down rows into the ring, comm blocks push them home), the
-    // start gather of every block (none, or three minibatches, clamped to the ring's first
-    // pass), the consumer warpgroups meeting at every task, and the tensor-map prefetch
-    for (const char* mode : {"warps", "pipeline", "push", "start0", "start3", "synctile", "prefetch"}) {
-      const std::string m = mode;
-      setenv("MOK_GATHER", m == "pipeline" ? "pipeline" : "warps", 1);
-      setenv("MOK_PUSH", m == "push" ? "comm" : "epilogue", 1);
-      setenv("MOK_FORWARD_START_GATHER", m == "start0" ? "0" : m == "start3" ? "3" : "1", 1);
-      setenv("MOK_CONSUMER_SYNC", m == "synctile" ? "tile" : "warpgroup", 1);
-      setenv("MOK_TENSORMAP_PREFETCH", m == "prefetch" ? "start" : "none", 1);
+    // The start gather of every block (the default one minibatch, none, or three minibatches,
+    // clamped to the ring's first pass)
+    for (const char* start : {"1", "0", "3"}) {
+      setenv("MOK_FORWARD_START_GATHER", start, 1);
       for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
                                         {128, 128, 2}, {1024, 16384, 16}, {512, 512, 3}}) {
         GpuLayer g(l, mini, macro, comm);
         const auto y = g.run();
         ASSERT_EQ(0, std::memcmp(fused.data(), y.data(), fused.size() * 2))
-            << "mode " << mode << " minibatch " << mini << " macrobatch " << macro << " comm " << comm;
+            << "start gather " << start << " minibatch " << mini << " macrobatch " << macro << " comm " << comm;
       }
     }
-    unsetenv("MOK_GATHER");
-    unsetenv("MOK_PUSH");
     unsetenv("MOK_FORWARD_START_GATHER");
-    unsetenv("MOK_CONSUMER_SYNC");
-    unsetenv("MOK_TENSORMAP_PREFETCH");
   }
 }
 

@@ -168,10 +168,9 @@ TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
 // ---- a host model of the fused forward's protocol ---------------------------------------------
 // Compute blocks claim tasks in order (at most two in flight each: one computing, one being
 // loaded), wait for task_waits(), finish in order and signal task_signals() (both the ops'
-// descriptions, as in the kernel); comm blocks gather their row
-// blocks in processing order after gather_waits(), releasing each block at once (warps
-// mode) or only after kLag more rows were stored unless they drain first (pipelined mode,
-// as the kernel does), then join the compute roles.  Random interleavings must always finish.
+// descriptions, as in the kernel); comm blocks gather their row blocks in processing order
+// after gather_waits(), releasing each block once its last row is stored, then join the
+// compute roles.  Random interleavings must always finish.
 struct ProtocolModel {
   Geometry g;
   TaskCounts c;
@@ -179,7 +178,7 @@ struct ProtocolModel {
   int num_segments = 0;
   int32_t num_tasks = 0;
   int32_t n_group = 1;
-  std::vector<int32_t> counters[5];
+  std::vector<int32_t> counters[4];
   int32_t task_next = 0;
   int32_t first = 0;  // processing positions [0, first) gathered by every block at the start
 
@@ -191,8 +190,6 @@ struct ProtocolModel {
   struct Comm {
     int32_t next = 0;        // index of the current row block in this comm block's order
     int32_t row = 0;         // rows of it stored
-    int64_t stored = 0;      // rows stored in all
-    int32_t released = 0;    // row blocks released (in order)
     bool started = false;    // the current block's waits were met
     Compute joined;          // after its share, a comm block runs the compute roles
   };
@@ -201,7 +198,7 @@ struct ProtocolModel {
     num_segments = build_segments(g, c, seg, &num_tasks);
     for (auto& v : counters) v.assign(static_cast<size_t>(std::max(g.num_blocks, c.shared_blocks) + 1), 0);
   }
-  // The kernel's start gather (warps mode): every block copies the first `n` positions, up to
+  // The kernel's start gather: every block copies the first `n` positions, up to
   // the first whose ring slot has a previous occupant, before any task; comm blocks take the rest.
   void start_gather(int32_t n) {
     Wait w[kMaxWaits];
@@ -244,57 +241,24 @@ struct ProtocolModel {
     }
     return true;
   }
-  // One step of comm block `index` of `num_comm` under MOK_PUSH=comm (warps gather): its
-  // gather and push jobs in CommJobs order; it does not join the compute roles.
-  bool step_push(CommJobs& jobs, bool& started) {
-    if (jobs.done()) return false;
-    int32_t q;
-    const bool push = jobs.next(g, &q);
-    const int32_t b = g.block_at(q);
-    Wait w[kMaxWaits];
-    const int n = push ? push_waits(b, c, w) : gather_waits(b, g, c, w);
-    if (!started) {
-      if (!ready(w, n)) return false;
-      started = true;
-      return true;
-    }
-    counters[push ? 4 : 0][static_cast<size_t>(b)] = 128;
-    (push ? jobs.next_push : jobs.next_gather)++;
-    started = false;
-    return true;
-  }
-  // One step of comm block `index` of `num_comm`.  `drain`: release finished blocks before
-  // waiting on a ring slot's previous occupant (the kernel does; false shows the cycle).
-  bool step(Comm& cm, int index, int num_comm, bool pipelined, int lag, bool drain, std::mt19937_64& rng) {
+  // One step of comm block `index` of `num_comm`.
+  bool step(Comm& cm, int index, int num_comm, std::mt19937_64& rng) {
     const int32_t left = g.num_blocks - first;
     const int32_t mine = index < left ? (left - index + num_comm - 1) / num_comm : 0;
-    if (cm.next >= mine && cm.released == cm.next) return step(cm.joined, rng);
-    auto block_at = [&](int32_t i) { return g.block_at(first + index + i * num_comm); };
-    auto release_upto = [&](int64_t complete_rows) {
-      bool any = false;
-      for (; cm.released < cm.next && (static_cast<int64_t>(cm.released) + 1) * 128 <= complete_rows; ++cm.released) {
-        counters[0][static_cast<size_t>(block_at(cm.released))] = 128;
-        any = true;
-      }
-      return any;
-    };
-    if (cm.next >= mine) return release_upto(cm.stored);  // the end: every store completes
-    const int32_t b = block_at(cm.next);
+    if (cm.next >= mine) return step(cm.joined, rng);
+    const int32_t b = g.block_at(first + index + cm.next * num_comm);
     if (!cm.started) {
       Wait w[kMaxWaits];
-      const int n = gather_waits(b, g, c, w);
-      if (n > 0 && pipelined && drain && release_upto(cm.stored)) return true;
-      if (!ready(w, n)) return false;
+      if (!ready(w, gather_waits(b, g, c, w))) return false;
       cm.started = true;
       return true;
     }
-    ++cm.stored;
     if (++cm.row == 128) {
+      counters[0][static_cast<size_t>(b)] = 128;
       cm.row = 0;
       cm.started = false;
       ++cm.next;
     }
-    release_upto(pipelined ? cm.stored - lag : cm.stored);
     return true;
   }
 };
@@ -328,69 +292,17 @@ bool run_actors(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, 
   return false;
 }
 
-bool run_model(ProtocolModel& m, int num_compute, int num_comm, bool pipelined, bool drain, uint64_t seed,
-               std::string* why) {
+bool run_model(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, std::string* why) {
   std::vector<ProtocolModel::Comm> comm(static_cast<size_t>(num_comm));
   return run_actors(
       m, num_compute, num_comm, seed,
-      [&](int i, std::mt19937_64& rng) { return m.step(comm[static_cast<size_t>(i)], i, num_comm, pipelined, 4, drain, rng); },
+      [&](int i, std::mt19937_64& rng) { return m.step(comm[static_cast<size_t>(i)], i, num_comm, rng); },
       [&] {
         bool done = true;
         for (auto& cm : comm) done &= cm.joined.pending < 0 && cm.joined.in_flight.empty();
         return done;
       },
       why);
-}
-
-// MOK_PUSH=comm: down tiles write the ring, comm blocks push rows home before the gather
-// that reuses the slot, and never join compute.
-bool run_push_model(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, std::string* why) {
-  std::vector<CommJobs> jobs;
-  std::vector<bool> started(static_cast<size_t>(num_comm), false);
-  for (int i = 0; i < num_comm; ++i) jobs.emplace_back(m.g, i, num_comm);
-  return run_actors(
-      m, num_compute, num_comm, seed,
-      [&](int i, std::mt19937_64&) {
-        bool st = started[static_cast<size_t>(i)];
-        const bool moved = m.step_push(jobs[static_cast<size_t>(i)], st);
-        started[static_cast<size_t>(i)] = st;
-        return moved;
-      },
-      [&] {
-        bool done = true;
-        for (auto& j : jobs) done &= j.done();
-        for (int32_t b = 0; b < m.g.num_blocks; ++b) done &= m.counters[4][static_cast<size_t>(b)] == 128;
-        return done;
-      },
-      why);
-}
-
-TEST(FusedSchedule, BlockPositionsInvertBlockAt) {
-  for (int32_t blocks = 0; blocks < 40; ++blocks)
-    for (int32_t ring : {1, 2, 3, 4, 8})
-      for (int32_t mini : {1, ring}) {
-        if (ring % mini) continue;
-        const Geometry g = Geometry::make(blocks, ring, mini);
-        for (int32_t q = 0; q < blocks; ++q) ASSERT_EQ(g.position_of_block(g.block_at(q)), q);
-      }
-}
-
-TEST(FusedSchedule, PushByCommModelAlwaysFinishes) {
-  std::mt19937_64 rng(fresh_protocol_seed());
-  for (int iter = 0; iter < 300; ++iter) {
-    const int32_t mini = 1 << (rng() % 3), ring = mini << (rng() % 3);
-    const int32_t blocks = static_cast<int32_t>(rng() % 24);
-    TaskCounts c{1 + static_cast<int32_t>(rng() % 3), 1 + static_cast<int32_t>(rng() % 2),
-                 static_cast<int32_t>(rng() % 2), 1, static_cast<int32_t>(rng() % 3)};
-    c.push_by_comm = 1;
-    ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
-    const int num_compute = 1 + static_cast<int>(rng() % 5), num_comm = 1 + static_cast<int>(rng() % 3);
-    std::string why;
-    const uint64_t seed = rng();
-    ASSERT_TRUE(run_push_model(m, num_compute, num_comm, seed, &why))
-        << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
-        << ", comm " << num_comm << ", seed " << seed << ")";
-  }
 }
 
 TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
@@ -402,29 +314,15 @@ TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
                        static_cast<int32_t>(rng() % 2), 1, static_cast<int32_t>(rng() % 3)};
     ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
     const int num_compute = 1 + static_cast<int>(rng() % 5), num_comm = 1 + static_cast<int>(rng() % 3);
-    const bool pipelined = rng() % 2;
-    // The start gather of every block (warps mode only, as the kernel): none, or 1-3 minibatches
-    const int32_t start = pipelined || rng() % 3 == 0 ? 0 : mini * (1 + static_cast<int32_t>(rng() % 3));
+    // The start gather of every block: none, or 1-3 minibatches
+    const int32_t start = rng() % 3 == 0 ? 0 : mini * (1 + static_cast<int32_t>(rng() % 3));
     m.start_gather(start);
     std::string why;
     const uint64_t seed = rng();
-    ASSERT_TRUE(run_model(m, num_compute, num_comm, pipelined, true, seed, &why))
+    ASSERT_TRUE(run_model(m, num_compute, num_comm, seed, &why))
         << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
-        << ", comm " << num_comm << (pipelined ? ", pipelined" : ", warps") << ", start " << start << ", seed " << seed
-        << ")";
+        << ", comm " << num_comm << ", start " << start << ", seed " << seed << ")";
   }
-}
-
-// The model is not vacuous: without the drain the pipelined gather deadlocks when a comm
-// block's next row block reuses the ring slot of the block it has just stored.
-TEST(FusedSchedule, ProtocolModelFindsTheUndrainedCycle) {
-  const TaskCounts c{2, 1, 0, 1, 0};
-  ProtocolModel m(Geometry::make(4, 1, 1), c, 1);  // a ring of one block: the previous occupant is the last block stored
-  std::string why;
-  EXPECT_FALSE(run_model(m, 2, 1, true, false, 1, &why));
-  EXPECT_NE(why.find("deadlock"), std::string::npos) << why;
-  ProtocolModel fixed(Geometry::make(4, 1, 1), c, 1);
-  EXPECT_TRUE(run_model(fixed, 2, 1, true, true, 1, &why)) << why;
 }
 
 TEST(TileRaster, EveryTileOnceGroupsOfNBlocks) {

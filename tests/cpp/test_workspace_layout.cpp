@@ -111,7 +111,7 @@ TEST(WorkspaceLayout, Dsv3SizesAreTheFormulas) {
   EXPECT_EQ(bytes(WsBuffer::kBlockExpert), 271 * 4);
   EXPECT_EQ(bytes(WsBuffer::kRing), int64_t{17408} * 7168 * 2);
   EXPECT_EQ(bytes(WsBuffer::kAct), int64_t{17408} * 2048 * 2);
-  EXPECT_EQ(bytes(WsBuffer::kCounters), (2 + 5 * 271) * 4);
+  EXPECT_EQ(bytes(WsBuffer::kCounters), (2 + 4 * 271) * 4);
   EXPECT_EQ(bytes(WsBuffer::kSlots), int64_t{4096} * 8 * 7168 * 2);
   EXPECT_EQ(bytes(WsBuffer::kErrors), 11 * 8);
   EXPECT_EQ(bytes(WsBuffer::kHostErrors), 11 * 8);

@@ -387,41 +387,6 @@ def test_grouped_wgrad_matches_float64_with_empty_and_one_row_experts(gen):
         assert (main_grad[e].double().cpu() - 0.5 - want).abs().max() < 1e-3 * (1 + want.abs().max())
 
 
-@pytest.mark.parametrize("Mo,No,counts", [
-    (256, 256, [3, 0, 1, 200]),       # empty and one-row experts
-    (512, 512, [130, 0, 256, 64]),    # two m-pairs per expert
-    (384, 256, [129, 7]),             # Mo / 128 odd: the single-CTA kernel
-    (256, 512, [1] * 9),              # more experts than anything else
-])
-def test_grouped_wgrad_pair_clusters_equal_single_ctas(gen, monkeypatch, Mo, No, counts):
-    # MOK_WGRAD_CLUSTER=2: two CTAs of a cluster on m-blocks 2mp, 2mp + 1 multicast their B
-    # boxes; the same K loop and epilogue per tile: out (poisoned first) and main_grad bit for
-    # bit as one CTA per tile, on two calls, and out against float64
-    a, b, offsets = _wgrad_operands(gen, Mo, No, counts)
-    a, b = a.cuda(), b.cuda()
-    off = torch.tensor(offsets, dtype=torch.int32).cuda()
-    cnt = torch.tensor(counts, dtype=torch.int32).cuda()
-    mg0 = torch.randn(len(counts), Mo, No, generator=gen).cuda()
-
-    def run():
-        mg = mg0.clone()
-        out = torch.full((len(counts), Mo, No), float("nan"), device="cuda").bfloat16()  # poisoned
-        mok.ops.grouped_wgrad(a, b, off, cnt, out=out, main_grad=mg)
-        return out, mg
-
-    monkeypatch.setenv("MOK_WGRAD_CLUSTER", "1")
-    out1, mg1 = run()
-    monkeypatch.setenv("MOK_WGRAD_CLUSTER", "2")
-    for _ in range(2):
-        out2, mg2 = run()
-        assert torch.equal(out1.view(torch.int16), out2.view(torch.int16)), "pair clusters: out differs"
-        assert torch.equal(mg1.view(torch.int32), mg2.view(torch.int32)), "pair clusters: main_grad differs"
-    for e, c in enumerate(counts):
-        rows = slice(offsets[e], offsets[e] + c)
-        want = a[rows].double().T @ b[rows].double()
-        assert_close(f"pair clusters: expert {e} ({c} rows)", out2[e].cpu(), want.cpu())
-
-
 def test_trace_records_every_role(gen, monkeypatch):
     monkeypatch.setenv("MOK_TRACE", "1")
     x, ids, tw, w = _layer(gen, 512, 256, 16, 4, 700, 256, masked=0.0)

@@ -300,30 +300,13 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
-@pytest.mark.parametrize("gather", ["pipeline", "pairs", "pregather", "start=0", "start=3", "pregather+start=5",
-                                    "sync=tile", "prefetch", "wgrad_cluster=2",
-                                    "combine=overlap"])
-def test_fused_backward_other_gathers_equal_unfused(gen, monkeypatch, H, E, k, T, ring, gather):
-    # MOK_GATHER=pipeline: the comm blocks' one-thread bulk-copy pipeline (padding rows from a
-    # zero row in shared memory); pairs: each comm warp's x and dy loads of a row in flight
-    # together; start=n: every block gathers the first n minibatches at the kernel's start (the
-    # default 1; 0: the comm blocks gather all; more than the ring holds is clamped to its first
-    # pass); sync=tile: both consumer warpgroups meet at every task: the same rows, the same bits
+@pytest.mark.parametrize("start", ["0", "3", "5"])
+def test_fused_backward_start_gathers_equal_unfused(gen, monkeypatch, H, E, k, T, ring, start):
+    # MOK_BACKWARD_START_GATHER=n: every block gathers the first n minibatches at the kernel's
+    # start (the default 1; 0: the comm blocks gather all; past the plan's rows it is clamped):
+    # the same rows, the same bits
     x, ids, tw, w, dy = _layer(gen, H, 256, E, k, T, 256, masked=0.1)
     config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
-    if gather.startswith("pregather"):  # the first two row blocks gathered by the launch before the kernel
-        monkeypatch.setenv("MOK_BACKWARD_PREGATHER", "256")
-    if "start=" in gather:
-        monkeypatch.setenv("MOK_BACKWARD_START_GATHER", gather.split("start=")[1])
-    elif gather == "sync=tile":
-        monkeypatch.setenv("MOK_CONSUMER_SYNC", "tile")
-    elif gather == "prefetch":  # the producer's prefetch.tensormap of every map at the start
-        monkeypatch.setenv("MOK_TENSORMAP_PREFETCH", "start")
-    elif gather == "wgrad_cluster=2":  # the unfused launches' wgrad in 2-CTA clusters (tables kernel)
-        monkeypatch.setenv("MOK_WGRAD_CLUSTER", "2")
-    elif gather == "combine=overlap":  # d topk_weights and dx by the producer warpgroups' spare warps
-        monkeypatch.setenv("MOK_BACKWARD_COMBINE", "overlap")
-    elif not gather.startswith("pregather"):
-        monkeypatch.setenv("MOK_GATHER", gather)
+    monkeypatch.setenv("MOK_BACKWARD_START_GATHER", start)
     gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))
-    _assert_bitwise(f"gather={gather}: fused vs unfused", gu, gf)
+    _assert_bitwise(f"start gather {start}: fused vs unfused", gu, gf)

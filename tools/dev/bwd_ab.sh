@@ -2,8 +2,8 @@
 # One device call for an A/B of the fused backward's knobs (session 13): build; the SASS spill
 # counts of the fused kernels; the knob test cases; the sustained backward
 # with --explore on SHAPES (default "dsv3 qwen3"); optionally (PROFILE=1) ncu's per-instruction
-# stall samples of the fused backward with ENV_PROFILE (e.g. "MOK_TENSORMAP_PREFETCH=start").  Logs
-# under $OUT.
+# stall samples of the fused backward with ENV_PROFILE (e.g. "MOK_TILE_N_GROUP=4").  Logs under
+# $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"

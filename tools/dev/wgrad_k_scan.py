@@ -4,7 +4,7 @@ Per tile t(R) = fixed + R / 64 * per_k_block; the fit over R gives both, so the 
 torch that is per tile (epilogue, drain, restart) separates from the part that is per k-block.
 
     python3 tools/dev/wgrad_k_scan.py [qwen3|dsv3] [--rows 256,512,1024,2048]
-        [--variants base,generic:MOK_WGRAD_EPILOGUE=generic,pair:MOK_WGRAD_CLUSTER=2]"""
+        [--variants base,g4:MOK_TILE_N_GROUP=4]"""
 import argparse
 import os
 import sys
@@ -21,7 +21,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="qwen3")
     ap.add_argument("--rows", default="256,512,1024,2048")
-    ap.add_argument("--variants", default="base,generic:MOK_WGRAD_EPILOGUE=generic,pair:MOK_WGRAD_CLUSTER=2")
+    ap.add_argument("--variants", default="base")
     ap.add_argument("--heat-s", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()

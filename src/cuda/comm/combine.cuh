@@ -14,14 +14,14 @@ namespace mok::cuda {
 // lane then owns chunks lane, lane + 32, ...  Every valid route's chunk is loaded before any is
 // summed (8 routes at a time, kChunks chunks per lane per step), so a warp keeps up to
 // 8·kChunks × 16 B per lane in flight: the combine is a pure HBM stream.  The sum: ascending j,
-// one fmaf per route, the shared expert added last, one rounding (the same bits for any
-// kChunks: 1 where registers are few, the fused backward's producer warpgroup).
+// one fmaf per route, the shared expert added last, one rounding.
 // route_ok(j) is called by lane j only.
-template <int kChunks = 2, typename RouteOk>
+template <typename RouteOk>
 __device__ __forceinline__ void combine_token_warp(const uint4* __restrict__ slots, int64_t row_vecs, int k,
                                                    const float* __restrict__ token_weights,
                                                    const uint4* __restrict__ shared_row, uint4* __restrict__ y_row,
                                                    RouteOk route_ok) {
+  constexpr int kChunks = 2;
   const int lane = threadIdx.x & 31;
   const bool mine = lane < k && route_ok(lane);
   const uint32_t valid = __ballot_sync(0xffffffffu, mine);

@@ -1,6 +1,6 @@
 // The comm role's transport: where a plan record's source row and home slot live.  NVLink peer
 // pointers today (the group's symmetric regions, ep.cuh); an NVSHMEM or NCCL device-API
-// transport replaces these three functions and the barriers of ep.cuh, nothing else.
+// transport replaces these two functions and the barriers of ep.cuh, nothing else.
 #pragma once
 
 #include "cuda/fused/forward_params.cuh"
@@ -16,10 +16,6 @@ __device__ __forceinline__ const __nv_bfloat16* x_row(const ForwardParams& p, ui
 // padding records, which are never stored.
 __device__ __forceinline__ __nv_bfloat16* home_slots(const ForwardParams& p, uint32_t rec) {
   return p.group.size > 1 && !row_is_pad(rec) ? ep::slots_of(p.group, row_rank(rec)) : p.slots;
-}
-// The slot row of a (non-padding) plan record in its home rank's slots.
-__device__ __forceinline__ __nv_bfloat16* slot_row(const ForwardParams& p, uint32_t rec) {
-  return home_slots(p, rec) + (row_token(rec) * p.topk + row_slot(rec)) * p.hidden;
 }
 
 }  // namespace mok::cuda::fused

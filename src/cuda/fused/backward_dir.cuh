@@ -95,10 +95,10 @@ struct BackwardDir {
     if (k_blocks == 0) return true;
     const int32_t ops = visit(t.kind, [](auto op) { return static_cast<int32_t>(decltype(op)::kOps); });
     if (ops == static_cast<int32_t>(gemm::Operands::kKMajor))
-      return gemm::consume_tile<false, gemm::Operands::kKMajor>(s, stage, k_blocks, consumer, acc, wait);
+      return gemm::consume_tile<gemm::Operands::kKMajor>(s, stage, k_blocks, consumer, acc, wait);
     if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor))
-      return gemm::consume_tile<false, gemm::Operands::kBNMajor>(s, stage, k_blocks, consumer, acc, wait);
-    return gemm::consume_tile<false, gemm::Operands::kMNMajor>(s, stage, k_blocks, consumer, acc, wait);
+      return gemm::consume_tile<gemm::Operands::kBNMajor>(s, stage, k_blocks, consumer, acc, wait);
+    return gemm::consume_tile<gemm::Operands::kMNMajor>(s, stage, k_blocks, consumer, acc, wait);
   }
   __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                   const Params& p, const GeometryT& g, const Counts& c,

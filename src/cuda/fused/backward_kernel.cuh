@@ -8,9 +8,7 @@
 //   consumers     warpgroups 1, 2: wgmma and the ops' epilogues
 // then every block's consumers meet at a grid barrier (EP >= 2: and the group's end barrier)
 // and reduce: d topk_weights[t, j] = Σ_c partials (ascending c; EP >= 2 pushed to the home
-// rank first), dx[t] = bf16(Σ_j↑ slot rows + shared dx) (fp32, one rounding).  At EP = 1 with
-// MOK_BACKWARD_COMBINE=overlap two warps of each producer warpgroup reduce them instead, as
-// their inputs complete (combine_warps), and there is no end phase.
+// rank first), dx[t] = bf16(Σ_j↑ slot rows + shared dx) (fp32, one rounding).
 // Counters: schedule_bwd.cuh's CounterArray, zeroed before the launch, released and acquired
 // at gpu scope; generic writes read by TMA elsewhere are fenced (proxy.async) before release.
 #pragma once
@@ -24,9 +22,9 @@
 
 namespace mok::cuda::fused::bwd {
 
-// ---- one plan row: x and dy through the warp's staging row(s), and its route weight ----------
+// ---- one plan row: x and dy through the warp's staging row, and its route weight -------------
 // (a padding row: zeros and weight 0).  Every lane calls it; lane 0 copies.
-__device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row, CommWarp& w, CommWarp& w2, bool pairs,
+__device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row, CommWarp& w,
                                            const gemm::WaitContext& wait) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t rec = p.rows[row];
@@ -44,32 +42,26 @@ __device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row,
   const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
   const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
   if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
-  if (pairs) {
-    copy_rows2(w, w2, xs, xd, ds, dd, wait, 16000 + warp);
-  } else {
-    copy_row(w, xs, xd, wait, 16000 + warp);
-    copy_row(w, ds, dd, wait, 17000 + warp);
-  }
+  copy_row(w, xs, xd, wait, 16000 + warp);
+  copy_row(w, ds, dd, wait, 17000 + warp);
 }
 
 // ---- start: every block gathers the first row blocks ------------------------------------------
-// How many: p.start_blocks from p.pregathered, within the plan, and (rows not resident) within
-// the ring's first pass, whose slots have no previous occupant.  The comm blocks start after
-// exactly these, so every caller takes the count from here.
+// How many: p.start_blocks, within the plan, and (rows not resident) within the ring's first
+// pass, whose slots have no previous occupant.  The comm blocks start after exactly these, so
+// every caller takes the count from here.
 __device__ __forceinline__ int32_t start_block_count(const BackwardParams& p, const Geometry& g, const TaskCounts& c) {
-  const int32_t b0 = p.pregathered;
-  const int32_t nb = min(min(p.start_blocks, g.num_blocks - b0), c.resident ? INT32_MAX : g.ring_blocks - b0);
+  const int32_t nb = min(min(p.start_blocks, g.num_blocks), c.resident ? INT32_MAX : g.ring_blocks);
   return nb > 0 ? nb : 0;
 }
 
-// Blocks [p.pregathered, + p.start_blocks) (the first minibatch by default), split over every
-// warp of the grid in runs of consecutive rows, so that the first dgrad-down tiles do not wait
-// for the comm blocks (8 SMs gather ~280 GB/s; the whole grid several TB/s).  Each warp copies
-// its run through its staging row, then releases dy_ready / x_ready of the blocks it touched.
-// Two copies per row leave every staging barrier at phase parity 0 for the comm gather after.
+// Blocks [0, p.start_blocks) (the first minibatch by default), split over every warp of the
+// grid in runs of consecutive rows, so that the first dgrad-down tiles do not wait for the comm
+// blocks (8 SMs gather ~280 GB/s; the whole grid several TB/s).  Each warp copies its run
+// through its staging row, then releases dy_ready / x_ready of the blocks it touched.  Two
+// copies per row leave every staging barrier at phase parity 0 for the comm gather after.
 __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const int32_t b0 = p.pregathered;
   const int32_t nb = start_block_count(p, g, sh.counts);
   if (nb == 0) return;
   const plan::RowRun run =
@@ -81,44 +73,34 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
   CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0, row_bytes};
   TraceWriter trace(p, 3);
   const uint64_t t_begin = ptx::globaltimer_ns();
-  const int64_t first_row = int64_t{b0} * 128;
-  for (int64_t r = r0; r < r1; ++r) gather_row(p, first_row + r, w, w, false, wait);
+  for (int64_t r = r0; r < r1; ++r) gather_row(p, r, w, wait);
   if (lane == 0) ptx::bulk_wait<0>();
   ptx::fence_proxy_async_global();
   __syncwarp();
   if (lane == 0) {
     for (int64_t b = r0 / 128; b * 128 < r1; ++b) {
       const int32_t n = static_cast<int32_t>(run.rows_in(b, 128));
-      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, static_cast<int32_t>(b0 + b)), n);
-      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, static_cast<int32_t>(b0 + b)), n);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, static_cast<int32_t>(b)), n);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, static_cast<int32_t>(b)), n);
     }
   }
-  if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, b0 + static_cast<int32_t>(r0 / 128), -1);
+  if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / 128), -1);
 }
 
-// ---- comm: the rows of every routed block, in order ------------------------------------------
-// (from block p.pregathered on: MOK_BACKWARD_PREGATHER has the launch before gather the first
-// blocks on every SM, so that the first tiles do not wait for the comm blocks)
+// ---- comm: the rows of every routed block after the start gather's, in order -----------------
 // Warp w copies rows w, w + 12, ... of each of its blocks through its staging row (bulk copies,
 // x then dy), zeros for padding rows, and the route weight; then releases dy_ready / x_ready.
-// pairs (MOK_GATHER=pairs, where 24 staging rows fit: H <= 4096): each warp has two staging
-// rows and keeps a row's x and dy loads in flight together.
-__device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
-                            bool pairs) {
+__device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
-  const int first = pairs ? 2 * warp : warp;
-  CommWarp w{staging + static_cast<size_t>(first) * row_bytes, &sh.gather_bar[first], 0, row_bytes};
-  CommWarp w2{staging + static_cast<size_t>(first + 1) * row_bytes, &sh.gather_bar[first + 1], 0, row_bytes};
+  CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0, row_bytes};
   TraceWriter trace(p, 3);
-  for (int32_t b = p.pregathered + start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
+  for (int32_t b = start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
        b += p.num_comm) {
     const uint64_t t_block = ptx::globaltimer_ns();
     int32_t rows_done = 0;
-    for (int i = warp; i < 128; i += num_warps, ++rows_done) {
-      gather_row(p, static_cast<int64_t>(b) * 128 + i, w, w2, pairs, wait);
-    }
+    for (int i = warp; i < 128; i += num_warps, ++rows_done) gather_row(p, static_cast<int64_t>(b) * 128 + i, w, wait);
     // Publish this warp's rows of block b once its stores completed
     if (lane == 0) ptx::bulk_wait<0>();
     ptx::fence_proxy_async_global();
@@ -133,72 +115,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   __syncwarp();
 }
 
-// MOK_GATHER=pipeline: one thread per comm block keeps up to `slots` rows in flight through
-// staging rows in the stage memory (bulk load -> its barrier -> bulk store, the stores drained
-// kStoreDepth behind), items x then dy of each row; padding rows store the zero row.  Releases
-// dy_ready / x_ready of a block once its 256 stores completed.
-__device__ void comm_gather_pipelined(Shared& sh, const BackwardParams& p, const Geometry& g,
-                                      const gemm::WaitContext& wait, uint8_t* base, int slots, const uint8_t* zero_row) {
-  constexpr int kStoreDepth = 4;
-  const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
-  const bool peer = p.group.size > 1;
-  const int32_t first = p.pregathered + start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x);
-  const int32_t my_blocks = first < g.num_blocks ? (g.num_blocks - first + p.num_comm - 1) / p.num_comm : 0;
-  const int64_t items = static_cast<int64_t>(my_blocks) * 256;
-  auto block_of = [&](int64_t it) { return static_cast<int32_t>(first + (it / 256) * p.num_comm); };
-  auto plan_row = [&](int64_t it) { return static_cast<int64_t>(block_of(it)) * 128 + (it % 256) / 2; };
-  auto source = [&](int64_t it, uint32_t rec) -> const __nv_bfloat16* {
-    const int s = row_rank(rec);
-    const __nv_bfloat16* base_ptr = (it & 1) ? (peer ? ep::dy_of(p.group, s) : p.dy) : (peer ? ep::x_of(p.group, s) : p.x);
-    return base_ptr + row_token(rec) * p.hidden;
-  };
-  auto issue = [&](int64_t it) {
-    const uint32_t rec = p.rows[plan_row(it)];
-    if (row_is_pad(rec)) return;
-    const int s = static_cast<int>(it % slots);
-    ptx::mbar_arrive_expect_tx(&sh.gather_bar[s], row_bytes);
-    ptx::bulk_load(base + static_cast<size_t>(s) * row_bytes, source(it, rec), row_bytes, &sh.gather_bar[s]);
-  };
-  uint32_t phases = 0;
-  int64_t issued = 0;
-  int32_t released = 0;
-  auto release_upto = [&](int64_t complete) {
-    for (; released < my_blocks && (static_cast<int64_t>(released) + 1) * 256 <= complete; ++released) {
-      const int32_t b = block_of(static_cast<int64_t>(released) * 256);
-      ptx::fence_proxy_async_global();
-      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), 128);
-      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), 128);
-    }
-  };
-  for (; issued < items && issued < slots - kStoreDepth; ++issued) issue(issued);
-  for (int64_t it = 0; it < items; ++it) {
-    const int64_t row = plan_row(it);
-    const uint32_t rec = p.rows[row];
-    __nv_bfloat16* dst = ((it & 1) ? p.dy_rows : p.x_rows) + row * p.hidden;
-    if (row_is_pad(rec)) {
-      if ((it & 1) == 0) p.row_weight[row] = 0.0f;
-      ptx::bulk_store(dst, zero_row, row_bytes);
-    } else {
-      if ((it & 1) == 0)
-        p.row_weight[row] = (peer ? ep::weights_of(p.group, row_rank(rec)) : p.topk_weights)[row_token(rec) * p.topk +
-                                                                                              row_slot(rec)];
-      const int s = static_cast<int>(it % slots);
-      if (!gemm::wait_barrier(&sh.gather_bar[s], (phases >> s) & 1u, wait, gemm::WaitSite::kConsumerFull, 18000 + s))
-        return;
-      phases ^= 1u << s;
-      ptx::bulk_store(dst, base + static_cast<size_t>(s) * row_bytes, row_bytes);
-    }
-    ptx::bulk_commit();
-    // Stores up to item it - kStoreDepth completed: release finished blocks, refill their slot
-    ptx::bulk_wait<kStoreDepth>();
-    release_upto(it + 1 - kStoreDepth);
-    if (issued < items) issue(issued++);
-  }
-  ptx::bulk_wait<0>();
-  release_upto(items);
-}
-
-// ---- the reductions: d topk_weights of a plan row, dx of a token (finish, combine_warps) -------
+// ---- the reductions: d topk_weights of a plan row, dx of a token (finish) ---------------------
 // d topk_weights of routed plan row i: the fixed-order sum of its partials (EP >= 2: into the
 // row's source rank's region); padding rows have none.
 __device__ __forceinline__ void dtw_row(const BackwardParams& p, int64_t i, int chunks, bool ep) {
@@ -209,55 +126,18 @@ __device__ __forceinline__ void dtw_row(const BackwardParams& p, int64_t i, int 
   float* out = ep ? ep::dtw_of(p.group, row_rank(rec)) : p.d_topk_weights;
   out[row_token(rec) * p.topk + row_slot(rec)] = s;
 }
-// dx[t] = bf16(Σ_j↑ slot rows + shared dx): one warp (combine_token_warp, kChunks per lane)
-template <int kChunks = 2>
+// dx[t] = bf16(Σ_j↑ slot rows + shared dx): one warp (combine_token_warp)
 __device__ __forceinline__ void dx_token(const BackwardParams& p, int64_t t) {
   const int64_t row_vecs = p.hidden / 8;
   const int k = p.topk;
   const uint4* slots = reinterpret_cast<const uint4*>(p.slots);
   const uint4* shared_dx = reinterpret_cast<const uint4*>(p.shared_dx);
-  combine_token_warp<kChunks>(slots + t * k * row_vecs, row_vecs, k, p.ones,
+  combine_token_warp(slots + t * k * row_vecs, row_vecs, k, p.ones,
                               p.shared_inter > 0 ? shared_dx + t * row_vecs : nullptr,
                               reinterpret_cast<uint4*>(p.dx) + t * row_vecs, [&](int j) {
                                 int64_t id;
                                 return plan::check_route(p.routing, p.group.rank, t, j, &id) == RouteCheck::kOk;
                               });
-}
-
-// ---- MOK_BACKWARD_COMBINE=overlap (EP = 1): the reductions under the last tiles -----------------
-// Warps 2 and 3 of every block's producer warpgroup (idle otherwise), combine warp w of the
-// grid's W = 2·grid: row blocks w, w + W, ...: once a block's dgrad-down tiles are all done its
-// rows' partials are final, so its d topk_weights; then, once every dgrad gate/up tile is (each
-// lane polls every 32nd row block's counter, then the shared expert's total; __syncwarp passes
-// the lanes' acquires on), dx of tokens w, w + W, ...  The consumers then skip the end phase
-// (no grid barrier).  The same sums in the same order as finish(): the same bits.
-__device__ void combine_warps(const BackwardParams& p, const Geometry& g, const TaskCounts& c, int cw,
-                              const gemm::WaitContext& wait) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int64_t W = 2 * static_cast<int64_t>(gridDim.x), w = 2 * static_cast<int64_t>(blockIdx.x) + cw;
-  TraceWriter trace(p, 2);
-  const uint64_t t_begin = ptx::globaltimer_ns();
-  const int chunks = gemm::tiles_of(p.inter, gemm::kDtwChunk);
-  for (int64_t rb = w; rb < g.num_blocks; rb += W) {
-    if (!wait_counter(counter_of(p, CounterArray::kDgradDownDone, static_cast<int32_t>(rb)), c.n_dgrad_down, wait,
-                      9990))
-      return;
-    for (int64_t i = rb * 128 + lane; i < (rb + 1) * 128; i += 32) dtw_row(p, i, chunks, false);
-  }
-  bool ok = true;
-  for (int32_t rb = lane; ok && rb < g.num_blocks; rb += 32)
-    ok = wait_counter(counter_of(p, CounterArray::kDgradGateUpDone, rb), c.n_dgrad_gate_up, wait, 9991);
-  if (ok && c.shared_blocks > 0)
-    ok = wait_counter(counter_of(p, CounterArray::kSharedDgradGateUpDone, c.shared_blocks),
-                      c.shared_blocks * c.n_shared_dgrad_gate_up, wait, 9992);
-  if (!__all_sync(0xffffffffu, ok)) return;
-  __syncwarp();
-  const uint64_t t_dx = ptx::globaltimer_ns();
-  for (int64_t t = w; t < p.num_tokens; t += W) dx_token<1>(p, t);
-  if (lane == 0 && cw == 0) {
-    trace.add(mokTraceGridBarrier, t_begin, t_dx, 255, -1, -1);
-    trace.add(mokTraceCombine, t_dx, ptx::globaltimer_ns(), 255, -1, -1);
-  }
 }
 
 // ---- end: grid barrier, d topk_weights, (EP >= 2: end barrier), dx ----------------------------
@@ -351,15 +231,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // each role returns on its own.  A comm block joins the compute roles after its gathers:
   // its staging rows are free (every bulk copy completed), the stage barriers untouched.
   if (static_cast<int32_t>(blockIdx.x) < p.num_comm) {
-    if (p.gather_mode == 1) {
-      // Staging rows, then one zero row, in the stage memory
-      const StagingRows st = make_staging_rows(sh.stages, static_cast<uint32_t>(p.hidden) * 2);
-      if (threadIdx.x == 0) comm_gather_pipelined(sh, p, g, wait, st.base, st.slots, st.zero_row);
-    } else {
-      const bool pairs = p.gather_mode == 2 &&
-                         24 * static_cast<size_t>(p.hidden) * 2 <= sizeof(sh.stages.a) + sizeof(sh.stages.b);
-      comm_gather(sh, p, g, wait, pairs);
-    }
+    comm_gather(sh, p, g, wait);
     __syncthreads();
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
@@ -367,15 +239,13 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<BackwardDir>(sh, maps, p, g, counts, wait);
     if (threadIdx.x == kSignalerThread) signal_tasks<BackwardDir>(sh, p, g, counts, wait);
-    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 32), 0);
-    if (p.combine_overlap && warp >= 2) combine_warps(p, g, counts, warp - 2, wait);
     return;
   }
   ptx::setmaxnreg_inc<kConsumerRegs>();
   consume_tasks<BackwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-  if (!p.combine_overlap) finish(p, wait);
+  finish(p, wait);
 }
 
 }  // namespace mok::cuda::fused::bwd

@@ -48,14 +48,8 @@ struct BackwardParams {
   int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
   int32_t n_acc;              // fp32 accumulator slots (0: no expert spans macrobatches)
   int32_t n_group;            // the tiles' raster: N-blocks per group (MOK_TILE_N_GROUP)
-  int32_t pregathered;        // row blocks [0, pregathered) gathered by the launch before (MOK_BACKWARD_PREGATHER)
-  int32_t start_blocks;       // row blocks [pregathered, + start_blocks) gathered by every block at the start
+  int32_t start_blocks;       // row blocks [0, start_blocks) gathered by every block at the start
                               // (MOK_BACKWARD_START_GATHER minibatches); the comm blocks gather the rest
-  int32_t consumer_lockstep;  // 1: both consumer warpgroups meet at every task (MOK_CONSUMER_SYNC=tile)
-  int32_t combine_overlap;    // 1 (EP = 1, MOK_BACKWARD_COMBINE=overlap): combine_warps, no end phase
-  int32_t tensormap_prefetch; // 1: the producer prefetches every map at the start (MOK_TENSORMAP_PREFETCH)
-  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline; 2: two
-                              // rows in flight per comm warp (MOK_GATHER=warps|pipeline|pairs)
   int64_t max_rows;
   // Plan
   const uint32_t* rows;
@@ -112,7 +106,7 @@ struct alignas(1024) Shared {
   Task tasks[2];
   Task next_task;                           // the producer's claimed-ahead task (kClaimAhead)
   uint64_t task_full[2], task_empty[2], done_full[2], done_empty[2];
-  uint64_t gather_bar[24];                  // comm: one per staging row (MOK_GATHER=pairs: two per warp)
+  uint64_t gather_bar[TileConfig::kThreads / 32];  // comm: one per warp's staging row
   int32_t num_segments;
   int32_t num_tasks;
 };
@@ -125,14 +119,10 @@ __device__ __forceinline__ int32_t* counter_of(const BackwardParams& p, CounterA
 
 __device__ __forceinline__ bool wait_all(const BackwardParams& p, const Wait* waits, int n,
                                          const gemm::WaitContext& wait) {
-  for (int i = 0; i < n; ++i) {
-    // The rows of the first blocks came from the launch before this one (stream order)
-    const bool gathered = waits[i].array == CounterArray::kDyReady || waits[i].array == CounterArray::kXReady;
-    if (gathered && waits[i].index < p.pregathered) continue;
+  for (int i = 0; i < n; ++i)
     if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait,
                       500000 + static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
       return false;
-  }
   return true;
 }
 

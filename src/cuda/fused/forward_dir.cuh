@@ -78,8 +78,8 @@ struct ForwardDir {
                                                  float (&acc)[TileConfig::kAccRegs], const gemm::WaitContext& wait) {
     return gemm::consume_tile(s, stage, k_blocks, consumer, acc, wait);
   }
-  // The counter arrays a tile can add to, by CounterArray (gather_ready, push_done: the comm
-  // blocks'), found once per signaler
+  // The counter arrays a tile can add to, by CounterArray (gather_ready: the comm blocks'),
+  // found once per signaler
   struct SignalTargets {
     int32_t* arrays[4];
   };
@@ -91,7 +91,7 @@ struct ForwardDir {
   }
   template <CounterArray kArray>
   __device__ __forceinline__ static int32_t* counter(const SignalTargets& t, int32_t block) {
-    static_assert(kArray != CounterArray::kGatherReady && kArray != CounterArray::kPushDone, "comm blocks' counters");
+    static_assert(kArray != CounterArray::kGatherReady, "the comm blocks' counter");
     if constexpr (kArray == CounterArray::kNone) return nullptr;
     else return t.arrays[static_cast<int>(kArray)] + block;
   }

@@ -62,8 +62,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // BLOCK_N columns; the last of each may be partial
   constexpr int kN = gemm::TileConfig::kBlockN;
   const TaskCounts counts{gemm::tiles_of(p.inter, kN / 2), gemm::tiles_of(p.hidden, kN),
-                          gemm::tiles_of(p.shared_inter, kN / 2), gemm::tiles_of(p.hidden, kN), p.shared_blocks,
-                          p.push_mode};
+                          gemm::tiles_of(p.shared_inter, kN / 2), gemm::tiles_of(p.hidden, kN), p.shared_blocks};
   const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
   if (threadIdx.x == 0) {
     int32_t num_tasks = 0;
@@ -88,21 +87,8 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     __syncthreads();
   }
   if (comm) {
-    if (p.gather_mode == 1) {
-      // Staging rows, then one zero row, in the stage memory
-      const StagingRows st = make_staging_rows(sh.stages, static_cast<uint32_t>(p.hidden) * 2);
-      if (threadIdx.x == 0)
-        comm_gather_pipelined(sh, p, g, wait, gather_ready, counts.n_gate_up, st.base, st.slots, st.zero_row);
-    } else {
-      comm_gather(sh, p, g, wait, gather_ready, counts, phase);
-    }
+    comm_gather(sh, p, g, wait, gather_ready, counts, phase);
     __syncthreads();
-    if (p.push_mode) {
-      // Pushing comm blocks stay comm blocks to the end: straight to the grid barrier (their
-      // pushes completed and were fenced in push_block) and the combine
-      finish_and_combine(sh, p, wait);
-      return;
-    }
   }
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == kProducerWarpgroup) {

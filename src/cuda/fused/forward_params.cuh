@@ -40,13 +40,8 @@ struct ForwardParams {
   int32_t ring_blocks, minibatch_blocks, num_comm;
   int32_t max_blocks, shared_blocks;
   int32_t n_group;            // raster: N-blocks per group within a segment
-  int32_t gather_mode;        // 0: one row in flight per comm warp; 1: one thread, a deep pipeline
-  int32_t consumer_lockstep;  // 1: both consumer warpgroups meet at every task (MOK_CONSUMER_SYNC=tile)
-  int32_t tensormap_prefetch; // 1: the producer prefetches every map at the start (MOK_TENSORMAP_PREFETCH)
   int32_t start_blocks;       // processing positions [0, start_blocks) gathered by every block at the start
                               // (MOK_FORWARD_START_GATHER minibatches); the comm blocks gather the rest
-  int32_t push_mode;          // 0: the down epilogue stores rows to their slots; 1: it stores them
-                              // into the ring and the comm blocks push them home (MOK_PUSH=comm)
   // Plan
   const uint32_t* rows;
   const int32_t* expert_offset;
@@ -70,7 +65,7 @@ struct ForwardParams {
   mokTraceEvent_t* trace;
   int32_t trace_cap;
   // Synchronisation
-  int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done, sgu_done, push_done [max_blocks]
+  int32_t* counters;          // kHeader words, then gather_ready, gu_done, dn_done, sgu_done [max_blocks]
   uint64_t timeout_ns;
   int64_t* timeout_record;
 };
@@ -87,7 +82,7 @@ struct alignas(1024) FusedShared {
   uint64_t task_empty[2];                   // (2 consumer leaders + signaler) -> producer
   uint64_t done_full[2];                    // consumer leaders -> signaler: the tile's stores are issued
   uint64_t done_empty[2];                   // signaler -> consumer leaders
-  uint64_t gather_bar[16];                  // comm: one per staging row (warps: per warp)
+  uint64_t gather_bar[TileConfig::kThreads / 32];  // comm: one per warp's staging row
   int32_t num_segments;
   int32_t num_tasks;
   int32_t n_group;
@@ -136,8 +131,8 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
   ptx::red_release_gpu_add(counter, add);
 }
 
-// Counter arrays after the header: gather_ready, gu_done, dn_done, sgu_done, push_done, each
-// [max_blocks] (max_blocks >= ceil(T_max / 128), the shared blocks).
+// Counter arrays after the header: gather_ready, gu_done, dn_done, sgu_done, each [max_blocks]
+// (max_blocks >= ceil(T_max / 128), the shared blocks).
 __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
 }

@@ -82,13 +82,6 @@ struct Geometry {
     if (macro == num_macro - 1) return m - last_first;
     return (num_mini - last_first) + (num_macro - 2 - macro) * per_macro + m % per_macro;
   }
-  // Position of row block b in the processing order (inverse of block_at).
-  MOK_HD int32_t position_of_block(int32_t b) const {
-    const int32_t last_first = (num_macro - 1) * ring_blocks, last_count = num_blocks - last_first;
-    const int32_t macro = b / ring_blocks;
-    if (macro == num_macro - 1) return b - last_first;
-    return last_count + (num_macro - 2 - macro) * ring_blocks + b % ring_blocks;
-  }
   MOK_HD int32_t ring_row(int32_t block) const { return (block % ring_blocks) * 128; }
   MOK_HD int32_t previous_occupant(int32_t block) const {
     return block + ring_blocks < num_blocks ? block + ring_blocks : -1;
@@ -101,7 +94,6 @@ struct TaskCounts {
   int32_t n_shared_gate_up;  // ceil(I_s / 128) (0 = no shared expert)
   int32_t n_shared_down;     // ceil(H / 256)
   int32_t shared_blocks;     // ceil(T / 128)
-  int32_t push_by_comm = 0;  // MOK_PUSH=comm: down tiles write the ring, comm blocks push rows home
 };
 
 // What a task (or a comm block's row block) waits for: counter arrays in global memory,
@@ -114,7 +106,6 @@ enum class CounterArray : int32_t {
   kGateUpDone = 1,   // gate/up tiles of block b done
   kDownDone = 2,     // down tiles of block b done
   kSharedGateUpDone = 3,
-  kPushDone = 4,     // rows of block b pushed to their home slots (MOK_PUSH=comm; expected 128)
   kNone = -1,        // no counter (an op whose tiles nothing waits on)
 };
 struct Wait {
@@ -125,47 +116,13 @@ struct Wait {
 inline constexpr int kMaxWaits = 2;
 
 // The comm blocks' wait before gathering block b: the ring rows' previous occupant read by
-// all its gate/up tiles (MOK_PUSH=comm: its outputs, which its down tiles wrote over those
-// rows, pushed home).
+// all its gate/up tiles.
 MOK_HD int gather_waits(int32_t block, const Geometry& g, const TaskCounts& c, Wait* out) {
   const int32_t prev = g.previous_occupant(block);
   if (prev < 0) return 0;
-  out[0] = c.push_by_comm ? Wait{CounterArray::kPushDone, prev, 128} : Wait{CounterArray::kGateUpDone, prev, c.n_gate_up};
+  out[0] = Wait{CounterArray::kGateUpDone, prev, c.n_gate_up};
   return 1;
 }
-
-// MOK_PUSH=comm: a comm block's wait before pushing block b's rows (the down outputs in the
-// ring) home.
-MOK_HD int push_waits(int32_t block, const TaskCounts& c, Wait* out) {
-  out[0] = Wait{CounterArray::kDownDone, block, c.n_down};
-  return 1;
-}
-
-// MOK_PUSH=comm: comm block `index` of `num_comm` owns the row blocks at processing positions
-// index, index + num_comm, ...; it gathers each and later pushes each.  Its jobs run in one
-// order for every comm block: gather(q) has key 2q, push(q) key 2q' - 1 where q' is the
-// position of the block that next occupies q's ring slot (right before that gather; last when
-// none does).  Push keys grow with q, so two pointers merge the lists.  A job waits only on
-// jobs of smaller keys (on any comm block) or on compute.
-struct CommJobs {
-  int32_t index, num_comm, mine;  // mine: row blocks this comm block owns
-  int32_t next_gather = 0, next_push = 0;
-  MOK_HD CommJobs(const Geometry& g, int32_t idx, int32_t n) : index(idx), num_comm(n) {
-    mine = idx < g.num_blocks ? (g.num_blocks - idx + n - 1) / n : 0;
-  }
-  MOK_HD bool done() const { return next_gather >= mine && next_push >= mine; }
-  // Next job: true = push, false = gather; *q = its processing position.
-  MOK_HD bool next(const Geometry& g, int32_t* q) const {
-    const int32_t qg = index + next_gather * num_comm, qp = index + next_push * num_comm;
-    bool push = next_gather >= mine;
-    if (!push && next_push < mine) {
-      const int32_t next_occupant = g.block_at(qp) - g.ring_blocks;
-      push = next_occupant >= 0 && 2 * g.position_of_block(next_occupant) - 1 < 2 * qg;
-    }
-    *q = push ? qp : qg;
-    return push;
-  }
-};
 
 // Writes the segment table; returns the number of segments (the total task count goes to
 // *num_tasks).  Identical on every block (and on the host).

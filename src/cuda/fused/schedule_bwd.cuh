@@ -112,8 +112,7 @@ enum class CounterArray : int32_t {
   kWgradDone = 6,        // [expert * num_macro + macro] wgrad tiles (both kinds) finished
   kSharedReplayDone = 7,     // [token block] shared replay tiles finished
   kSharedDgradDownDone = 8,  // [token block] shared dgrad-down tiles finished; [shared_blocks]: all of them
-  kSharedDgradGateUpDone = 9,  // [shared_blocks]: every shared dgrad gate/up tile finished (the overlapped dx sum)
-  kNumArrays = 10,
+  kNumArrays = 9,
 };
 struct Wait {
   CounterArray array;

@@ -33,7 +33,7 @@ namespace mok::gemm {
 enum class Role : int32_t { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
 
 template <class T>
-inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 64 + 1024;  // + skew barrier, alignment slack
+inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
 inline constexpr size_t kGemmSmemBytes = kGemmSmemBytesT<TileConfig>;
 static_assert(kGemmSmemBytes <= 227 * 1024 && kGemmSmemBytesT<TileConfigN128> <= 227 * 1024,
               "shared storage exceeds the 227 KB a block can have");
@@ -56,7 +56,6 @@ struct GroupedGemmParams {
   int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
-  int32_t skew_k_blocks;     // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
 };
 
 // The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
@@ -82,7 +81,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   using C = T;
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<StageStorageT<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* skew_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(&s) + sizeof(StageStorageT<T>));
   const Role role = static_cast<Role>(__shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0));
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_tiles = p.max_m_blocks * p.num_n_blocks;
@@ -90,7 +88,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   // Initialise barriers
   if (threadIdx.x == 0) {
     s.init_barriers();
-    ptx::mbar_init(skew_bar, 1);
     ptx::fence_mbar_init();
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b0);
@@ -124,7 +121,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = static_cast<int>(role) - 1;
   PipelineState<C::kStages> stage;
-  ConsumerSkew<C::kStages> skew(skew_bar, p.skew_k_blocks);
   float acc[C::kAccRegs];
   // NOTES: each tile's expert is read one tile ahead (its load latency under the previous
   // tile's MMAs); only its sign matters here.
@@ -139,11 +135,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     expert = expert_of(tile + static_cast<int>(gridDim.x));
     if (this_expert < 0) continue;
     constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
-    if (!skew.wait_turn(consumer, wait)) return;
-    if (!consume_tile<false, kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, nullptr, 0,
-                                   skew.hook(consumer, p.num_k_blocks)))
-      return;
-    skew.pending = false;
+    if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
     // Epilogue straight from registers
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
     if constexpr (kSwiGLUBwd) {
@@ -171,111 +163,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       }
     }
   }
-}
-
-// ---- 2-CTA clusters sharing B (MOK_GEMM_CLUSTER=2) ---------------------------------------------
-// A cluster takes pairs (mp, n) of the raster over (ceil(M/2) x N) pairs: CTA r computes row
-// block 2·mp + r.  When both row blocks belong to the same expert the two tiles need the same
-// B: CTA r loads B half r of each stage and multicasts it into both CTAs (each still loads its
-// own A), so every weight byte leaves L2 once per pair instead of twice; otherwise each CTA
-// loads its whole stage.  Where row block 2·mp + 1 does not exist (past the last routed block),
-// CTA 1 computes CTA 0's tile again and stores nothing, so the two CTAs use their stages in
-// lockstep (PairStages, tile.cuh).
-
-struct PairTile {
-  int32_t m_block, n_block, expert;
-  int32_t active;     // the pair has work (row block 2·mp exists): both CTAs run it
-  int32_t store;      // this CTA's row block exists (CTA 1 may recompute CTA 0's tile)
-  int32_t multicast;  // both CTAs compute tiles of the same expert: B shared
-};
-__device__ __forceinline__ PairTile pair_tile(const GroupedGemmParams& p, int pair, uint32_t rank) {
-  const int num_m_pairs = (p.max_m_blocks + 1) / 2;
-  const TileCoord tc = raster(pair, num_m_pairs, p.num_n_blocks, p.n_group);
-  const int m0 = 2 * tc.m;
-  const int e0 = p.block_expert[m0];
-  const int e1 = m0 + 1 < p.max_m_blocks ? p.block_expert[m0 + 1] : -1;
-  const bool own = rank == 0 || e1 >= 0;  // CTA 1 without a row block takes CTA 0's
-  return PairTile{own ? m0 + static_cast<int32_t>(rank) : m0, tc.n, own ? (rank == 0 ? e0 : e1) : e0,
-                  e0 >= 0, own, e0 >= 0 && (e1 < 0 || e1 == e0)};
-}
-
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads, 1)
-    grouped_gemm_pair_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
-                             const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParams p) {
-  using C = TileConfig;
-  extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<PairStages*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  StageStorage& s = sh.s;
-  const uint32_t rank = ptx::cluster_cta_rank(), peer = rank ^ 1u;
-  const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
-  const int num_pairs = (p.max_m_blocks + 1) / 2 * p.num_n_blocks;
-  const int cluster = blockIdx.x / 2, num_clusters = gridDim.x / 2;
-
-  sh.start(&map_a, &map_b0, &map_b1);
-
-  pair_roles(
-      [&] {
-        PipelineState<C::kStages> stage;
-        bool ok = true;
-        for (int pair = cluster; ok && pair < num_pairs; pair += num_clusters) {
-          const PairTile t = pair_tile(p, pair, rank);
-          if (!t.active) continue;
-          const int32_t b_row = t.expert * p.b_rows_per_expert + t.n_block * p.b_n_step;
-          for (int kb = 0; ok && kb < p.num_k_blocks; ++kb) {
-            // Both CTAs' consumers freed this stage (the peer multicasts into it)
-            ok = sh.producer_acquire(stage, wait);
-            if (!ok) break;
-            uint64_t* full = s.pipe.full_barrier(stage);
-            {
-              ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
-              ptx::tma_load_2d(s.a[stage.index], &map_a, full, kb * C::kBlockK, t.m_block * C::kBlockM);
-              __nv_bfloat16* b_half0 = s.b[stage.index];
-              __nv_bfloat16* b_half1 = s.b[stage.index] + (C::kBlockN / 2) * C::kBlockK;
-              if (t.multicast) {
-                // Half `rank` for both CTAs; the peer sends the other half
-                ptx::tma_load_2d_multicast(rank == 0 ? b_half0 : b_half1, rank == 0 ? &map_b0 : &map_b1, full,
-                                           kb * C::kBlockK, b_row + (rank == 0 ? 0 : p.b_half_offset), 0x3);
-              } else {
-                ptx::tma_load_2d(b_half0, &map_b0, full, kb * C::kBlockK, b_row);
-                ptx::tma_load_2d(b_half1, &map_b1, full, kb * C::kBlockK, b_row + p.b_half_offset);
-              }
-            }
-            stage.advance();
-          }
-        }
-      },
-      [&](int consumer) {
-        PipelineState<C::kStages> stage;
-        float acc[C::kAccRegs];
-        for (int pair = cluster; pair < num_pairs; pair += num_clusters) {
-          // NOTES: the tile's fields through shuffles: ptxas must see every branch on them as
-          // warp-uniform, or it serialises every wgmma (C7518)
-          PairTile t = pair_tile(p, pair, rank);
-          t.m_block = __shfl_sync(0xffffffffu, t.m_block, 0);
-          t.n_block = __shfl_sync(0xffffffffu, t.n_block, 0);
-          t.active = __shfl_sync(0xffffffffu, t.active, 0);
-          t.store = __shfl_sync(0xffffffffu, t.store, 0);
-          if (!t.active) continue;
-          if (!consume_tile<true>(s, stage, p.num_k_blocks, consumer, acc, wait, sh.pair_empty, peer)) break;
-          if (!t.store) continue;  // CTA 1's recomputation of CTA 0's tile
-          const int64_t row0 = static_cast<int64_t>(t.m_block) * C::kBlockM;
-          switch (p.epilogue) {
-            case Epilogue::kSwiGLU:
-              epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
-              break;
-            case Epilogue::kGateUpPreact:
-              epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * 128);
-              break;
-            case Epilogue::kStore:
-              epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{t.n_block} * C::kBlockN);
-              break;
-            case Epilogue::kScatter:
-              epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
-                               int64_t{t.n_block} * C::kBlockN);
-              break;
-          }
-        }
-      });
 }
 
 }  // namespace mok::gemm

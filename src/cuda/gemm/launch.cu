@@ -120,23 +120,6 @@ namespace {
 // MOK_GEMM_TIMEOUT_S caps the launch's own deadline.
 double env_timeout_s() { return std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr)); }
 
-// The grid of a 2-CTA cluster kernel (PairStages): as many clusters as are resident at once,
-// at most one per pair of tiles (and num_blocks / 2 when the caller sets num_blocks); CTAs.
-template <class Kernel>
-unsigned pair_grid(Kernel* kernel, int sms, int64_t pairs, int32_t num_blocks) {
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kPairSmemBytes)));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(sms / 2 * 2));
-  cfg.blockDim = dim3(TileConfig::kThreads);
-  cfg.dynamicSmemBytes = kPairSmemBytes;
-  int clusters = 0;
-  MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
-  int64_t want = num_blocks > 0 ? num_blocks / 2 : clusters;
-  want = std::max<int64_t>(1, std::min<int64_t>({want, clusters > 0 ? clusters : 1, std::max<int64_t>(1, pairs)}));
-  return static_cast<unsigned>(2 * want);
-}
-
 // B's stack of expert matrices [b_rows_per_expert, cols] at q (b0 or b1), in place.
 MatrixStack b_stack(const GroupedGemmArgs& g, const void* q, int64_t cols) {
   return MatrixStack{q, g.num_experts, g.b_rows_per_expert, cols, g.b_expert_stride, g.b_row_stride};
@@ -163,7 +146,6 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
-  p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
   return p;
 }
 
@@ -248,13 +230,8 @@ GroupedGemmArgs with_tile_n(GroupedGemmArgs g, int32_t tile_n) {
   return g;
 }
 
-void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
+void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   using C = TileConfig;
-  const long env_tile_n = env::get_int(env::kGemmTileN);
-  MOK_CHECK_ARG(env_tile_n == 128 || env_tile_n == 256, env::kGemmTileN.name << " = " << env_tile_n << " must be 128 or 256");
-  // The knob re-tiles launches laid out for 256 (the C ABI's)
-  const bool retile = env_tile_n == 128 && args.tile_n == 256;
-  const GroupedGemmArgs g = retile ? with_tile_n(args, 128) : args;
   MOK_CHECK_ARG(g.k > 0 && g.k % C::kBlockK == 0, "grouped GEMM: K = " << g.k << " must be a multiple of " << C::kBlockK);
   MOK_CHECK_ARG(g.tile_n == 128 || g.tile_n == 256, "grouped GEMM: tile N = " << g.tile_n << " must be 128 or 256");
   // NOTES: A may have fewer rows than max_m_blocks*BLOCK_M: TMA fills rows past the end
@@ -292,18 +269,6 @@ void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   if (swiglu_bwd) return launch_tile_shape<true, true>(g, sms, stream);
   if (g.b_n_major) return launch_tile_shape<true>(g, sms, stream);
-  if (env::get_int(env::kGemmCluster) == 2 && g.tile_n == C::kBlockN) {
-    // 2-CTA clusters sharing B: as many clusters as fit at once
-    const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, C::kBlockM);
-    const CUtensorMap map_b0 = tensor_map_stack(b_stack(g, g.b0, g.k), C::kBlockN / 2);
-    const CUtensorMap map_b1 = tensor_map_stack(b_stack(g, g.b1, g.k), C::kBlockN / 2);
-    const GroupedGemmParams p = common_params(g);
-    const int64_t pairs = int64_t{(g.max_m_blocks + 1) / 2} * g.num_n_blocks;
-    const unsigned grid = pair_grid(grouped_gemm_pair_kernel, sms, pairs, g.num_blocks);
-    grouped_gemm_pair_kernel<<<grid, C::kThreads, kPairSmemBytes, stream>>>(map_a, map_b0, map_b1, p);
-    MOK_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
   launch_tile_shape<false>(g, sms, stream);
 }
 
@@ -317,8 +282,6 @@ void load_backward_kernels() {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, true>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true>));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_pair_kernel<false>));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_pair_kernel<true>));
 }
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
@@ -355,7 +318,6 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
-  p.skew_k_blocks = static_cast<int32_t>(std::max<long>(0, env::get_int(env::kGemmSkew)));
   p.expert_mode = g.expert_mode;
   p.expert_range = g.expert_range;
   p.acc_slot = g.acc_slot;
@@ -367,22 +329,11 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.mg_es = g.mg_expert_stride;
   p.mg_rs = g.mg_row_stride;
   wgrad_layout(p);
-  p.generic_epilogue = env::get(env::kWgradEpilogue) == "generic" ? 1 : 0;
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
   // The per-expert tables (the backward's macrobatch loop) in a kernel of their own: the plain
   // launch keeps the code it had
   const bool tables = g.expert_mode || g.expert_range || g.acc_slot || g.out_split > 0;
-  const long cluster = env::get_int(env::kWgradCluster);
-  MOK_CHECK_ARG(cluster == 1 || cluster == 2, env::kWgradCluster.name << " = " << cluster << ": expected 1 or 2");
-  if (cluster == 2 && p.num_m_blocks % 2 == 0 && sms >= 2) {
-    // 2-CTA clusters sharing B: as many clusters as fit at once, at most one per pair
-    auto* pair_kernel = tables ? grouped_wgrad_pair_kernel<true> : grouped_wgrad_pair_kernel<false>;
-    const unsigned grid = pair_grid(pair_kernel, sms, tiles / 2, g.num_blocks);
-    pair_kernel<<<grid, C::kThreads, kPairSmemBytes, stream>>>(map_a, map_b, p);
-    MOK_CUDA_CHECK(cudaGetLastError());
-    return;
-  }
   auto* kernel = tables ? grouped_wgrad_kernel<true> : grouped_wgrad_kernel<false>;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kWgradSmemBytes)));

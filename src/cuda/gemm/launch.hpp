@@ -86,7 +86,7 @@ GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t h
 GroupedGemmArgs with_tile_n(GroupedGemmArgs args, int32_t tile_n);
 
 // Throws mok::Error on a CUDA failure or an unsupported shape.
-void launch_grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream);
 
 // The wgrad kind (gemm/wgrad.cuh): out[e] = A[rows of e]ᵀ · B[rows of e], K = the expert's rows.
 struct GroupedWgradArgs {

@@ -132,12 +132,6 @@ __device__ __forceinline__ bool produce_tile_nmajor(StageStorageT<T>& s, Pipelin
 
 // Operand orientations of the engine: gemm::Operands (config.hpp).
 
-// Called by consume_tile after the MMAs of k-block kb were issued (the grouped kernels' skew
-// between their two consumer warpgroups); the default does nothing.
-struct NoIssueHook {
-  __device__ __forceinline__ void operator()(int) const {}
-};
-
 // The MMA step of the engine: what a consumer warpgroup issues on one stage (one k-block) for
 // its 64 rows, by operand orientation; consume_tile runs the pipeline around it.  A policy per
 // operand type, chosen by the tile shape's operand bytes (MmaOf):
@@ -202,14 +196,10 @@ using MmaOf = std::conditional_t<T::kElemBytes == 1, MmaE4m3, MmaBf16>;
 
 // Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
 // least one), the operands in the stage as `kOps` says, each k-block issued by the MMA policy.
-// kPair (2-CTA clusters): each freed stage is also reported to the peer CTA's pair_empty,
-// whose producer multicasts into this CTA's stages.
-template <bool kPair = false, Operands kOps = Operands::kKMajor, class T, class Hook = NoIssueHook,
-          class Mma = MmaOf<T>>
+template <Operands kOps = Operands::kKMajor, class T, class Mma = MmaOf<T>>
 __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
-                                             const WaitContext& wait, uint64_t* pair_empty = nullptr,
-                                             uint32_t peer = 0, Hook issued = {}) {
+                                             const WaitContext& wait) {
   const bool leader = threadIdx.x % 128 == 0;
   int prev_index = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb) {
@@ -217,114 +207,21 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
     if (!s.pipe.consumer_wait(stage, wait)) return false;
     Mma::template issue<kOps, T>(acc, s, stage.index, consumer, kb);
     ptx::wgmma_commit();
-    issued(kb);
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
     // inject a wait (C7517) and serialise the MMAs.
     // Release the previous stage once its MMAs retired (one group stays in flight)
     if (kb > 0) {
       ptx::wgmma_wait<1>();
-      if (leader) {
-        s.pipe.consumer_release(prev_index);
-        if constexpr (kPair) ptx::mbar_arrive_cluster(&pair_empty[prev_index], peer);
-      }
+      if (leader) s.pipe.consumer_release(prev_index);
     }
     prev_index = stage.index;
     stage.advance();
   }
   ptx::wgmma_wait<0>();
   ptx::fence_regs(acc);
-  if (leader) {
-    s.pipe.consumer_release(prev_index);
-    if constexpr (kPair) ptx::mbar_arrive_cluster(&pair_empty[prev_index], peer);
-  }
+  if (leader) s.pipe.consumer_release(prev_index);
   return true;
 }
-
-// The stage ring of a 2-CTA cluster kernel (grouped_gemm_pair_kernel, grouped_wgrad_pair_kernel),
-// one per CTA: each producer multicasts part of every stage into both CTAs, so a stage is
-// refilled only when both CTAs' consumers freed it: its own pipe.empty, and pair_empty, on
-// which the peer's consumers arrive remotely (consume_tile<true>).  The two CTAs use their
-// stages in lockstep, and every thread of both meets at a cluster barrier before exit (a CTA
-// must not leave while its peer may still multicast into it or arrive on its barriers).
-struct PairStages {
-  StageStorage s;
-  uint64_t pair_empty[TileConfig::kStages];  // the peer's consumers freed stage i
-
-  // Every thread: thread 0 initialises the barriers and prefetches the kernel's tensor maps,
-  // then the cluster barrier (both CTAs' barriers exist before either touches the other's)
-  template <class... Maps>
-  __device__ __forceinline__ void start(const Maps*... maps) {
-    if (threadIdx.x == 0) {
-      s.init_barriers();
-      for (int i = 0; i < TileConfig::kStages; ++i) ptx::mbar_init(&pair_empty[i], TileConfig::kConsumers);
-      ptx::fence_mbar_init();
-      (ptx::prefetch_tensormap(maps), ...);
-    }
-    ptx::cluster_sync();
-  }
-  // Producer: the slot at `st` is free in both CTAs
-  __device__ __forceinline__ bool producer_acquire(const PipelineState<TileConfig::kStages>& st,
-                                                   const WaitContext& wait) {
-    return s.pipe.producer_acquire(st, wait) &&
-           wait_barrier(&pair_empty[st.index], st.phase ^ 1u, wait, WaitSite::kProducerEmpty, 100 + st.index);
-  }
-};
-// The roles of a pair kernel after PairStages::init and the first cluster barrier: thread 0
-// runs produce(), the consumer warpgroups consume(consumer); each role meets the exit cluster
-// barrier on its own.
-// NOTES: wgmma code must not share a tail with the producer's divergent path (C7518).
-template <class Produce, class Consume>
-__device__ __forceinline__ void pair_roles(Produce produce, Consume consume) {
-  const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-  if (role == 0) {
-    ptx::setmaxnreg_dec<TileConfig::kProducerRegs>();
-    // Lanes 1-31 of the producer's warp wait for it at a warp barrier, not at the cluster one
-    if (threadIdx.x < 32) {
-      if (threadIdx.x == 0) produce();
-      __syncwarp();
-    }
-    ptx::cluster_sync();
-    return;
-  }
-  {
-    ptx::setmaxnreg_inc<TileConfig::kConsumerRegs>();
-    consume(role - 1);
-    ptx::cluster_sync();
-  }
-}
-inline constexpr size_t kPairSmemBytes = sizeof(PairStages) + 1024;
-static_assert(kPairSmemBytes <= 227 * 1024, "pair shared storage exceeds 227 KB");
-
-// Two consumer warpgroups that share every stage finish a tile together, and both then sit in
-// the epilogue while the tensor cores idle.  Started k_blocks apart (consumer 1 waits once,
-// before its first tile, until consumer 0 has issued that many k-blocks of it), one's epilogue
-// runs under the other's MMAs.  The lead keeps itself: the leader runs alone while the other
-// stores, and the shared stages bound it.  k_blocks = 0: no skew.
-// NOTES: the lead is at most kStages - 1 k-blocks: consumer 0 can issue only the stages the
-// producer filled before consumer 1 released any; a deeper lead would deadlock.
-template <int kStages>
-struct ConsumerSkew {
-  uint64_t* bar;     // one arrival: consumer 0 issued its first k_blocks k-blocks
-  int32_t k_blocks;
-  bool pending;      // before the first tile both consume
-
-  __device__ __forceinline__ ConsumerSkew(uint64_t* b, int32_t k) : bar(b), k_blocks(min(k, kStages - 1)), pending(k > 0) {}
-
-  // Consumer 1, before each tile: its first waits for the lead.  Warp-uniform exit.
-  __device__ __forceinline__ bool wait_turn(int consumer, const WaitContext& wait) const {
-    if (!pending || consumer != 1) return true;
-    return wait_barrier_warp(bar, 0, wait, WaitSite::kConsumerFull, -5);
-  }
-  // consume_tile's hook for a tile of num_k_blocks: consumer 0's leader arrives once its first
-  // min(k_blocks, num_k_blocks) k-blocks are issued.
-  __device__ __forceinline__ auto hook(int consumer, int num_k_blocks) const {
-    const int at = (pending && consumer == 0) ? min(k_blocks, num_k_blocks) - 1 : -1;
-    uint64_t* b = bar;
-    return [at, b](int kb) {
-      if (kb == at && threadIdx.x % 128 == 0) ptx::mbar_arrive(b);
-    };
-  }
-};
 
 // ---- epilogues: one consumer's 64 x 256 accumulator tile ------------------------------------
 // Fragment layout (wgmma D): thread (warp w, lane l) holds, for n8 in [0, 32), columns

@@ -53,15 +53,12 @@ struct WgradParams {
   int32_t n_group;
   uint64_t timeout_ns;
   int64_t* timeout_record;
-  int32_t skew_k_blocks;       // ConsumerSkew (MOK_GEMM_SKEW): 0 = none
   const int32_t* expert_range; // [2] or null: only experts [range[0], range[1]) (a macrobatch's)
   const int32_t* expert_mode;  // [E] or null (above)
   const int32_t* acc_slot;     // [E] or null
   int64_t out_split;           // 0: one output; else rows of out / main_grad per expert
   __nv_bfloat16* out1;         // [E, Mo - out_split, No] (out_split > 0)
   float* main_grad1;
-  int32_t generic_epilogue;    // MOK_WGRAD_EPILOGUE=generic: every tile through the generic loop (A/B;
-                               // the standalone launches)
   // The outputs in place (elements): row r of expert e's matrix of out / out1 at e·out_es +
   // r·out_rs, of main_grad / main_grad1 at e·mg_es + r·mg_rs (wgrad_layout: contiguous ones)
   int64_t out_es, out_rs, mg_es, mg_rs;
@@ -192,7 +189,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
   const int32_t valid_rows = wgrad_valid_rows(p, t.m_block);
   const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
   const int64_t cols = p.no - col0;  // the tile's columns below No
-  if (kFast && !accumulate && !store_acc && !main_grad && !p.generic_epilogue) {
+  if (kFast && !accumulate && !store_acc && !main_grad) {
     // The common tile (a final piece without fp32 in or out): bf16(sum) alone, without the
     // generic loop's per-element predicates (the same bits: total = the sum then too)
     if (!out) return;
@@ -267,7 +264,6 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   using C = TileConfig;
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<StageStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* skew_bar = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(&s) + sizeof(StageStorage));
   // 0 producer, 1 and 2 consumers
   const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
@@ -277,7 +273,6 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   // Initialise barriers
   if (threadIdx.x == 0) {
     s.init_barriers();
-    ptx::mbar_init(skew_bar, 1);
     ptx::fence_mbar_init();
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b);
@@ -299,7 +294,6 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = role - 1;
   PipelineState<C::kStages> stage;
-  ConsumerSkew<C::kStages> skew(skew_bar, p.skew_k_blocks);
   float acc[C::kAccRegs];
   // NOTES: each tile's fields (two dependent global loads) are read one tile ahead, so their
   // latency passes under the previous tile's MMAs instead of stalling both warpgroups.
@@ -318,107 +312,12 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       t = next_t;
       continue;
     }
-    if (!skew.wait_turn(consumer, wait)) return;
-    if (!consume_tile<false, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, nullptr, 0,
-                                                 skew.hook(consumer, t.num_k_blocks)))
-      return;
-    skew.pending = false;
+    if (!consume_tile<Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
     epilogue_wgrad<false, kTables>(acc, consumer, p, t);
     t = next_t;
   }
 }
 
-inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 64 + 1024;  // + skew barrier, alignment slack
-
-// ---- 2-CTA clusters sharing B (MOK_WGRAD_CLUSTER=2; off: 0-2 % slower, docs/perf.md session 14) --
-// A cluster takes pairs (e, mp, n), each expert's (m-pair, n) grid in the N-grouped raster:
-// CTA r computes tile (2·mp + r, n) of expert e.  Both tiles need the same B boxes (expert e's
-// rows, n-block n) over the same K (the expert's rows), so CTA r loads B boxes 2r and 2r + 1 of
-// each stage and multicasts them into both CTAs, and each loads its own A: a CTA reads 32 of a
-// stage's 48 KB from L2 instead of all of it (torch's grouped wgrad kernel runs 2 x 1 clusters
-// too, docs/perf.md session 13).  Needs an even Mo / 128 (the launch falls back otherwise).
-// The two CTAs walk the same experts with the same k-block counts, so they use their stages in
-// lockstep (PairStages, tile.cuh).  Per tile the same K loop and epilogue as
-// grouped_wgrad_kernel: the same bits.
-
-// Pairs of the call, and pair `pair`'s tile for CTA `rank`.
-template <bool kTables>
-__device__ __forceinline__ int wgrad_num_pairs(const WgradParams& p) {
-  const int experts = kTables && p.expert_range ? p.expert_range[1] - p.expert_range[0] : p.num_experts;
-  return experts * (p.num_m_blocks / 2) * p.num_n_blocks;
-}
-template <bool kTables>
-__device__ __forceinline__ WgradTile wgrad_pair_tile(const WgradParams& p, int first_expert, int pair, uint32_t rank) {
-  const int m_pairs = p.num_m_blocks / 2, per_expert = m_pairs * p.num_n_blocks;
-  const int e_local = pair / per_expert;
-  const TileCoord tc = raster(pair - e_local * per_expert, m_pairs, p.num_n_blocks, p.n_group);
-  return wgrad_tile_at<kTables>(p, first_expert + e_local, 2 * tc.m + static_cast<int>(rank), tc.n);
-}
-
-template <bool kTables>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(TileConfig::kThreads, 1)
-    grouped_wgrad_pair_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                              const WgradParams p) {
-  using C = TileConfig;
-  extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<PairStages*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  StageStorage& s = sh.s;
-  const uint32_t rank = ptx::cluster_cta_rank(), peer = rank ^ 1u;
-  const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
-  const int num_pairs = wgrad_num_pairs<kTables>(p);
-  const int e0 = kTables ? wgrad_first_expert(p) : 0;
-  const int cluster = blockIdx.x / 2, num_clusters = gridDim.x / 2;
-
-  sh.start(&map_a, &map_b);
-
-  pair_roles(
-      [&] {
-        PipelineState<C::kStages> stage;
-        bool ok = true;
-        for (int pair = cluster; ok && pair < num_pairs; pair += num_clusters) {
-          const WgradTile t = wgrad_pair_tile<kTables>(p, e0, pair, rank);
-          if (kTables && t.mode < 0) continue;
-          for (int kb = 0; ok && kb < t.num_k_blocks; ++kb) {
-            // Both CTAs' consumers freed this stage (the peer multicasts into it)
-            ok = sh.producer_acquire(stage, wait);
-            if (!ok) break;
-            uint64_t* full = s.pipe.full_barrier(stage);
-            const int32_t row = t.row0 + kb * C::kBlockK;
-            ptx::mbar_arrive_expect_tx(full, C::kStageBytes);
-#pragma unroll
-            for (int c = 0; c < C::kBlockM / 64; ++c)
-              ptx::tma_load_2d(s.a[stage.index] + c * kNChunkElems, &map_a, full, t.m_block * C::kBlockM + c * 64,
-                               row);
-            // B boxes 2·rank, 2·rank + 1 into both CTAs; the peer sends the other two
-#pragma unroll
-            for (int c = 0; c < C::kBlockN / 128; ++c) {
-              const int box = static_cast<int>(rank) * (C::kBlockN / 128) + c;
-              ptx::tma_load_2d_multicast(s.b[stage.index] + box * kNChunkElems, &map_b, full,
-                                         t.n_block * C::kBlockN + box * 64, row, 0x3);
-            }
-            stage.advance();
-          }
-        }
-      },
-      [&](int consumer) {
-        PipelineState<C::kStages> stage;
-        float acc[C::kAccRegs];
-        for (int pair = cluster; pair < num_pairs; pair += num_clusters) {
-          // NOTES: the branches' fields through shuffles (warp-uniform for ptxas, C7518)
-          WgradTile t = wgrad_pair_tile<kTables>(p, e0, pair, rank);
-          t.num_k_blocks = __shfl_sync(0xffffffffu, t.num_k_blocks, 0);
-          t.mode = __shfl_sync(0xffffffffu, t.mode, 0);
-          if (kTables && t.mode < 0) continue;
-          if (t.num_k_blocks == 0) {
-            epilogue_wgrad<true, kTables>(acc, consumer, p, t);
-            continue;
-          }
-          if (!consume_tile<true, Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, sh.pair_empty,
-                                                      peer))
-            break;
-          epilogue_wgrad<false, kTables>(acc, consumer, p, t);
-        }
-      });
-}
+inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 1024;  // + alignment slack
 
 }  // namespace mok::gemm

@@ -63,42 +63,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
       : "memory");
 }
-// The same 2-D tile into the shared memory of every CTA in cta_mask (same offset in each),
-// completion counted on the barrier at `bar`'s offset in each destination CTA.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int32_t c0,
-                                                      int32_t c1, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask)
-      : "memory");
-}
-
-// ---- clusters ------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t cluster_cta_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster (release / acquire at cluster scope).  Not
-// .aligned: the threads of a warp may reach it at different times.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-// Arrive on the mbarrier at `bar`'s offset in CTA `cta` of this cluster, with the default
-// (CTA-scope) release: it frees a stage the arriving warpgroup read only through wgmma, whose
-// wait_group already ordered those reads, so nothing needs publishing at cluster scope.
-// NOTES: `.release.cluster` here compiled to an ERRBAR + CGAERRBAR pair (a wait for every
-// outstanding memory operation) after each k-block of the pair kernels' consumers: 13 % of their
-// stall samples and most of their 20-25 % loss (docs/perf.md session 14).
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
-      "r"(cta)
-      : "memory");
-}
 
 // 1-D bulk copy global -> shared (rows that TMA tiles cannot gather).
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {

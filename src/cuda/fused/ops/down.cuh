@@ -1,5 +1,5 @@
 // Routed down: the block's act rows · w_down[e]ᵀ -> each row to its route slot token*k + j of
-// its home rank (MOK_PUSH=comm: into the block's ring rows, pushed home by the comm blocks).
+// its home rank.
 #pragma once
 
 #include "cuda/fused/ops/op.cuh"
@@ -23,16 +23,9 @@ struct Down {
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
-                                                  const Geometry& g, const TaskInfo& t) {
-    if (p.push_mode) {
-      // MOK_PUSH=comm: into the block's ring rows (its x rows are dead: every gate/up tile
-      // of the block is done); the comm blocks push them home
-      gemm::epilogue_store(acc, consumer, p.ring, p.hidden, g.ring_row(t.block), int64_t{p.ring_blocks} * 128,
-                           int64_t{t.n_block} * 256);
-    } else {
-      gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                             p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
-    }
+                                                  const Geometry&, const TaskInfo& t) {
+    gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
+                           p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
   }
 #endif
 };

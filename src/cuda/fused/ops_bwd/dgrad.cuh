@@ -120,12 +120,8 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
     out[0] = Wait{CounterArray::kSharedDgradDownDone, unit, c.n_shared_dgrad_down};
     return 1;
   }
-  // The running total past the last token block: the overlapped dx sum waits on it
-  // (MOK_BACKWARD_COMBINE=overlap); after the grid barrier nothing needs it
-  MOK_HD static int signals(int32_t, int32_t, const Geometry&, const TaskCounts& c, Signal* out) {
-    out[0] = Signal{CounterArray::kSharedDgradGateUpDone, c.shared_blocks};
-    return 1;
-  }
+  // Nothing: its shared_dx rows are read after the grid barrier
+  MOK_HD static int signals(int32_t, int32_t, const Geometry&, const TaskCounts&, Signal*) { return 0; }
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {

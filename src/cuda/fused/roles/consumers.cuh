@@ -18,11 +18,10 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
   const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
   // NOTES: each warpgroup takes tasks and hands its half of a tile on by itself (the hand-off
   // barriers count one arrival per warpgroup), so that the two drift apart by up to the stage
-  // ring and one's epilogue runs under the other's MMAs; p.consumer_lockstep makes them meet
-  // at every task instead (MOK_CONSUMER_SYNC=tile).  One bar.sync with register operands.
-  const uint32_t bar_id = p.consumer_lockstep ? static_cast<uint32_t>(NamedBarrier::kConsumers)
-                                              : static_cast<uint32_t>(NamedBarrier::kConsumer0) + consumer;
-  const uint32_t bar_threads = p.consumer_lockstep ? 256u : 128u;
+  // ring and one's epilogue runs under the other's MMAs; a warpgroup's barrier is its own
+  // named barrier of 128 threads.
+  const uint32_t bar_id = static_cast<uint32_t>(NamedBarrier::kConsumer0) + consumer;
+  constexpr uint32_t bar_threads = 128;
   float acc[C::kAccRegs];
   for (;;) {
     // Take the next task from the producer

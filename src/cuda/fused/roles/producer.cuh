@@ -16,13 +16,6 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
   gemm::PipelineState<C::kStages> stage;
   gemm::PipelineState<2> handoff;
   TraceWriter trace(p, 0);
-  // MOK_TENSORMAP_PREFETCH=start: every descriptor of the kernel into the TMA unit's cache
-  // before its first use, as the standalone launches do (the fused backward switches among up
-  // to 9 of its 24 maps from tile to tile).  Off by default: within noise (docs/perf.md)
-  if (p.tensormap_prefetch) {
-    const CUtensorMap* all = reinterpret_cast<const CUtensorMap*>(&maps);
-    for (int i = 0; i < static_cast<int>(sizeof(maps) / sizeof(CUtensorMap)); ++i) ptx::prefetch_tensormap(all + i);
-  }
   if constexpr (Dir::kClaimAhead) {
     // The next task is claimed and decoded while this one's loads are in flight (after its
     // first k-block is issued), so that its claim, decode and waits are off the consumers'
