@@ -26,12 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, ROOT)
 from bench import baselines as bl  # noqa: E402
-from bench.shapes import SHAPES as BENCH_SHAPES  # noqa: E402
+from bench.shapes import MODELS, SHAPES as BENCH_SHAPES  # noqa: E402
 from mok import functional as F  # noqa: E402
 from mok import ops  # noqa: E402
 
 # The docs/benchmarks.md shapes by name (bench/shapes.py): (H, I, k, E_l, T)
-SHAPES = {name: s.layer for name, s in BENCH_SHAPES.items()}
+SHAPES = {name: s.layer for name, s in {**BENCH_SHAPES, **MODELS}.items()}
 
 
 def interleaved(variants, heat_s, rounds):

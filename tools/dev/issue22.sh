@@ -4,7 +4,8 @@
 #          the integrations and the forward's bits (tests/python/test_gpu_shapes, test_gpu,
 #          test_gpu_backward, test_experts, test_hf, test_torchtitan, test_forward_hashes)
 #   e2e    bench/bench_e2e.py (Qwen3-30B-A3B-shaped and DeepSeek-V3-family HF models, mok vs grouped_mm)
-#   perf   the layer's backward and forward at the sustained clock on dsv3 and qwen3 (regression check)
+#   perf   the layer's backward (and forward + backward), then its forward, at the sustained clock,
+#          on PERF_SHAPES (default dsv3 qwen3; bench/shapes.py SHAPES and MODELS names)
 #   suite  tools/gpu_check.sh (every GPU test, sanitizers)
 # Logs and JSON under $OUT.
 set -uo pipefail
@@ -50,6 +51,7 @@ for part in ${PARTS:-tests}; do
     perf)
       for shape in ${PERF_SHAPES:-dsv3 qwen3}; do
         timeout 240 python3 tools/sustained.py $shape --backward 2>&1 | tee -a "$OUT/sustained_bwd.log" | tail -12
+        timeout 240 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/sustained_fwd.log" | tail -10
       done
       ;;
     suite)
