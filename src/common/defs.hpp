@@ -62,4 +62,35 @@ MOK_HD int error_key_rank(int64_t key) { return static_cast<int>(key >> 40); }
 MOK_HD int64_t error_key_token(int64_t key) { return (key >> 8) & ((1ll << 32) - 1); }
 MOK_HD int error_key_slot(int64_t key) { return static_cast<int>(key & 0xFF); }
 
+// Where a device wait passed its deadline: the site word of a kernel's timeout record
+// ([flag, site, block, detail, expected, observed, rank]; gemm::report_timeout).  The site
+// names the role and what it waited for, `detail` which one; the host turns the record into a
+// sentence (cuda/fused/wait_sites.hpp, describe_timeout).
+enum class WaitSite : int32_t {
+  kStageEmpty = 1,        // a GEMM producer: both consumers free stage `detail`
+  kStageFull = 2,         // a GEMM consumer: TMA fills stage `detail`
+  kTaskCounter = 3,       // the fused producer, before a task's loads: counter_wait_detail
+  kStartBarrier = 4,      // EP: peer `detail` reaches the call's start (routing exchange)
+  kEndBarrier = 5,        // EP: peer `detail`'s pushes landed (end barrier)
+  kConfigMismatch = 6,    // EP: peer `detail`'s region was created with another configuration
+  kGatherCounter = 7,     // a comm warp, before a row block's gather: counter_wait_detail
+  kTaskSlotFree = 8,      // the fused producer: consumers and signaler took hand-off slot `detail`
+  kTaskSlotFull = 9,      // fused consumer `detail` (0, 1): the producer's next task
+  kSignalerTaskFull = 10, // the fused signaler: the producer's task in hand-off slot `detail`
+  kDoneSlotFree = 11,     // a fused consumer: the signaler took done slot `detail`
+  kDoneSlotFull = 12,     // the fused signaler: both consumers finished the tile of done slot `detail`
+  kRowCopy = 13,          // comm warp `detail`: one x or dy row's bulk load into its staging row
+  kGridBarrier = 14,      // the end phase: every block arrived (`detail`: the round, 1 = EP's second)
+};
+
+// The detail of a counter wait: the direction, its counter array (cuda/fused/schedule.cuh,
+// schedule_bwd.cuh: CounterArray) and the index in it.
+inline constexpr int kForwardDirection = 0, kBackwardDirection = 1;
+MOK_HD int64_t counter_wait_detail(int direction, int32_t array, int32_t index) {
+  return (static_cast<int64_t>(direction) << 48) | (static_cast<int64_t>(array) << 32) | static_cast<uint32_t>(index);
+}
+MOK_HD int counter_wait_direction(int64_t detail) { return static_cast<int>(detail >> 48); }
+MOK_HD int32_t counter_wait_array(int64_t detail) { return static_cast<int32_t>((detail >> 32) & 0xFFFF); }
+MOK_HD int32_t counter_wait_index(int64_t detail) { return static_cast<int32_t>(detail & 0xFFFFFFFF); }
+
 }  // namespace mok

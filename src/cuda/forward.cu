@@ -19,6 +19,7 @@
 #include "cuda/cuda_check.hpp"
 #include "cuda/ep.hpp"
 #include "cuda/fused/forward_kernel.cuh"
+#include "cuda/fused/wait_sites.hpp"
 #include "cuda/gemm/launch.hpp"
 #include "cuda/gemm/tensor_map.hpp"
 #include "plan/plan.hpp"
@@ -389,20 +390,7 @@ void check_errors(DeviceWorkspace& ws, int rank, bool wait) {
                                            "hidden, intermediate, shared_intermediate, num_experts, block_m and "
                                            "precision; nothing was written, the call did not run");
     }
-    if (site == static_cast<int64_t>(gemm::WaitSite::kStartBarrier) ||
-        site == static_cast<int64_t>(gemm::WaitSite::kEndBarrier)) {
-      what << (site == static_cast<int64_t>(gemm::WaitSite::kStartBarrier)
-                   ? "start barrier (routing exchange): waiting for peer "
-                   : "end barrier (push combine): waiting for peer ")
-           << t[3] << " to reach call " << t[4] << ", observed " << t[5]
-           << " (a peer that never called, called with another config, or failed earlier)";
-    } else {
-      static const char* kSites[] = {"?", "producer waiting for an empty stage", "consumer waiting for a full stage",
-                                     "dependency counter"};
-      what << kSites[(site >= 0 && site <= 3) ? site : 0] << ", block " << t[2] << ", stage/counter " << t[3]
-           << ", expected " << t[4];
-      if (t[5] >= 0) what << ", observed " << t[5];
-    }
+    what << fused::describe_timeout(t);
     MOK_FAIL(mokTimeout, what.str());
   }
   if (e[0] != kNoError) {

@@ -116,7 +116,7 @@ TEST(PipelineGpu, AProducerThatStopsMakesConsumersTimeOutNotHang) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const RingRun r = run<4>(10, 1000, 0.2);
   EXPECT_EQ(r.timeout[0], 1) << "no timeout recorded";
-  EXPECT_EQ(r.timeout[1], static_cast<int64_t>(gemm::WaitSite::kConsumerFull));
+  EXPECT_EQ(r.timeout[1], static_cast<int64_t>(WaitSite::kStageFull));
   for (int w = 0; w < kConsumerWarps; ++w) EXPECT_EQ(r.result[static_cast<size_t>(w)], 7 * 45 + 10) << "consumer " << w;
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/fused/ops_bwd/ops.cuh"
+#include "cuda/fused/wait_sites.hpp"
 
 namespace mok::cuda::fused::bwd {
 namespace {
@@ -102,7 +103,7 @@ void check_list(const Case& k) {
   // Waits point at lower-numbered tasks, and expect exactly what their signalers add
   for (int32_t t = 0; t < x.num_tasks; ++t) {
     const TaskTile& tile = x.tiles[static_cast<size_t>(t)];
-    Wait w[kMaxWaits];
+    Wait w[kMaxWaits]{};
     const int n = task_waits(static_cast<TaskKind>(tile.kind), tile.unit, tile.macro, g, c, w);
     for (int i = 0; i < n; ++i) {
       if (w[i].array == CounterArray::kDyReady || w[i].array == CounterArray::kXReady) {
@@ -124,7 +125,7 @@ void check_list(const Case& k) {
     if ((kind != TaskKind::kWgradDown && kind != TaskKind::kWgradGateUp) || tile.macro < 1 ||
         !g.expert_in(tile.unit, tile.macro - 1))
       continue;
-    Wait w[kMaxWaits];
+    Wait w[kMaxWaits]{};
     const int n = task_waits(kind, tile.unit, tile.macro, g, c, w);
     bool found = false;
     for (int i = 0; i < n; ++i)
@@ -372,7 +373,9 @@ TEST(BackwardSchedule, WgradPiecesCoverEveryRowOnceInOrder) {
       for (int32_t m = 0; m < live; ++m) {
         const WgradPiece w = wgrad_piece(offset[static_cast<size_t>(e)], count[static_cast<size_t>(e)],
                                          offset[static_cast<size_t>(e) + 1], m, R, live);
-        if (count[static_cast<size_t>(e)] > 0) ASSERT_EQ(w.mode >= 0, g.expert_in(e, m)) << "macro " << m;
+        if (count[static_cast<size_t>(e)] > 0) {
+          ASSERT_EQ(w.mode >= 0, g.expert_in(e, m)) << "macro " << m;
+        }
         if (w.mode < 0) continue;
         ++pieces;
         ASSERT_EQ(w.row0, next_row) << "macro " << m << ": pieces must be contiguous";
@@ -382,13 +385,50 @@ TEST(BackwardSchedule, WgradPiecesCoverEveryRowOnceInOrder) {
         ASSERT_EQ((w.mode & gemm::kWgradAccumulate) != 0, m > w.first_macro) << "macro " << m;
         ASSERT_EQ((w.mode & gemm::kWgradStoreAcc) != 0, m < w.last_macro) << "macro " << m;
         finals += (w.mode & gemm::kWgradFinal) != 0;
-        if ((w.mode & gemm::kWgradFinal) != 0) ASSERT_EQ(m, w.last_macro);
-        if (m < w.last_macro) ASSERT_EQ(w.row0 + w.count, (m + 1) * R) << "a carried piece ends at its macrobatch";
+        if ((w.mode & gemm::kWgradFinal) != 0) {
+          ASSERT_EQ(m, w.last_macro);
+        }
+        if (m < w.last_macro) {
+          ASSERT_EQ(w.row0 + w.count, (m + 1) * R) << "a carried piece ends at its macrobatch";
+        }
       }
       ASSERT_EQ(covered, count[static_cast<size_t>(e)]) << "every real row in one piece";
       ASSERT_EQ(finals, 1) << "one piece writes the gradient";
-      if (count[static_cast<size_t>(e)] == 0) ASSERT_EQ(pieces, 1) << "an expert without rows: one piece of zeros";
+      if (count[static_cast<size_t>(e)] == 0) {
+        ASSERT_EQ(pieces, 1) << "an expert without rows: one piece of zeros";
+      }
     }
+  }
+}
+
+// A timeout record in words: the host's sentence names the role, the block, the counter (its
+// direction, array and index) or the slot, and the expected and observed values.
+TEST(WaitSites, TheHostDecodesEveryRecord) {
+  auto record = [](WaitSite site, int64_t block, int64_t detail, int64_t expected, int64_t observed) {
+    return std::vector<int64_t>{1, static_cast<int64_t>(site), block, detail, expected, observed, 0};
+  };
+  auto says = [](const std::vector<int64_t>& r) { return fused::describe_timeout(r.data()); };
+  const int64_t d = counter_wait_detail(kBackwardDirection, static_cast<int32_t>(CounterArray::kDgradDownDone), 7);
+  EXPECT_EQ(counter_wait_direction(d), kBackwardDirection);
+  EXPECT_EQ(counter_wait_array(d), static_cast<int32_t>(CounterArray::kDgradDownDone));
+  EXPECT_EQ(counter_wait_index(d), 7);
+  std::string s = says(record(WaitSite::kTaskCounter, 12, d, 6, 4));
+  EXPECT_NE(s.find("block 12, producer, before a task's loads"), std::string::npos) << s;
+  EXPECT_NE(s.find("backward counter dgrad_down_done[7] >= 6, observed 4"), std::string::npos) << s;
+  s = says(record(WaitSite::kGatherCounter, 3,
+                  counter_wait_detail(kForwardDirection, static_cast<int32_t>(fused::CounterArray::kDownDone), 40), 11,
+                  2));
+  EXPECT_NE(s.find("comm warp, before a row block's gather: waiting for forward counter dn_done[40] >= 11, observed 2"),
+            std::string::npos)
+      << s;
+  s = says(record(WaitSite::kTaskSlotFull, 5, 1, 0, -1));
+  EXPECT_NE(s.find("block 5, consumer 1: waiting for the producer's next task (mbarrier phase 0)"), std::string::npos)
+      << s;
+  s = says(record(WaitSite::kGridBarrier, 9, 1, 264, 263));
+  EXPECT_NE(s.find("every block to arrive (EP: the second arrival), 264 arrivals, observed 263"), std::string::npos) << s;
+  for (int site = static_cast<int>(WaitSite::kStageEmpty); site <= static_cast<int>(WaitSite::kGridBarrier); ++site) {
+    s = says(record(static_cast<WaitSite>(site), 0, 0, 0, -1));
+    EXPECT_EQ(s.find("wait site"), std::string::npos) << "site " << site << " has no sentence: " << s;
   }
 }
 

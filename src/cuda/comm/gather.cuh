@@ -22,7 +22,7 @@ __device__ void gather_block(CommWarp& w, const ForwardParams& p, const Geometry
       for (int64_t v = lane; v < row_vecs; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
       continue;
     }
-    copy_row(w, x_row(p, rec), dst, wait, 6000 + warp);
+    copy_row(w, x_row(p, rec), dst, wait);
   }
   // Publish this warp's rows of block b once its stores completed
   if (lane == 0) ptx::bulk_wait<0>();
@@ -55,7 +55,7 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
   const int64_t r0 = run.begin, r1 = run.end;
   if (r0 >= r1) return 0;
   CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
-             0, static_cast<uint32_t>(p.hidden) * 2};
+             {}, static_cast<uint32_t>(p.hidden) * 2};
   TraceWriter trace(p, 3);
   const uint64_t t_begin = ptx::globaltimer_ns();
   for (int64_t r = r0; r < r1; ++r) {
@@ -67,7 +67,7 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
       for (int64_t v = lane; v < p.hidden / 8; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
       continue;
     }
-    copy_row(w, x_row(p, rec), dst, wait, 6500 + warp);
+    copy_row(w, x_row(p, rec), dst, wait);
   }
   if (lane == 0) ptx::bulk_wait<0>();
   ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
@@ -77,7 +77,7 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
       ptx::red_release_gpu_add(&gather_ready[g.block_at(static_cast<int32_t>(q))],
                                static_cast<int32_t>(run.rows_in(q, 128)));
   if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / 128), -1);
-  return __shfl_sync(0xffffffffu, w.phase, 0);
+  return __shfl_sync(0xffffffffu, w.state.phase, 0);
 }
 
 // Comm block i: the processing positions after the start gather's, i, i + num_comm, ..., each
@@ -86,14 +86,14 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
                             int32_t* gather_ready, const TaskCounts& counts, uint32_t phase) {
   const int warp = threadIdx.x / 32;
   CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
-             phase, static_cast<uint32_t>(p.hidden) * 2};
+             {0, phase}, static_cast<uint32_t>(p.hidden) * 2};
   TraceWriter trace(p, 3);
   Wait waits[kMaxWaits];
   for (int32_t q = start_positions(p, g, counts) + static_cast<int32_t>(blockIdx.x); q < g.num_blocks; q += p.num_comm) {
     const int32_t b = g.block_at(q);
     const uint64_t t_begin = ptx::globaltimer_ns();
     // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
-    if (!wait_all(p, waits, gather_waits(b, g, counts, waits), wait)) return;
+    if (!wait_all(p, waits, gather_waits(b, g, counts, waits), wait, WaitSite::kGatherCounter)) return;
     gather_block(w, p, g, b, wait, gather_ready);
     if (warp == 0 && (threadIdx.x & 31) == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
   }

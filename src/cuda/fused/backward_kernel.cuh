@@ -26,7 +26,7 @@ namespace mok::cuda::fused::bwd {
 // (a padding row: zeros and weight 0).  Every lane calls it; lane 0 copies.
 __device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row, CommWarp& w,
                                            const gemm::WaitContext& wait) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
   const uint32_t rec = p.rows[row];
   __nv_bfloat16* xd = p.x_rows + row * p.hidden;
   __nv_bfloat16* dd = p.dy_rows + row * p.hidden;
@@ -42,8 +42,8 @@ __device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row,
   const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
   const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
   if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
-  copy_row(w, xs, xd, wait, 16000 + warp);
-  copy_row(w, ds, dd, wait, 17000 + warp);
+  copy_row(w, xs, xd, wait);
+  copy_row(w, ds, dd, wait);
 }
 
 // ---- start: every block gathers the first row blocks ------------------------------------------
@@ -70,7 +70,7 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
   if (r0 >= r1) return;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
-  CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0, row_bytes};
+  CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], {}, row_bytes};
   TraceWriter trace(p, 3);
   const uint64_t t_begin = ptx::globaltimer_ns();
   for (int64_t r = r0; r < r1; ++r) gather_row(p, r, w, wait);
@@ -94,7 +94,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
-  CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], 0, row_bytes};
+  CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], {}, row_bytes};
   TraceWriter trace(p, 3);
   for (int32_t b = start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
        b += p.num_comm) {
@@ -153,7 +153,7 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   if (threadIdx.x == 128) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
-    wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9998);
+    wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 0);
     t_reduce = ptx::globaltimer_ns();
   }
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
@@ -167,7 +167,7 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
     if (threadIdx.x == 128) {
       ptx::red_release_gpu_add(blocks_done, 1);
-      if (wait_counter(blocks_done, 2 * static_cast<int32_t>(gridDim.x), wait, 9997)) {
+      if (wait_counter(blocks_done, 2 * static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 1)) {
         const int64_t seq = *p.group.seq;
         if (blockIdx.x == 0) ep::publish<true>(p.group, seq);
         ep::wait_group<true>(p.group, seq, wait);

@@ -105,7 +105,7 @@ struct alignas(1024) Shared {
   TaskCounts counts;
   Task tasks[2];
   Task next_task;                           // the producer's claimed-ahead task (kClaimAhead)
-  uint64_t task_full[2], task_empty[2], done_full[2], done_empty[2];
+  RoleRings rings;                          // the hand-offs between the roles (forward_params.cuh)
   uint64_t gather_bar[TileConfig::kThreads / 32];  // comm: one per warp's staging row
   int32_t num_segments;
   int32_t num_tasks;
@@ -118,10 +118,10 @@ __device__ __forceinline__ int32_t* counter_of(const BackwardParams& p, CounterA
 }
 
 __device__ __forceinline__ bool wait_all(const BackwardParams& p, const Wait* waits, int n,
-                                         const gemm::WaitContext& wait) {
+                                         const gemm::WaitContext& wait, WaitSite site = WaitSite::kTaskCounter) {
   for (int i = 0; i < n; ++i)
-    if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait,
-                      500000 + static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
+    if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait, site,
+                      counter_wait_detail(kBackwardDirection, static_cast<int32_t>(waits[i].array), waits[i].index)))
       return false;
   return true;
 }

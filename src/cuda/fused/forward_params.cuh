@@ -74,14 +74,21 @@ struct Maps {
   CUtensorMap ring, w_gate, w_up, act, w_down, x, ws_gate, ws_up, shared_act, ws_down;
 };
 
+// The hand-offs between a fused kernel's roles, two slots each (gemm::Pipeline):
+//   tasks  producer -> consumers + signaler: the task in tasks[slot] (full: the producer's
+//          arrival; empty: both consumer warpgroups' leaders and the signaler)
+//   done   consumer leaders -> signaler: a tile's stores are issued (full: both leaders;
+//          empty: the signaler, once it took the tile)
+struct RoleRings {
+  gemm::Pipeline<2> tasks;
+  gemm::Pipeline<2> done;
+};
+
 struct alignas(1024) FusedShared {
   gemm::StageStorage stages;                // also the comm blocks' row staging
   Segment segments[kMaxSegments];
   TaskInfo tasks[2];                        // producer -> consumers + signaler task handoff
-  uint64_t task_full[2];                    // producer -> (consumers, signaler)
-  uint64_t task_empty[2];                   // (2 consumer leaders + signaler) -> producer
-  uint64_t done_full[2];                    // consumer leaders -> signaler: the tile's stores are issued
-  uint64_t done_empty[2];                   // signaler -> consumer leaders
+  RoleRings rings;                          // the hand-offs between the roles
   uint64_t gather_bar[TileConfig::kThreads / 32];  // comm: one per warp's staging row
   int32_t num_segments;
   int32_t num_tasks;
@@ -97,30 +104,30 @@ template <class SharedT>
 __device__ __forceinline__ void init_role_barriers(SharedT& sh) {
   using C = TileConfig;
   sh.stages.init_barriers();
-  for (int i = 0; i < 2; ++i) {
-    ptx::mbar_init(&sh.task_full[i], 1);
-    ptx::mbar_init(&sh.task_empty[i], C::kConsumers + 1);
-    ptx::mbar_init(&sh.done_full[i], C::kConsumers);
-    ptx::mbar_init(&sh.done_empty[i], 1);
-  }
+  sh.rings.tasks.init(1, C::kConsumers + 1);
+  sh.rings.done.init(C::kConsumers, 1);
   for (int w = 0; w < static_cast<int>(sizeof(sh.gather_bar) / sizeof(sh.gather_bar[0])); ++w)
     ptx::mbar_init(&sh.gather_bar[w], 1);
   ptx::fence_mbar_init();
 }
 
 // ---- global counters ------------------------------------------------------------------------
+// Spins until *counter >= expected; false past the deadline (recorded at `site` with
+// `detail`, the expected and the last observed value) or when another wait already expired.
 __device__ __forceinline__ bool wait_counter(const int32_t* counter, int32_t expected, const gemm::WaitContext& wait,
-                                             int64_t which) {
-  if (ptx::ld_acquire_gpu(counter) >= expected) return true;
+                                             WaitSite site, int64_t detail) {
+  int32_t v = ptx::ld_acquire_gpu(counter);
+  if (v >= expected) return true;
   for (uint32_t spin = 1;; ++spin) {
     // NOTES: a spinning thread costs power the tensor cores need under the power cap
     // (sustained runs clock down ~18 %); back off after the first polls.
     if (spin > 16) __nanosleep(spin > 256 ? 256 : 64);
-    if (ptx::ld_acquire_gpu(counter) >= expected) return true;
+    v = ptx::ld_acquire_gpu(counter);
+    if (v >= expected) return true;
     if ((spin & 63u) != 0) continue;
     if (wait.timeout_record && *reinterpret_cast<volatile int64_t*>(wait.timeout_record) != 0) return false;
     if (ptx::globaltimer_ns() > wait.deadline_ns) {
-      gemm::report_timeout(wait, gemm::WaitSite::kCounter, which, expected);
+      gemm::report_timeout(wait, site, detail, expected, v);
       return false;
     }
   }
@@ -137,11 +144,12 @@ __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wai
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
 }
 
+// The waits of a task (the producer) or of a row block's gather (a comm warp: kGatherCounter).
 __device__ __forceinline__ bool wait_all(const ForwardParams& p, const Wait* waits, int n,
-                                         const gemm::WaitContext& wait) {
+                                         const gemm::WaitContext& wait, WaitSite site = WaitSite::kTaskCounter) {
   for (int i = 0; i < n; ++i)
-    if (!wait_counter(counter_of(p, waits[i]), waits[i].expected, wait,
-                      static_cast<int64_t>(waits[i].array) * 100000 + waits[i].index))
+    if (!wait_counter(counter_of(p, waits[i]), waits[i].expected, wait, site,
+                      counter_wait_detail(kForwardDirection, static_cast<int32_t>(waits[i].array), waits[i].index)))
       return false;
   return true;
 }

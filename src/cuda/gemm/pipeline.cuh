@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "common/defs.hpp"
 #include "cuda/ptx/ptx.cuh"
 
 namespace mok::gemm {
@@ -31,14 +32,7 @@ struct WaitContext {
 // Words of a timeout record (the workspace's error words after the route error record).
 inline constexpr int kTimeoutWords = 7;
 
-enum class WaitSite : int32_t {
-  kProducerEmpty = 1,  // producer waits for a consumer to free a stage
-  kConsumerFull = 2,   // consumer waits for TMA to fill a stage
-  kCounter = 3,        // a global dependency counter
-  kStartBarrier = 4,   // EP: a peer's start flag (routing exchange); detail = peer
-  kEndBarrier = 5,     // EP: a peer's end flag (every push landed); detail = peer
-  kConfigMismatch = 6, // EP: a peer's region was created with another configuration; detail = peer
-};
+using mok::WaitSite;  // common/defs.hpp: what each site's detail holds
 
 static __device__ __forceinline__ void report_timeout(const WaitContext& ctx, WaitSite site, int64_t detail,
                                                       int64_t expected, int64_t observed = -1) {
@@ -91,8 +85,11 @@ __device__ __forceinline__ bool wait_barrier_warp(uint64_t* bar, uint32_t phase,
 //   empty[s]  consumers -> producer: every consumer released slot s
 // The state (index, phase) walks the ring; nobody flips a phase by hand.  A producer acquires
 // the slot at its state (waits for the previous use to be released), fills it and arms or
-// arrives on full_barrier(); a consumer waits for the slot at its state, reads it and
-// releases it.  Tested alone by tests/cpp/test_pipeline_gpu.cu.
+// commits full_barrier(); a consumer waits for the slot at its state, reads it and releases it.
+// The stage rings of the GEMMs use it (sites kStageEmpty / kStageFull, detail = the slot), and
+// so do the fused kernels' hand-off rings between roles, each wait with its own site.  kWarp:
+// the whole warp waits and leaves converged (wgmma code needs it: C7518); else one thread.
+// Tested alone by tests/cpp/test_pipeline_gpu.cu.
 template <int kStages>
 struct Pipeline {
   using State = PipelineState<kStages>;
@@ -107,14 +104,29 @@ struct Pipeline {
       ptx::mbar_init(&empty[i], empty_arrivals);
     }
   }
-  // Producer: the slot at `st` is free (its previous use released); false past the deadline.
+  // Producer: the slot at `st` is free (its previous use released); false past the deadline,
+  // recorded at `site` with `detail` (a stage ring: kStageEmpty, the slot).
+  template <bool kWarp = false>
+  __device__ __forceinline__ bool producer_acquire(const State& st, const WaitContext& wait, WaitSite site,
+                                                   int64_t detail) {
+    return kWarp ? wait_barrier_warp(&empty[st.index], st.phase ^ 1u, wait, site, detail)
+                 : wait_barrier(&empty[st.index], st.phase ^ 1u, wait, site, detail);
+  }
   __device__ __forceinline__ bool producer_acquire(const State& st, const WaitContext& wait) {
-    return wait_barrier(&empty[st.index], st.phase ^ 1u, wait, WaitSite::kProducerEmpty, st.index);
+    return producer_acquire(st, wait, WaitSite::kStageEmpty, st.index);
   }
   __device__ __forceinline__ uint64_t* full_barrier(const State& st) { return &full[st.index]; }
-  // Consumer (a whole warp, converged after): the slot at `st` is full; false past the deadline.
+  // Producer: the slot at `st` is filled (one arrival: a fill that is not a TMA transaction)
+  __device__ __forceinline__ void producer_commit(const State& st) { ptx::mbar_arrive(&full[st.index]); }
+  // Consumer: the slot at `st` is full; false past the deadline (a stage ring: kStageFull).
+  template <bool kWarp = true>
+  __device__ __forceinline__ bool consumer_wait(const State& st, const WaitContext& wait, WaitSite site,
+                                                int64_t detail) {
+    return kWarp ? wait_barrier_warp(&full[st.index], st.phase, wait, site, detail)
+                 : wait_barrier(&full[st.index], st.phase, wait, site, detail);
+  }
   __device__ __forceinline__ bool consumer_wait(const State& st, const WaitContext& wait) {
-    return wait_barrier_warp(&full[st.index], st.phase, wait, WaitSite::kConsumerFull, st.index);
+    return consumer_wait(st, wait, WaitSite::kStageFull, st.index);
   }
   // Consumer: release slot `index` (one arrival of this consumer).
   __device__ __forceinline__ void consumer_release(int index) { ptx::mbar_arrive(&empty[index]); }

@@ -25,16 +25,14 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
   float acc[C::kAccRegs];
   for (;;) {
     // Take the next task from the producer
-    if (!gemm::wait_barrier_warp(&sh.task_full[handoff.index], handoff.phase, wait, gemm::WaitSite::kConsumerFull,
-                                 -1))
-      break;
+    if (!sh.rings.tasks.consumer_wait(handoff, wait, WaitSite::kTaskSlotFull, consumer)) break;
     // NOTES: task fields through shuffles, so every branch on them is warp-uniform for ptxas.
     typename Dir::Task info = sh.tasks[handoff.index];
     info.kind = __shfl_sync(0xffffffffu, info.kind, 0);
     info.block = __shfl_sync(0xffffffffu, info.block, 0);
     info.n_block = __shfl_sync(0xffffffffu, info.n_block, 0);
     ptx::named_barrier_sync(bar_id, bar_threads);
-    if (leader) ptx::mbar_arrive(&sh.task_empty[handoff.index]);
+    if (leader) sh.rings.tasks.consumer_release(handoff.index);
     handoff.advance();
     if (info.kind == Dir::kDone) break;
     // The op's K loop and epilogue
@@ -45,10 +43,9 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     ptx::fence_proxy_async_global();
     ptx::named_barrier_sync(bar_id, bar_threads);
     if (warp_in_group == 0) {
-      if (!gemm::wait_barrier_warp(&sh.done_empty[done_state.index], done_state.phase ^ 1u, wait,
-                                   gemm::WaitSite::kProducerEmpty, -2))
+      if (!sh.rings.done.template producer_acquire<true>(done_state, wait, WaitSite::kDoneSlotFree, done_state.index))
         break;
-      if (leader) ptx::mbar_arrive(&sh.done_full[done_state.index]);
+      if (leader) sh.rings.done.producer_commit(done_state);
     }
     done_state.advance();
   }

@@ -17,7 +17,8 @@ __device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, cons
   if (threadIdx.x == 128) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
-    if (wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, 9999) && p.group.size > 1) {
+    if (wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 0) &&
+        p.group.size > 1) {
       // EP end barrier: every block's pushes were fenced at system scope before it arrived;
       // block 0 tells every rank that this rank's pushes landed, then each block waits for
       // every rank's word before combining its share of this rank's tokens.

@@ -26,11 +26,9 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
     Task info = first < sh.num_tasks ? Dir::decode(sh, p, first) : Dir::done();
     for (;;) {
       const uint64_t t_claim = ptx::globaltimer_ns();
-      if (!gemm::wait_barrier(&sh.task_empty[handoff.index], handoff.phase ^ 1u, wait, gemm::WaitSite::kProducerEmpty,
-                              -1))
-        break;
+      if (!sh.rings.tasks.producer_acquire(handoff, wait, WaitSite::kTaskSlotFree, handoff.index)) break;
       sh.tasks[handoff.index] = info;
-      ptx::mbar_arrive(&sh.task_full[handoff.index]);
+      sh.rings.tasks.producer_commit(handoff);
       handoff.advance();
       if (info.kind == Dir::kDone) break;
       typename Dir::WaitT waits[kMaxWaits];
@@ -58,10 +56,9 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
     const uint64_t t_claim = ptx::globaltimer_ns();
     const int32_t task = atomicAdd(Dir::task_counter(p), 1);
     Task info = task < sh.num_tasks ? Dir::decode(sh, p, task) : Dir::done();
-    if (!gemm::wait_barrier(&sh.task_empty[handoff.index], handoff.phase ^ 1u, wait, gemm::WaitSite::kProducerEmpty, -1))
-      break;
+    if (!sh.rings.tasks.producer_acquire(handoff, wait, WaitSite::kTaskSlotFree, handoff.index)) break;
     sh.tasks[handoff.index] = info;
-    ptx::mbar_arrive(&sh.task_full[handoff.index]);
+    sh.rings.tasks.producer_commit(handoff);
     handoff.advance();
     if (info.kind == Dir::kDone) break;
     // Wait for the task's inputs, then load its tiles (what and from where: the op's)
