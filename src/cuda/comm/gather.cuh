@@ -4,6 +4,7 @@
 
 #include "cuda/comm/staging.cuh"
 #include "cuda/comm/transport.cuh"
+#include "cuda/fused/forward_params.cuh"
 
 namespace mok::cuda::fused {
 

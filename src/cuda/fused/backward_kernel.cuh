@@ -15,6 +15,7 @@
 
 #include "cuda/comm/combine.cuh"
 #include "cuda/comm/staging.cuh"
+#include "cuda/comm/transport.cuh"
 #include "cuda/fused/backward_dir.cuh"
 #include "cuda/fused/roles/consumers.cuh"
 #include "cuda/fused/roles/producer.cuh"
@@ -36,14 +37,9 @@ __device__ __forceinline__ void gather_row(const BackwardParams& p, int64_t row,
     if (lane == 0) p.row_weight[row] = 0.0f;
     return;
   }
-  const bool peer = p.group.size > 1;
-  const int s = row_rank(rec);
-  const int64_t t = row_token(rec);
-  const __nv_bfloat16* xs = (peer ? ep::x_of(p.group, s) : p.x) + t * p.hidden;
-  const __nv_bfloat16* ds = (peer ? ep::dy_of(p.group, s) : p.dy) + t * p.hidden;
-  if (lane == 0) p.row_weight[row] = (peer ? ep::weights_of(p.group, s) : p.topk_weights)[t * p.topk + row_slot(rec)];
-  copy_row(w, xs, xd, wait);
-  copy_row(w, ds, dd, wait);
+  if (lane == 0) p.row_weight[row] = route_weight(p, rec);
+  copy_row(w, x_row(p, rec), xd, wait);
+  copy_row(w, dy_row(p, rec), dd, wait);
 }
 
 // ---- start: every block gathers the first row blocks ------------------------------------------
@@ -118,13 +114,12 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
 // ---- the reductions: d topk_weights of a plan row, dx of a token (finish) ---------------------
 // d topk_weights of routed plan row i: the fixed-order sum of its partials (EP >= 2: into the
 // row's source rank's region); padding rows have none.
-__device__ __forceinline__ void dtw_row(const BackwardParams& p, int64_t i, int chunks, bool ep) {
+__device__ __forceinline__ void dtw_row(const BackwardParams& p, int64_t i, int chunks) {
   const uint32_t rec = p.rows[i];
   if (row_is_pad(rec)) return;
   float s = 0.0f;
   for (int c = 0; c < chunks; ++c) s = s + p.partials[i * chunks + c];
-  float* out = ep ? ep::dtw_of(p.group, row_rank(rec)) : p.d_topk_weights;
-  out[row_token(rec) * p.topk + row_slot(rec)] = s;
+  home_dtw(p, rec)[row_token(rec) * p.topk + row_slot(rec)] = s;
 }
 // dx[t] = bf16(Σ_j↑ slot rows + shared dx): one warp (combine_token_warp)
 __device__ __forceinline__ void dx_token(const BackwardParams& p, int64_t t) {
@@ -160,21 +155,18 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   // d topk_weights of every routed row here: the fixed-order sum of its partials
   const int64_t total = p.expert_offset[p.num_local];
   const int chunks = gemm::tiles_of(p.inter, gemm::kDtwChunk);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) dtw_row(p, i, chunks, ep);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) dtw_row(p, i, chunks);
   if (ep) {
     // Every rank's dx rows and d topk_weights landed here before the reductions
     __threadfence_system();
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
     if (threadIdx.x == 128) {
       ptx::red_release_gpu_add(blocks_done, 1);
-      if (wait_counter(blocks_done, 2 * static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 1)) {
-        const int64_t seq = *p.group.seq;
-        if (blockIdx.x == 0) ep::publish<true>(p.group, seq);
-        ep::wait_group<true>(p.group, seq, wait);
-      }
+      if (wait_counter(blocks_done, 2 * static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 1))
+        end_barrier(p.group, wait);
     }
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-    const float* own = ep::dtw_of(p.group, p.group.rank);
+    const float* own = own_dtw(p);
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < p.num_tokens * p.topk; i += stride)
       p.d_topk_weights[i] = own[i];
   }

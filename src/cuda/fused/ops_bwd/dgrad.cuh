@@ -105,12 +105,8 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    const ep::Group& grp = p.group;
-    __nv_bfloat16* const local = p.slots;
     gemm::epilogue_scatter(
-        acc, consumer,
-        [&](uint32_t rec) { return grp.size > 1 && !row_is_pad(rec) ? ep::slots_of(grp, row_rank(rec)) : local; },
-        p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
+        acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
   }
 #endif
 };

@@ -22,6 +22,7 @@
 #include "cuda/gemm/config.hpp"
 
 #if defined(__CUDACC__)
+#include "cuda/comm/transport.cuh"
 #include "cuda/fused/backward_params.cuh"
 #endif
 

@@ -3,6 +3,7 @@
 
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/comm/combine_token.cuh"
+#include "cuda/comm/transport.cuh"
 
 namespace mok::cuda::fused {
 
@@ -19,12 +20,9 @@ __device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, cons
     ptx::red_release_gpu_add(blocks_done, 1);
     if (wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 0) &&
         p.group.size > 1) {
-      // EP end barrier: every block's pushes were fenced at system scope before it arrived;
-      // block 0 tells every rank that this rank's pushes landed, then each block waits for
-      // every rank's word before combining its share of this rank's tokens.
-      const int64_t seq = *p.group.seq;
-      if (blockIdx.x == 0) ep::publish<true>(p.group, seq);
-      ep::wait_group<true>(p.group, seq, wait);
+      // EP end barrier (every block's pushes were fenced at system scope before it arrived),
+      // before each block combines its share of this rank's tokens
+      end_barrier(p.group, wait);
     }
   }
   if (threadIdx.x < 128) return;
