@@ -316,14 +316,16 @@ gemm::GroupedGemmArgs with_b(gemm::GroupedGemmArgs g, const ref::MatrixStrides& 
 // forward's, a divisor of the macrobatch, and few enough that the task list of a worst-case
 // plan fits the kernel's table (0 where none does).  MOK_BACKWARD_MINIBATCH (rows) overrides.
 int32_t fused_minibatch_blocks(const DeviceWorkspace& ws, const mokConfig_t& c) {
-  const int64_t ring = c.macrobatch_size / 128;
+  constexpr int kRows = fused::kBlockM;  // rows of a row block
+  const int64_t ring = c.macrobatch_size / kRows;
   const long knob = env::get_int(env::kBackwardMinibatch);
-  MOK_CHECK_ARG(knob >= 0 && knob % 128 == 0 && (knob == 0 || ring % (knob / 128) == 0),
-                env::kBackwardMinibatch.name << " = " << knob << ": a multiple of 128 rows that divides the macrobatch ("
-                                             << c.macrobatch_size << " rows), or 0");
-  const int64_t tiles_per_block = gemm::tiles_of(c.intermediate, gemm::TileConfig::kBlockN);
-  const int64_t want = knob > 0 ? knob / 128
-                                : std::max<int64_t>(c.minibatch_size / 128, plan::ceil_div(2 * ws.grid, tiles_per_block));
+  MOK_CHECK_ARG(knob >= 0 && knob % kRows == 0 && (knob == 0 || ring % (knob / kRows) == 0),
+                env::kBackwardMinibatch.name << " = " << knob << ": a multiple of " << kRows
+                                             << " rows that divides the macrobatch (" << c.macrobatch_size
+                                             << " rows), or 0");
+  const int64_t tiles_per_block = gemm::tiles_of(c.intermediate, fused::kBlockN);
+  const int64_t want = knob > 0 ? knob / kRows
+                                : std::max<int64_t>(c.minibatch_size / kRows, plan::ceil_div(2 * ws.grid, tiles_per_block));
   for (int64_t m = std::max<int64_t>(1, std::min(want, ring)); m <= ring; ++m)
     if (ring % m == 0 && plan::ceil_div(ws.max_blocks, m) <= fused::bwd::kMaxMinibatches) return static_cast<int32_t>(m);
   return 0;
@@ -359,12 +361,12 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.shared_inter = static_cast<int32_t>(Is);
   p.topk = static_cast<int32_t>(k);
   p.num_tokens = T;
-  p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / 128);
+  p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / fused::kBlockM);
   p.minibatch_blocks = minibatch_blocks;
   const int64_t comm = c.bwd_num_comm_sms > 0 ? c.bwd_num_comm_sms : c.fwd_num_comm_sms;
   p.num_comm = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(comm, ws.grid - 1)));
   p.num_local = static_cast<int32_t>(El);
-  p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
+  p.shared_blocks = Is > 0 ? gemm::tiles_of(T, fused::kBlockM) : 0;
   p.replay = saved.h ? 0 : 1;
   p.shared_replay = Is > 0 && !saved.shared_h ? 1 : 0;
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
@@ -458,35 +460,36 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.timeout_ns = static_cast<uint64_t>(std::min<double>(c.timeout_s, knob_s) * 1e9);
   p.timeout_record = timeout;
 
-  // Tensor maps (gemm::tensor_map_2d): K-major A 128-row boxes, K-major B halves 128 rows,
-  // N-major B and the MN-major wgrad operands 64 rows
+  // Tensor maps (gemm::tensor_map_2d): K-major A boxes of BLOCK_M rows, K-major B halves of
+  // BLOCK_N / 2 rows, N-major B and the MN-major wgrad operands BLOCK_K rows (of K)
+  constexpr int kA = fused::kBlockM, kB = fused::kHalfN, kK = fused::kBlockK;
   fb::Maps m{};
   auto tm = [](const void* q, int64_t rows, int64_t cols, int box) { return gemm::tensor_map_2d(q, rows, cols, box); };
-  m.x_rows_k = tm(b.x_rows, R, H, 128);
-  m.w_gate_k = gemm::tensor_map_stack(w.w_gate, 128);
-  m.w_up_k = gemm::tensor_map_stack(w.w_up, 128);
-  m.dy_rows_k = tm(b.dy_rows, R, H, 128);
-  m.w_down_n = gemm::tensor_map_stack(w.w_down, 64);
-  m.dh_k = tm(b.dh, R, 2 * I, 128);
-  m.w_gate_n = gemm::tensor_map_stack(w.w_gate, 64);
-  m.w_up_n = gemm::tensor_map_stack(w.w_up, 64);
-  m.dy_rows_mn = tm(b.dy_rows, R, H, 64);
-  m.wa_mn = tm(b.wa, R, I, 64);
-  m.dh_mn = tm(b.dh, R, 2 * I, 64);
-  m.x_rows_mn = tm(b.x_rows, R, H, 64);
+  m.x_rows_k = tm(b.x_rows, R, H, kA);
+  m.w_gate_k = gemm::tensor_map_stack(w.w_gate, kB);
+  m.w_up_k = gemm::tensor_map_stack(w.w_up, kB);
+  m.dy_rows_k = tm(b.dy_rows, R, H, kA);
+  m.w_down_n = gemm::tensor_map_stack(w.w_down, kK);
+  m.dh_k = tm(b.dh, R, 2 * I, kA);
+  m.w_gate_n = gemm::tensor_map_stack(w.w_gate, kK);
+  m.w_up_n = gemm::tensor_map_stack(w.w_up, kK);
+  m.dy_rows_mn = tm(b.dy_rows, R, H, kK);
+  m.wa_mn = tm(b.wa, R, I, kK);
+  m.dh_mn = tm(b.dh, R, 2 * I, kK);
+  m.x_rows_mn = tm(b.x_rows, R, H, kK);
   if (Is > 0 && T > 0) {
-    m.x_k = tm(in.x, T, H, 128);
-    m.ws_gate_k = gemm::tensor_map_stack(w.ws_gate, 128);
-    m.ws_up_k = gemm::tensor_map_stack(w.ws_up, 128);
-    m.dy_k = tm(dy, T, H, 128);
-    m.ws_down_n = gemm::tensor_map_stack(w.ws_down, 64);
-    m.sh_dh_k = tm(b.sh_dh, T, 2 * Is, 128);
-    m.ws_gate_n = gemm::tensor_map_stack(w.ws_gate, 64);
-    m.ws_up_n = gemm::tensor_map_stack(w.ws_up, 64);
-    m.dy_mn = tm(dy, T, H, 64);
-    m.sh_a_mn = tm(b.sh_a, T, Is, 64);
-    m.sh_dh_mn = tm(b.sh_dh, T, 2 * Is, 64);
-    m.x_mn = tm(in.x, T, H, 64);
+    m.x_k = tm(in.x, T, H, kA);
+    m.ws_gate_k = gemm::tensor_map_stack(w.ws_gate, kB);
+    m.ws_up_k = gemm::tensor_map_stack(w.ws_up, kB);
+    m.dy_k = tm(dy, T, H, kA);
+    m.ws_down_n = gemm::tensor_map_stack(w.ws_down, kK);
+    m.sh_dh_k = tm(b.sh_dh, T, 2 * Is, kA);
+    m.ws_gate_n = gemm::tensor_map_stack(w.ws_gate, kK);
+    m.ws_up_n = gemm::tensor_map_stack(w.ws_up, kK);
+    m.dy_mn = tm(dy, T, H, kK);
+    m.sh_a_mn = tm(b.sh_a, T, Is, kK);
+    m.sh_dh_mn = tm(b.sh_dh, T, 2 * Is, kK);
+    m.x_mn = tm(in.x, T, H, kK);
   } else {
     // No shared rows: its only tiles are the wgrad zeros, which load nothing
     m.x_k = m.ws_gate_k = m.ws_up_k = m.dy_k = m.sh_dh_k = m.x_rows_k;

@@ -196,11 +196,11 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.down_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_down));
   p.topk = static_cast<int32_t>(c.topk);
   p.num_tokens = T;
-  p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / 128);
-  p.minibatch_blocks = static_cast<int32_t>(c.minibatch_size / 128);
+  p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / fused::kBlockM);
+  p.minibatch_blocks = static_cast<int32_t>(c.minibatch_size / fused::kBlockM);
   p.num_comm = num_comm;
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
-  p.shared_blocks = Is > 0 ? static_cast<int32_t>(plan::ceil_div(T, 128)) : 0;
+  p.shared_blocks = Is > 0 ? gemm::tiles_of(T, fused::kBlockM) : 0;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
   const long start_gather = env::get_int(env::kForwardStartGather);
   MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
@@ -229,19 +229,21 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
   p.timeout_record = ws.errors + kRouteErrorWords;
 
-  // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones)
+  // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones), all
+  // K-major: A boxes of BLOCK_M rows, B halves of BLOCK_N / 2
+  constexpr int kA = fused::kBlockM, kB = fused::kHalfN;
   fused::Maps m{};
-  m.ring = gemm::tensor_map_2d(ws.ring, ws.ring_rows, H, 128);
-  m.w_gate = gemm::tensor_map_stack(w.w_gate, 128);
-  m.w_up = gemm::tensor_map_stack(w.w_up, 128);
-  m.act = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, 128);
-  m.w_down = gemm::tensor_map_stack(w.w_down, 128);
+  m.ring = gemm::tensor_map_2d(ws.ring, ws.ring_rows, H, kA);
+  m.w_gate = gemm::tensor_map_stack(w.w_gate, kB);
+  m.w_up = gemm::tensor_map_stack(w.w_up, kB);
+  m.act = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, kA);
+  m.w_down = gemm::tensor_map_stack(w.w_down, kB);
   if (Is > 0 && T > 0) {
-    m.x = gemm::tensor_map_2d(in.x, T, H, 128);
-    m.ws_gate = gemm::tensor_map_stack(w.ws_gate, 128);
-    m.ws_up = gemm::tensor_map_stack(w.ws_up, 128);
-    m.shared_act = gemm::tensor_map_2d(ws.shared_act, c.max_tokens, Is, 128);
-    m.ws_down = gemm::tensor_map_stack(w.ws_down, 128);
+    m.x = gemm::tensor_map_2d(in.x, T, H, kA);
+    m.ws_gate = gemm::tensor_map_stack(w.ws_gate, kB);
+    m.ws_up = gemm::tensor_map_stack(w.ws_up, kB);
+    m.shared_act = gemm::tensor_map_2d(ws.shared_act, c.max_tokens, Is, kA);
+    m.ws_down = gemm::tensor_map_stack(w.ws_down, kB);
   } else {
     m.x = m.ws_gate = m.ws_up = m.ring;
     m.shared_act = m.act;

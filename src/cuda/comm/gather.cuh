@@ -15,8 +15,8 @@ __device__ void gather_block(CommWarp& w, const ForwardParams& p, const Geometry
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const int64_t row_vecs = p.hidden / 8;
   int32_t rows_done = 0;
-  for (int i = warp; i < 128; i += num_warps, ++rows_done) {
-    const uint32_t rec = p.rows[static_cast<int64_t>(b) * 128 + i];
+  for (int i = warp; i < kBlockM; i += num_warps, ++rows_done) {
+    const uint32_t rec = p.rows[static_cast<int64_t>(b) * kBlockM + i];
     __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
     if (row_is_pad(rec)) {
       // Padding rows are zeros (generic stores)
@@ -51,7 +51,7 @@ __device__ __forceinline__ int32_t start_positions(const ForwardParams& p, const
 __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
                                  const gemm::WaitContext& wait, int32_t* gather_ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const plan::RowRun run = plan::row_run(int64_t{start_positions(p, g, counts)} * 128,
+  const plan::RowRun run = plan::row_run(int64_t{start_positions(p, g, counts)} * kBlockM,
                                          int64_t{blockIdx.x} * num_warps + warp, int64_t{gridDim.x} * num_warps);
   const int64_t r0 = run.begin, r1 = run.end;
   if (r0 >= r1) return 0;
@@ -60,9 +60,9 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
   TraceWriter trace(p, 3);
   const uint64_t t_begin = ptx::globaltimer_ns();
   for (int64_t r = r0; r < r1; ++r) {
-    const int32_t b = g.block_at(static_cast<int32_t>(r / 128));
-    const int i = static_cast<int>(r % 128);
-    const uint32_t rec = p.rows[static_cast<int64_t>(b) * 128 + i];
+    const int32_t b = g.block_at(static_cast<int32_t>(r / kBlockM));
+    const int i = static_cast<int>(r % kBlockM);
+    const uint32_t rec = p.rows[static_cast<int64_t>(b) * kBlockM + i];
     __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
     if (row_is_pad(rec)) {
       for (int64_t v = lane; v < p.hidden / 8; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
@@ -74,10 +74,11 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
   ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
   __syncwarp();
   if (lane == 0)
-    for (int64_t q = r0 / 128; q * 128 < r1; ++q)
+    for (int64_t q = r0 / kBlockM; q * kBlockM < r1; ++q)
       ptx::red_release_gpu_add(&gather_ready[g.block_at(static_cast<int32_t>(q))],
-                               static_cast<int32_t>(run.rows_in(q, 128)));
-  if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / 128), -1);
+                               static_cast<int32_t>(run.rows_in(q, kBlockM)));
+  if (threadIdx.x == 0)
+    trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / kBlockM), -1);
   return __shfl_sync(0xffffffffu, w.state.phase, 0);
 }
 

@@ -48,7 +48,6 @@ struct BackwardDir {
   template <class AfterFirst>
   __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
                                                  const Load& l, const gemm::WaitContext& wait, AfterFirst&& after_first) {
-    using C = TileConfig;
     if (l.num_k_blocks == 0) {
       after_first();
       return true;
@@ -57,27 +56,27 @@ struct BackwardDir {
     return gemm::produce_stages(s, stage, l.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
       if (ops == static_cast<int32_t>(gemm::Operands::kKMajor)) {
         // A rows a_row.., B halves b0 rows b_row.. and b1 rows b_row + b_aux..
-        ptx::tma_load_2d(s.a[i], l.a, full, kb * C::kBlockK, l.a_row);
-        ptx::tma_load_2d(s.b[i], l.b0, full, kb * C::kBlockK, l.b_row);
-        ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, l.b1, full, kb * C::kBlockK, l.b_row + l.b_aux);
+        ptx::tma_load_2d(s.a[i], l.a, full, kb * kBlockK, l.a_row);
+        ptx::tma_load_2d(s.b[i], l.b0, full, kb * kBlockK, l.b_row);
+        ptx::tma_load_2d(s.b[i] + kHalfN * kBlockK, l.b1, full, kb * kBlockK, l.b_row + l.b_aux);
       } else if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor)) {
         // A rows a_row..; B as stored: K rows of b0 (k-blocks < k_split) then b1, columns b_aux..
-        ptx::tma_load_2d(s.a[i], l.a, full, kb * C::kBlockK, l.a_row);
+        ptx::tma_load_2d(s.a[i], l.a, full, kb * kBlockK, l.a_row);
         const bool second = kb >= l.k_split;
         const CUtensorMap* map = second ? l.b1 : l.b0;
-        const int32_t k_row = l.b_row + (second ? kb - l.k_split : kb) * C::kBlockK;
+        const int32_t k_row = l.b_row + (second ? kb - l.k_split : kb) * kBlockK;
 #pragma unroll
-        for (int c = 0; c < C::kBlockN / 64; ++c)
-          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, map, full, l.b_aux + c * 64, k_row);
+        for (int c = 0; c < kBlockN / kBoxCols; ++c)
+          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, map, full, l.b_aux + c * kBoxCols, k_row);
       } else {
-        // Both operands MN-major: K = rows a_row + 64·kb of both maps
-        const int32_t row = l.a_row + kb * C::kBlockK;
+        // Both operands MN-major: K = rows a_row + BLOCK_K·kb of both maps
+        const int32_t row = l.a_row + kb * kBlockK;
 #pragma unroll
-        for (int c = 0; c < C::kBlockM / 64; ++c)
-          ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * 64, row);
+        for (int c = 0; c < kBlockM / kBoxCols; ++c)
+          ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * kBoxCols, row);
 #pragma unroll
-        for (int c = 0; c < C::kBlockN / 64; ++c)
-          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * 64, row);
+        for (int c = 0; c < kBlockN / kBoxCols; ++c)
+          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * kBoxCols, row);
       }
       if (kb == 0) after_first();
     });

@@ -61,7 +61,7 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
   const int32_t nb = start_block_count(p, g, sh.counts);
   if (nb == 0) return;
   const plan::RowRun run =
-      plan::row_run(int64_t{nb} * 128, int64_t{blockIdx.x} * num_warps + warp, int64_t{gridDim.x} * num_warps);
+      plan::row_run(int64_t{nb} * kBlockM, int64_t{blockIdx.x} * num_warps + warp, int64_t{gridDim.x} * num_warps);
   const int64_t r0 = run.begin, r1 = run.end;
   if (r0 >= r1) return;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
@@ -74,13 +74,14 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
   ptx::fence_proxy_async_global();
   __syncwarp();
   if (lane == 0) {
-    for (int64_t b = r0 / 128; b * 128 < r1; ++b) {
-      const int32_t n = static_cast<int32_t>(run.rows_in(b, 128));
+    for (int64_t b = r0 / kBlockM; b * kBlockM < r1; ++b) {
+      const int32_t n = static_cast<int32_t>(run.rows_in(b, kBlockM));
       ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, static_cast<int32_t>(b)), n);
       ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, static_cast<int32_t>(b)), n);
     }
   }
-  if (threadIdx.x == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / 128), -1);
+  if (threadIdx.x == 0)
+    trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 254, static_cast<int32_t>(r0 / kBlockM), -1);
 }
 
 // ---- comm: the rows of every routed block after the start gather's, in order -----------------
@@ -96,7 +97,8 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
        b += p.num_comm) {
     const uint64_t t_block = ptx::globaltimer_ns();
     int32_t rows_done = 0;
-    for (int i = warp; i < 128; i += num_warps, ++rows_done) gather_row(p, static_cast<int64_t>(b) * 128 + i, w, wait);
+    for (int i = warp; i < kBlockM; i += num_warps, ++rows_done)
+      gather_row(p, static_cast<int64_t>(b) * kBlockM + i, w, wait);
     // Publish this warp's rows of block b once its stores completed
     if (lane == 0) ptx::bulk_wait<0>();
     ptx::fence_proxy_async_global();
@@ -136,38 +138,39 @@ __device__ __forceinline__ void dx_token(const BackwardParams& p, int64_t t) {
 }
 
 // ---- end: grid barrier, d topk_weights, (EP >= 2: end barrier), dx ----------------------------
-// Run by the 256 consumer threads of every block; thread 128 arrives at the barriers.
+// Run by the consumer threads of every block; the first (128) arrives at the barriers.
 __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
   const bool ep = p.group.size > 1;
-  const int tid = static_cast<int>(threadIdx.x) - 128;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * 256;
+  const int tid = static_cast<int>(threadIdx.x) - kFirstConsumerThread;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kConsumerThreads;
   TraceWriter trace(p, 2);
   const uint64_t t_arrive = ptx::globaltimer_ns();
   uint64_t t_reduce = 0;
-  if (threadIdx.x == 128) {
+  if (threadIdx.x == kFirstConsumerThread) {
     __threadfence();
     ptx::red_release_gpu_add(blocks_done, 1);
     wait_counter(blocks_done, static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 0);
     t_reduce = ptx::globaltimer_ns();
   }
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
   // d topk_weights of every routed row here: the fixed-order sum of its partials
   const int64_t total = p.expert_offset[p.num_local];
   const int chunks = gemm::tiles_of(p.inter, gemm::kDtwChunk);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < total; i += stride) dtw_row(p, i, chunks);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kConsumerThreads + tid; i < total; i += stride)
+    dtw_row(p, i, chunks);
   if (ep) {
     // Every rank's dx rows and d topk_weights landed here before the reductions
     __threadfence_system();
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-    if (threadIdx.x == 128) {
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
+    if (threadIdx.x == kFirstConsumerThread) {
       ptx::red_release_gpu_add(blocks_done, 1);
       if (wait_counter(blocks_done, 2 * static_cast<int32_t>(gridDim.x), wait, WaitSite::kGridBarrier, 1))
         end_barrier(p.group, wait);
     }
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
     const float* own = own_dtw(p);
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + tid; i < p.num_tokens * p.topk; i += stride)
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kConsumerThreads + tid; i < p.num_tokens * p.topk; i += stride)
       p.d_topk_weights[i] = own[i];
   }
   // dx: warp w of block b takes tokens b·8 + w, then every 8·gridDim-th
@@ -175,8 +178,8 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * 8)
     dx_token(p, t);
   if (p.trace) {
-    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
-    if (threadIdx.x == 128) {
+    ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
+    if (threadIdx.x == kFirstConsumerThread) {
       trace.add(mokTraceGridBarrier, t_arrive, t_reduce, 255, -1, -1);
       trace.add(mokTraceCombine, t_reduce, ptx::globaltimer_ns(), 255, -1, -1);
     }
@@ -188,7 +191,7 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
 // it reloaded them from local memory between TMA issues and the backward was up to 4 % slower
 // (docs/perf.md session 13).
 inline constexpr int kProducerRegs = 64, kConsumerRegs = 216;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * TileConfig::kConsumers <= 65536 && kProducerRegs % 8 == 0 &&
+static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kConsumerThreads <= 65536 && kProducerRegs % 8 == 0 &&
                   kConsumerRegs % 8 == 0,
               "register budgets: multiples of 8 within the register file");
 
@@ -200,7 +203,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   // A wait of this call already expired (EP: the start barrier): leave; the host reports it.
   if (p.timeout_record && *reinterpret_cast<volatile int64_t*>(p.timeout_record) != 0) return;
-  for (int i = threadIdx.x; i <= p.num_local; i += blockDim.x) sh.expert_blocks[i] = p.expert_offset[i] / 128;
+  for (int i = threadIdx.x; i <= p.num_local; i += blockDim.x) sh.expert_blocks[i] = p.expert_offset[i] / kBlockM;
   __syncthreads();
   if (threadIdx.x == 0) {
     sh.geo = Geometry::make(sh.expert_blocks[p.num_local], p.ring_blocks, p.minibatch_blocks, p.num_local,
@@ -226,7 +229,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     comm_gather(sh, p, g, wait);
     __syncthreads();
   }
-  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / kWarpgroupThreads, 0);
   if (warpgroup == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<BackwardDir>(sh, maps, p, g, counts, wait);
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<kConsumerRegs>();
   consume_tasks<BackwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
   finish(p, wait);
 }
 

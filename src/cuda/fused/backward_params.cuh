@@ -15,8 +15,6 @@
 
 namespace mok::cuda::fused::bwd {
 
-using gemm::TileConfig;
-
 // Limits of the shared-memory tables (the host falls back to the unfused backward past them).
 inline constexpr int kMaxMinibatches = 256;
 inline constexpr int kMaxSegments = 4 * kMaxMinibatches + 6;
@@ -42,7 +40,7 @@ struct BackwardParams {
   int32_t gate_up_pitch, down_pitch;
   int64_t num_tokens;
   int32_t ring_blocks, minibatch_blocks, num_comm, num_local;
-  int32_t shared_blocks;      // ceil(T / 128) with a shared expert, else 0
+  int32_t shared_blocks;      // ceil(T / BLOCK_M) with a shared expert, else 0
   int32_t replay;             // 1: the routed h is replayed (no saved h)
   int32_t shared_replay;      // 1: the shared h is replayed
   int32_t slot_by_expert;     // fp32 accumulator slot: the expert (1) or its first macrobatch (0)
@@ -63,7 +61,7 @@ struct BackwardParams {
   // Rows (plan order) and the shared expert's (token order)
   __nv_bfloat16 *x_rows, *dy_rows, *h, *dh, *wa;
   float* row_weight;
-  float* partials;            // [max_rows, ceil(I / 128)]
+  float* partials;            // [max_rows, ceil(I / kDtwChunk)]
   __nv_bfloat16 *sh_h, *sh_dh, *sh_a;
   __nv_bfloat16* slots;       // [T*k, H]: each route's dx row (EP >= 2: this rank's region)
   __nv_bfloat16* shared_dx;   // [T, H]
@@ -84,8 +82,8 @@ struct BackwardParams {
   int64_t* timeout_record;
 };
 
-// Tensor maps: K-major ones have 128-row boxes (A) or BLOCK_N/2-row boxes (B halves); N-major
-// B and MN-major wgrad operands 64-row boxes of 64 columns.
+// Tensor maps: K-major ones have BLOCK_M-row boxes (A) or BLOCK_N/2-row boxes (B halves);
+// N-major B and MN-major wgrad operands boxes of BLOCK_K rows (K) by kBoxCols columns.
 struct Maps {
   // routed
   CUtensorMap x_rows_k, w_gate_k, w_up_k;    // replay
@@ -132,11 +130,10 @@ __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
   // Gate/up replay tiles of BLOCK_N / 2 channels (gate and up), dgrad tiles of BLOCK_N
   // columns, the wgrad tiling of its targets (gemm::wgrad_layout); the last tile of each
   // dimension may be partial
-  constexpr int kN = TileConfig::kBlockN;
   const int32_t H = p.hidden, I = p.inter, Is = p.shared_inter;
-  c.n_replay = p.replay ? gemm::tiles_of(I, kN / 2) : 0;
-  c.n_dgrad_down = gemm::tiles_of(I, kN);
-  c.n_dgrad_gate_up = gemm::tiles_of(H, kN);
+  c.n_replay = p.replay ? gemm::tiles_of(I, kHalfN) : 0;
+  c.n_dgrad_down = gemm::tiles_of(I, kBlockN);
+  c.n_dgrad_gate_up = gemm::tiles_of(H, kBlockN);
   c.n_wgrad_down = p.wg_down.num_m_blocks * p.wg_down.num_n_blocks;
   c.n_wgrad_gate_up = p.wg_gate_up.num_m_blocks * p.wg_gate_up.num_n_blocks;
   c.replay_all = p.replay;
@@ -147,9 +144,9 @@ __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
   c.wgrad_gate_up_n_blocks = p.wg_gate_up.num_n_blocks;
   if (Is > 0) {
     c.shared_blocks = p.shared_blocks;
-    c.n_shared_replay = p.shared_replay ? gemm::tiles_of(Is, kN / 2) : 0;
-    c.n_shared_dgrad_down = gemm::tiles_of(Is, kN);
-    c.n_shared_dgrad_gate_up = gemm::tiles_of(H, kN);
+    c.n_shared_replay = p.shared_replay ? gemm::tiles_of(Is, kHalfN) : 0;
+    c.n_shared_dgrad_down = gemm::tiles_of(Is, kBlockN);
+    c.n_shared_dgrad_gate_up = gemm::tiles_of(H, kBlockN);
     c.n_shared_wgrad_down = p.wg_shared_down.num_m_blocks * p.wg_shared_down.num_n_blocks;
     c.n_shared_wgrad_gate_up = p.wg_shared_gate_up.num_m_blocks * p.wg_shared_gate_up.num_n_blocks;
     c.shared_wgrad_down_n_blocks = p.wg_shared_down.num_n_blocks;

@@ -56,13 +56,12 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
 
   // Geometry and the task table, identical on every block
-  const int32_t num_blocks = p.expert_offset[p.num_local] / 128;
+  const int32_t num_blocks = p.expert_offset[p.num_local] / kBlockM;
   const Geometry g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
   // Tiles per row block: gate/up tiles of BLOCK_N / 2 channels (gate and up), down tiles of
   // BLOCK_N columns; the last of each may be partial
-  constexpr int kN = gemm::TileConfig::kBlockN;
-  const TaskCounts counts{gemm::tiles_of(p.inter, kN / 2), gemm::tiles_of(p.hidden, kN),
-                          gemm::tiles_of(p.shared_inter, kN / 2), gemm::tiles_of(p.hidden, kN), p.shared_blocks};
+  const TaskCounts counts{gemm::tiles_of(p.inter, kHalfN), gemm::tiles_of(p.hidden, kBlockN),
+                          gemm::tiles_of(p.shared_inter, kHalfN), gemm::tiles_of(p.hidden, kBlockN), p.shared_blocks};
   const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
   if (threadIdx.x == 0) {
     int32_t num_tasks = 0;
@@ -90,7 +89,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     comm_gather(sh, p, g, wait, gather_ready, counts, phase);
     __syncthreads();
   }
-  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / kWarpgroupThreads, 0);
   if (warpgroup == kProducerWarpgroup) {
     ptx::setmaxnreg_dec<C::kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<ForwardDir>(sh, maps, p, g, counts, wait);
@@ -100,7 +99,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   consume_tasks<ForwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), 256);
+  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
   finish_and_combine(sh, p, wait);
 }
 

@@ -4,11 +4,10 @@
 
 #include "cuda/comm/ep.cuh"
 #include "cuda/fused/schedule.cuh"
+#include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/tile.cuh"
 
 namespace mok::cuda::fused {
-
-using gemm::TileConfig;
 
 enum class NamedBarrier : uint32_t {
   kBlock = 0,      // __syncthreads
@@ -21,6 +20,11 @@ enum class NamedBarrier : uint32_t {
 inline constexpr int kProducerWarpgroup = 0;
 inline constexpr uint32_t kProducerThread = 0, kSignalerThread = 32;
 inline constexpr int kFirstConsumerWarpgroup = 1;
+// Threads of a warpgroup; of both consumer warpgroups (the kConsumers barrier, the end phases),
+// which the first consumer thread leads at the grid barrier
+inline constexpr int kWarpgroupThreads = 128;
+inline constexpr int kConsumerThreads = kWarpgroupThreads * TileConfig::kConsumers;
+inline constexpr int kFirstConsumerThread = kFirstConsumerWarpgroup * kWarpgroupThreads;
 
 enum class Counter : int32_t { kTaskNext = 0, kBlocksDone = 1, kHeader = 2 };
 

@@ -1,6 +1,6 @@
 // The task list of the fused forward: data computed on the device from the plan's row count.
 //
-// Processing order.  Row blocks (128 rows) form minibatches (minibatch_size rows) and
+// Processing order.  Row blocks (BLOCK_M rows) form minibatches (minibatch_size rows) and
 // macrobatches (macrobatch_size rows = the ring).  Macrobatches are walked last to first,
 // minibatches within a macrobatch in ascending order, so when the call ends the ring holds
 // macrobatch 0.  Block b lives in ring slot b % ring_blocks; the previous occupant of that
@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
 
@@ -46,9 +47,9 @@ inline constexpr int kMaxSegments = 2 * static_cast<int>(plan::kMaxMinibatches) 
 
 // Geometry of the routed rows of this call.
 struct Geometry {
-  int32_t num_blocks;        // row blocks with routed rows (plan total / 128)
-  int32_t ring_blocks;       // macrobatch_size / 128
-  int32_t minibatch_blocks;  // minibatch_size / 128
+  int32_t num_blocks;        // row blocks with routed rows (plan total / BLOCK_M)
+  int32_t ring_blocks;       // macrobatch_size / BLOCK_M
+  int32_t minibatch_blocks;  // minibatch_size / BLOCK_M
   int32_t num_macro;
   int32_t num_mini;
 
@@ -82,18 +83,18 @@ struct Geometry {
     if (macro == num_macro - 1) return m - last_first;
     return (num_mini - last_first) + (num_macro - 2 - macro) * per_macro + m % per_macro;
   }
-  MOK_HD int32_t ring_row(int32_t block) const { return (block % ring_blocks) * 128; }
+  MOK_HD int32_t ring_row(int32_t block) const { return (block % ring_blocks) * kBlockM; }
   MOK_HD int32_t previous_occupant(int32_t block) const {
     return block + ring_blocks < num_blocks ? block + ring_blocks : -1;
   }
 };
 
 struct TaskCounts {
-  int32_t n_gate_up;         // ceil(I / 128)
-  int32_t n_down;            // ceil(H / 256)
-  int32_t n_shared_gate_up;  // ceil(I_s / 128) (0 = no shared expert)
-  int32_t n_shared_down;     // ceil(H / 256)
-  int32_t shared_blocks;     // ceil(T / 128)
+  int32_t n_gate_up;         // ceil(I / (BLOCK_N / 2))
+  int32_t n_down;            // ceil(H / BLOCK_N)
+  int32_t n_shared_gate_up;  // ceil(I_s / (BLOCK_N / 2)) (0 = no shared expert)
+  int32_t n_shared_down;     // ceil(H / BLOCK_N)
+  int32_t shared_blocks;     // ceil(T / BLOCK_M)
 };
 
 // What a task (or a comm block's row block) waits for: counter arrays in global memory,
@@ -102,7 +103,7 @@ struct TaskCounts {
 // a task's waits and the counter its tiles add to are its op's (ops/, task_waits and
 // task_signals in ops/ops.cuh), the comm blocks' are below.
 enum class CounterArray : int32_t {
-  kGatherReady = 0,  // rows of block b in the ring (expected 128)
+  kGatherReady = 0,  // rows of block b in the ring (expected BLOCK_M)
   kGateUpDone = 1,   // gate/up tiles of block b done
   kDownDone = 2,     // down tiles of block b done
   kSharedGateUpDone = 3,

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
 
@@ -31,7 +32,7 @@ enum class TaskKind : int32_t {
   kDgradGateUp = 2,  // dx = [dg | du] · [W_gate; W_up][e], pushed home
   kWgradDown = 3,    // dW_down[e] += dyᵀ · (w·a) over e's rows in a macrobatch (block = expert)
   kWgradGateUp = 4,  // [dW_gate; dW_up][e] += [dg | du]ᵀ · x                 (block = expert)
-  // The shared expert over the rank's tokens (unit = a 128-token block; its wgrad: unit 0)
+  // The shared expert over the rank's tokens (unit = a block of BLOCK_M tokens; its wgrad: unit 0)
   kSharedReplay = 5,      // h_s = x · [Ws_gate; Ws_up]ᵀ (unless the forward kept it)
   kSharedDgradDown = 6,   // da_s = dy · Ws_down; epilogue: dg_s | du_s (weight 1)
   kSharedDgradGateUp = 7, // dx_s = [dg_s | du_s] · [Ws_gate; Ws_up], for the combine
@@ -45,10 +46,10 @@ struct TaskCounts {
   int32_t n_replay;          // ceil(2I / BLOCK_N) tiles per block
   int32_t n_dgrad_down;      // ceil(I / BLOCK_N) tiles per block
   int32_t n_dgrad_gate_up;   // ceil(H / BLOCK_N) tiles per block
-  int32_t n_wgrad_down;      // ceil(H / 128) * ceil(I / BLOCK_N) tiles per expert and macrobatch
-  int32_t n_wgrad_gate_up;   // 2 ceil(I / 128) * ceil(H / BLOCK_N) tiles per expert and macrobatch
+  int32_t n_wgrad_down;      // ceil(H / BLOCK_M) * ceil(I / BLOCK_N) tiles per expert and macrobatch
+  int32_t n_wgrad_gate_up;   // 2 ceil(I / BLOCK_M) * ceil(H / BLOCK_N) tiles per expert and macrobatch
   int32_t replay_all = 0;    // recompute_forward_context: replay macrobatch 0 too
-  // The shared expert (0 tiles: none): per 128-token block, and its wgrad tiles
+  // The shared expert (0 tiles: none): per block of BLOCK_M tokens, and its wgrad tiles
   int32_t shared_blocks = 0, n_shared_replay = 0, n_shared_dgrad_down = 0, n_shared_dgrad_gate_up = 0;
   int32_t n_shared_wgrad_down = 0, n_shared_wgrad_gate_up = 0;
   // The forward saved h of every row (the fused backward over resident rows): no replay at all
@@ -65,7 +66,7 @@ struct TaskCounts {
 };
 
 // Rows of the call: routed row blocks, the ring, minibatches, and each local expert's blocks
-// [expert_begin[e], expert_end[e]) (from the plan's expert_offset / 128).
+// [expert_begin[e], expert_end[e]) (from the plan's expert_offset / BLOCK_M).
 struct Geometry {
   int32_t num_blocks, ring_blocks, minibatch_blocks, num_experts;
   const int32_t* expert_begin;
@@ -103,8 +104,8 @@ struct Geometry {
 
 // Counter arrays (global memory, zeroed before the launch), each wait "counter >= expected".
 enum class CounterArray : int32_t {
-  kDyReady = 0,        // [block] dy rows gathered (expected 128)
-  kXReady = 1,         // [block] x rows gathered again (macrobatches >= 1; expected 128)
+  kDyReady = 0,        // [block] dy rows gathered (expected BLOCK_M)
+  kXReady = 1,         // [block] x rows gathered again (macrobatches >= 1; expected BLOCK_M)
   kReplayDone = 2,     // [block] replay tiles finished
   kDgradDownDone = 3,  // [block] dgrad-down tiles finished
   kDgradGateUpDone = 4,  // [block] dgrad gate/up tiles finished

@@ -15,17 +15,17 @@ struct Down {
     return 1;
   }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.inter / 64; }
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.inter / kBlockK; }
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskInfo& t) {
     return gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.down_pitch + t.n_block * 256, 128, k_blocks(p)};
+                          p.block_expert[t.block] * p.down_pitch + t.n_block * kBlockN, kHalfN, k_blocks(p)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskInfo& t) {
     gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                           p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
+                           p.rows + int64_t{t.block} * kBlockM, p.topk, int64_t{t.n_block} * kBlockN);
   }
 #endif
 };

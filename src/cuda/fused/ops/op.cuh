@@ -8,7 +8,7 @@
 //                               host protocol model of tests/cpp/test_schedule.cpp)
 //   kSignals                    the counter array a finished tile adds 1 to at [block]
 //                               (CounterArray::kNone: nothing waits on its tiles)
-//   k_blocks(p)                 its K loop, in k-blocks of 64: the producer's loads and the
+//   k_blocks(p)                 its K loop, in k-blocks of BLOCK_K: the producer's loads and the
 //                               consumers' MMAs
 //   load(maps, p, g, t)         the tile's operands (gemm::TileLoad) for the producer
 //   epilogue(acc, consumer, p, g, t)   what a consumer warpgroup does with its accumulator

@@ -14,17 +14,17 @@ struct SharedDown {
     return 1;
   }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.shared_inter / 64; }
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.shared_inter / kBlockK; }
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry&,
                                                         const TaskInfo& t) {
-    return gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * 128, t.n_block * 256, 128,
-                          k_blocks(p)};
+    return gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM, t.n_block * kBlockN,
+                          kHalfN, k_blocks(p)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskInfo& t) {
-    gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{t.block} * 128, p.num_tokens,
-                         int64_t{t.n_block} * 256);
+    gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{t.block} * kBlockM, p.num_tokens,
+                         int64_t{t.n_block} * kBlockN);
   }
 #endif
 };

@@ -11,19 +11,19 @@ struct SharedGateUp {
   static constexpr CounterArray kSignals = CounterArray::kSharedGateUpDone;
   MOK_HD static int waits(int32_t, const Geometry&, const TaskCounts&, Wait*) { return 0; }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.hidden / 64; }
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.hidden / kBlockK; }
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry&,
                                                         const TaskInfo& t) {
-    return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * 128, t.n_block * 128, 0, k_blocks(p)};
+    return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * kBlockM, t.n_block * kHalfN, 0, k_blocks(p)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskInfo& t) {
-    gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * 128, p.num_tokens,
-                          int64_t{t.n_block} * 128);
+    gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * kBlockM, p.num_tokens,
+                          int64_t{t.n_block} * kHalfN);
     if (p.saved_shared_h)
       gemm::epilogue_gate_up_preact(acc, consumer, p.saved_shared_h, 2 * int64_t{p.shared_inter},
-                                    int64_t{t.block} * 128, p.num_tokens, int64_t{t.n_block} * 128);
+                                    int64_t{t.block} * kBlockM, p.num_tokens, int64_t{t.n_block} * kHalfN);
   }
 #endif
 };

@@ -13,7 +13,7 @@ namespace mok::cuda::fused::bwd::ops {
 struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
   // Its block's dy rows gathered, and its h replayed where the forward did not keep it
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
-    out[0] = Wait{CounterArray::kDyReady, unit, 128};
+    out[0] = Wait{CounterArray::kDyReady, unit, kBlockM};
     if (!replays(g, c, unit)) return 1;
     out[1] = Wait{CounterArray::kReplayDone, unit, c.n_replay};
     return 2;
@@ -27,22 +27,22 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
-    return p.hidden / 64;
+    return p.hidden / kBlockK;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * 128, e * p.down_pitch,
-                t.n_block * 256, p.hidden / 64, k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * kBlockM, e * p.down_pitch,
+                t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter};
-    const int64_t row0 = int64_t{t.block} * 128, left = p.max_rows - row0;
+    const int64_t row0 = int64_t{t.block} * kBlockM, left = p.max_rows - row0;
     const float* __restrict__ rw = p.row_weight + row0;
-    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
-                                int64_t{t.n_block} * 256, [&](int r) { return rw[r]; });
+    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < kBlockM ? static_cast<int>(left) : kBlockM,
+                                int64_t{t.n_block} * kBlockN, [&](int r) { return rw[r]; });
   }
 #endif
 };
@@ -63,20 +63,20 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
-    return p.hidden / 64;
+    return p.hidden / kBlockK;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
-    return Load{static_cast<int32_t>(kOps), &m.dy_k, &m.ws_down_n, &m.ws_down_n, t.block * 128, 0, t.n_block * 256,
-                p.hidden / 64, k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOps), &m.dy_k, &m.ws_down_n, &m.ws_down_n, t.block * kBlockM, 0,
+                t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
-    const int64_t row0 = int64_t{t.block} * 128, left = p.num_tokens - row0;
-    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < 128 ? static_cast<int>(left) : 128,
-                                int64_t{t.n_block} * 256, [](int) { return 1.0f; });
+    const int64_t row0 = int64_t{t.block} * kBlockM, left = p.num_tokens - row0;
+    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < kBlockM ? static_cast<int>(left) : kBlockM,
+                                int64_t{t.n_block} * kBlockN, [](int) { return 1.0f; });
   }
 #endif
 };
@@ -94,19 +94,20 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
-    return 2 * p.inter / 64;
+    return 2 * p.inter / kBlockK;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * 128, e * p.gate_up_pitch,
-                t.n_block * 256, p.inter / 64, k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * kBlockM, e * p.gate_up_pitch,
+                t.n_block * kBlockN, p.inter / kBlockK, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_scatter(
-        acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden, p.rows + int64_t{t.block} * 128, p.topk, int64_t{t.n_block} * 256);
+        acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden, p.rows + int64_t{t.block} * kBlockM,
+        p.topk, int64_t{t.n_block} * kBlockN);
   }
 #endif
 };
@@ -121,18 +122,18 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
-    return 2 * p.shared_inter / 64;
+    return 2 * p.shared_inter / kBlockK;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
-    return Load{static_cast<int32_t>(kOps), &m.sh_dh_k, &m.ws_gate_n, &m.ws_up_n, t.block * 128, 0, t.n_block * 256,
-                p.shared_inter / 64, k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOps), &m.sh_dh_k, &m.ws_gate_n, &m.ws_up_n, t.block * kBlockM, 0,
+                t.n_block * kBlockN, p.shared_inter / kBlockK, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    gemm::epilogue_store(acc, consumer, p.shared_dx, p.hidden, int64_t{t.block} * 128, p.num_tokens,
-                         int64_t{t.n_block} * 256);
+    gemm::epilogue_store(acc, consumer, p.shared_dx, p.hidden, int64_t{t.block} * kBlockM, p.num_tokens,
+                         int64_t{t.n_block} * kBlockN);
   }
 #endif
 };

@@ -11,7 +11,7 @@
 //   signals(unit, macro, g, c, out)  the counters a finished tile adds 1 to (host and device)
 //   prepare(p, t)                fills what the task's tile needs beyond (kind, unit, n, macro)
 //                                (wgrad: its piece), in the producer's decode
-//   k_blocks(p, g, c, t)         its K loop, in k-blocks of 64 (wgrad: the rows of the task's
+//   k_blocks(p, g, c, t)         its K loop, in k-blocks of BLOCK_K (wgrad: the rows of the task's
 //                                piece, 0 for a tile of zeros)
 //   load(maps, p, g, c, t)       the tile's operands (Load) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
@@ -33,8 +33,8 @@ namespace mok::cuda::fused::bwd {
 //   kKMajor   a rows a_row.., b0 / b1 rows b_row.. and b_row + b_aux (the gate and up halves)
 //   kBNMajor  a rows a_row..; B as stored: K rows b_row.. of b0 (k-blocks < k_split) then of
 //             b1, columns b_aux..
-//   kMNMajor  rows a_row + 64·kb of a (columns a_col.., two 64-column boxes) and of b0
-//             (columns b_aux.., four boxes): the wgrad operands, K = rows
+//   kMNMajor  rows a_row + BLOCK_K·kb of a (columns a_col.., BLOCK_M / kBoxCols boxes) and of
+//             b0 (columns b_aux.., BLOCK_N / kBoxCols boxes): the wgrad operands, K = rows
 struct Load {
   int32_t ops;  // gemm::Operands
   const CUtensorMap* a;

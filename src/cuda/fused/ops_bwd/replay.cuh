@@ -9,7 +9,7 @@ namespace mok::cuda::fused::bwd::ops {
 struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
   // Its block's x rows gathered
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Wait* out) {
-    out[0] = Wait{CounterArray::kXReady, unit, 128};
+    out[0] = Wait{CounterArray::kXReady, unit, kBlockM};
     return 1;
   }
   MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
@@ -19,19 +19,19 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
-    return p.hidden / 64;
+    return p.hidden / kBlockK;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * 128,
-                e * p.gate_up_pitch + t.n_block * 128, 0, 0, k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOps), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * kBlockM,
+                e * p.gate_up_pitch + t.n_block * kHalfN, 0, 0, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    gemm::epilogue_gate_up_preact(acc, consumer, p.h, 2 * int64_t{p.inter}, int64_t{t.block} * 128, p.max_rows,
-                                  int64_t{t.n_block} * 128);
+    gemm::epilogue_gate_up_preact(acc, consumer, p.h, 2 * int64_t{p.inter}, int64_t{t.block} * kBlockM, p.max_rows,
+                                  int64_t{t.n_block} * kHalfN);
   }
 #endif
 };
@@ -46,18 +46,18 @@ struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
-    return p.hidden / 64;
+    return p.hidden / kBlockK;
   }
   __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
-    return Load{static_cast<int32_t>(kOps), &m.x_k, &m.ws_gate_k, &m.ws_up_k, t.block * 128, t.n_block * 128, 0, 0,
-                k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOps), &m.x_k, &m.ws_gate_k, &m.ws_up_k, t.block * kBlockM, t.n_block * kHalfN,
+                0, 0, k_blocks(p, g, c, t), 0};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    gemm::epilogue_gate_up_preact(acc, consumer, p.sh_h, 2 * int64_t{p.shared_inter}, int64_t{t.block} * 128,
-                                  p.num_tokens, int64_t{t.n_block} * 128);
+    gemm::epilogue_gate_up_preact(acc, consumer, p.sh_h, 2 * int64_t{p.shared_inter}, int64_t{t.block} * kBlockM,
+                                  p.num_tokens, int64_t{t.n_block} * kHalfN);
   }
 #endif
 };

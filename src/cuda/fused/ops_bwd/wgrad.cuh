@@ -17,7 +17,7 @@ namespace mok::cuda::fused::bwd::ops {
 template <bool kShared>
 __device__ __forceinline__ void wgrad_prepare(const BackwardParams& p, Task& t) {
   if constexpr (kShared) {
-    t.k_blocks = static_cast<int32_t>((p.num_tokens + 63) / 64);
+    t.k_blocks = gemm::tiles_of(p.num_tokens, kBlockK);
     t.row0 = 0;
     t.mode = gemm::kWgradFinal;
     t.slot = 0;
@@ -30,10 +30,10 @@ __device__ __forceinline__ void wgrad_prepare(const BackwardParams& p, Task& t) 
       t.slot = 0;
       return;
     }
-    const int32_t ring_rows = p.ring_blocks * 128;
+    const int32_t ring_rows = p.ring_blocks * kBlockM;
     const WgradPiece w = wgrad_piece(p.expert_offset[e], p.expert_count[e], p.expert_offset[e + 1], t.macro, ring_rows,
                                      live_macros(p.expert_offset[p.num_local], ring_rows));
-    t.k_blocks = (w.count + 63) / 64;
+    t.k_blocks = (w.count + kBlockK - 1) / kBlockK;  // tiles_of in int32 (its int64 costs the decode 8 instructions)
     t.row0 = w.row0;
     t.mode = w.mode;
     t.slot = w.first_macro < w.last_macro ? (p.slot_by_expert ? e : w.first_macro) : 0;
@@ -86,7 +86,7 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
     const CUtensorMap* a = kShared ? (kDown ? &m.dy_mn : &m.sh_dh_mn) : (kDown ? &m.dy_rows_mn : &m.dh_mn);
     const CUtensorMap* b = kShared ? (kDown ? &m.sh_a_mn : &m.x_mn) : (kDown ? &m.wa_mn : &m.x_rows_mn);
-    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0, w.n_block * TileConfig::kBlockN, 0,
+    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0, w.n_block * kBlockN, 0,
                 w.num_k_blocks, static_cast<int32_t>(gemm::wgrad_row0(wp, w.m_block))};
   }
   template <int kRegs>

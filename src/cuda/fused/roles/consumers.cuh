@@ -12,7 +12,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
                                               const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
                                               int consumer, const gemm::WaitContext& wait) {
   using C = TileConfig;
-  const bool leader = threadIdx.x % 128 == 0;
+  const bool leader = threadIdx.x % kWarpgroupThreads == 0;
   gemm::PipelineState<C::kStages> stage;
   gemm::PipelineState<2> handoff, done_state;
   const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
@@ -21,7 +21,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
   // ring and one's epilogue runs under the other's MMAs; a warpgroup's barrier is its own
   // named barrier of 128 threads.
   const uint32_t bar_id = static_cast<uint32_t>(NamedBarrier::kConsumer0) + consumer;
-  constexpr uint32_t bar_threads = 128;
+  constexpr uint32_t bar_threads = kWarpgroupThreads;
   float acc[C::kAccRegs];
   for (;;) {
     // Take the next task from the producer
