@@ -8,7 +8,7 @@
 //   comm blocks   blockIdx.x < p.num_comm   every thread: the comm role, then the compute roles
 //   kProducerThread                          thread 0 of warpgroup 0: claims tasks, issues loads
 //   kSignalerThread                          thread 32 of warpgroup 0: publishes finished tiles
-//   warpgroups 1, 2                          the consumers (rows [0, 64) and [64, 128) of a tile)
+//   warpgroups 1, 2                          the consumers (rows [0, BLOCK_M / 2), [BLOCK_M / 2, BLOCK_M))
 // (kProducerWarpgroup, kProducerThread, kSignalerThread, kFirstConsumerWarpgroup: forward_params.cuh)
 #pragma once
 
