@@ -422,14 +422,16 @@ size_t read_trace(DeviceWorkspace& ws, void* buffer, size_t buffer_size, int64_t
 
 std::string unsupported_shape(const mokConfig_t& c) {
   std::ostringstream why;
-  // Model dimensions in 64s: one TMA box and one k-block of 64 bf16 (the tiles' last of a
+  // Model dimensions in k-blocks: one TMA box and one k-block of 64 bf16 (the tiles' last of a
   // dimension may be partial: config.hpp, tiles_of)
-  if (c.hidden % 64 != 0)
-    why << "hidden = " << c.hidden << " must be a multiple of 64 on the CUDA backend";
-  else if (c.intermediate % 64 != 0)
-    why << "intermediate = " << c.intermediate << " must be a multiple of 64 on the CUDA backend";
-  else if (c.shared_intermediate % 64 != 0)
-    why << "shared_intermediate = " << c.shared_intermediate << " must be a multiple of 64 on the CUDA backend";
+  constexpr int kK = gemm::TileConfig::kBlockK;
+  if (c.hidden % kK != 0)
+    why << "hidden = " << c.hidden << " must be a multiple of " << kK << " on the CUDA backend";
+  else if (c.intermediate % kK != 0)
+    why << "intermediate = " << c.intermediate << " must be a multiple of " << kK << " on the CUDA backend";
+  else if (c.shared_intermediate % kK != 0)
+    why << "shared_intermediate = " << c.shared_intermediate << " must be a multiple of " << kK
+        << " on the CUDA backend";
   else if (c.block_m != gemm::TileConfig::kBlockM)
     why << "block_m = " << c.block_m << " must be " << gemm::TileConfig::kBlockM << " on the CUDA backend";
   else if (c.hidden > 8192)

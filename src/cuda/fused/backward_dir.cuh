@@ -21,7 +21,28 @@ struct BackwardDir {
   // Many short tiles (wgrad K = an expert's rows): the next task's claim and decode go under
   // this one's loads
   static constexpr bool kClaimAhead = true;
+  // setmaxnreg's split: 64 / 216, room for the producer's tile coordinates across its nine ops'
+  // loads.  At 40 / 232, the forward's split, it reloaded them from local memory between TMA
+  // issues and the backward was up to 4 % slower (docs/perf.md session 13).
+  static constexpr int kProducerRegs = 64, kConsumerRegs = 216;
 
+  // ---- the kernel entry (backward_kernel.cuh) ----
+  // NOTES: the geometry and tile counts are read from shared memory where used (not held in
+  // registers beside the accumulator): no stores in the kernel's locals
+  struct GeometryStore {};
+  struct CountsStore {};
+  struct Setup {
+    const Geometry& g;
+    const TaskCounts& counts;
+  };
+  __device__ __forceinline__ static Setup setup(Shared& sh, const Params& p, GeometryStore&, CountsStore&);
+  __device__ __forceinline__ static uint32_t start_gather(Shared& sh, const Params& p, const Setup& s,
+                                                          const gemm::WaitContext& wait);
+  __device__ __forceinline__ static bool comm_gather(Shared& sh, const Params& p, const Setup& s,
+                                                     const gemm::WaitContext& wait, uint32_t phase);
+  __device__ __forceinline__ static void finish(Shared& sh, const Params& p, const gemm::WaitContext& wait);
+
+  // ---- the role loops (roles/) ----
   __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
     return &p.counters[static_cast<int>(Counter::kTaskNext)];
   }

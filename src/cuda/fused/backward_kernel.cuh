@@ -1,5 +1,6 @@
 // The fused backward megakernel: one persistent launch, grid = SM count (or config.num_blocks),
-// the forward's roles over the backward's task list (schedule_bwd.cuh) and ops (ops_bwd/):
+// the forward's roles and entry (megakernel.cuh) over the backward's task list
+// (schedule_bwd.cuh) and ops (ops_bwd/):
 //   comm blocks   blockIdx.x < p.num_comm: gather x, dy and the route weight of every plan row
 //                 (EP >= 2: from the row's source rank's region over NVLink: the pull of the
 //                 reverse combine), block by block in order, then join the compute roles
@@ -17,9 +18,7 @@
 #include "cuda/comm/staging.cuh"
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/backward_dir.cuh"
-#include "cuda/fused/roles/consumers.cuh"
-#include "cuda/fused/roles/producer.cuh"
-#include "cuda/fused/roles/signaler.cuh"
+#include "cuda/fused/megakernel.cuh"
 
 namespace mok::cuda::fused::bwd {
 
@@ -186,23 +185,11 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
   }
 }
 
-// The registers setmaxnreg gives warpgroup 0 and the consumer warpgroups: 64 / 216, room for
-// the producer's tile coordinates across its nine ops' loads.  At 40 / 232, the forward's split,
-// it reloaded them from local memory between TMA issues and the backward was up to 4 % slower
-// (docs/perf.md session 13).
-inline constexpr int kProducerRegs = 64, kConsumerRegs = 216;
-static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kConsumerThreads <= 65536 && kProducerRegs % 8 == 0 &&
-                  kConsumerRegs % 8 == 0,
-              "register budgets: multiples of 8 within the register file");
-
-__global__ void __launch_bounds__(TileConfig::kThreads, 1)
-    fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
-  using C = TileConfig;
-  extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const gemm::WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
-  // A wait of this call already expired (EP: the start barrier): leave; the host reports it.
-  if (p.timeout_record && *reinterpret_cast<volatile int64_t*>(p.timeout_record) != 0) return;
+// ---- the kernel entry's hooks (megakernel.cuh) ------------------------------------------------
+// Each local expert's first row block, then the geometry, tile counts and task table in
+// shared memory, identical on every block
+__device__ __forceinline__ BackwardDir::Setup BackwardDir::setup(Shared& sh, const Params& p, GeometryStore&,
+                                                                 CountsStore&) {
   for (int i = threadIdx.x; i <= p.num_local; i += blockDim.x) sh.expert_blocks[i] = p.expert_offset[i] / kBlockM;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -215,32 +202,28 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     init_role_barriers(sh);
   }
   __syncthreads();
-  // NOTES: read from shared memory where used (not held in registers beside the accumulator)
-  const Geometry& g = sh.geo;
-  const TaskCounts& counts = sh.counts;
-  if (p.start_blocks > 0) {
-    start_gather(sh, p, g, wait);
-    __syncthreads();  // every bulk copy completed: the stage memory is the producer's again
-  }
-  // NOTES: as in the forward, the role comes through a shuffle (warp-uniform for ptxas) and
-  // each role returns on its own.  A comm block joins the compute roles after its gathers:
-  // its staging rows are free (every bulk copy completed), the stage barriers untouched.
-  if (static_cast<int32_t>(blockIdx.x) < p.num_comm) {
-    comm_gather(sh, p, g, wait);
-    __syncthreads();
-  }
-  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / kWarpgroupThreads, 0);
-  if (warpgroup == kProducerWarpgroup) {
-    ptx::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == kProducerThread) produce_tasks<BackwardDir>(sh, maps, p, g, counts, wait);
-    if (threadIdx.x == kSignalerThread) signal_tasks<BackwardDir>(sh, p, g, counts, wait);
-    return;
-  }
-  ptx::setmaxnreg_inc<kConsumerRegs>();
-  consume_tasks<BackwardDir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
-  if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
-  ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
-  finish(p, wait);
+  return Setup{sh.geo, sh.counts};
+}
+// Every block gathers the first minibatch (MOK_BACKWARD_START_GATHER): two copies per row
+// leave the staging barriers at phase 0, where the comm gather starts
+__device__ __forceinline__ uint32_t BackwardDir::start_gather(Shared& sh, const Params& p, const Setup& s,
+                                                              const gemm::WaitContext& wait) {
+  bwd::start_gather(sh, p, s.g, wait);
+  return 0;
+}
+__device__ __forceinline__ bool BackwardDir::comm_gather(Shared& sh, const Params& p, const Setup& s,
+                                                         const gemm::WaitContext& wait, uint32_t) {
+  if (static_cast<int32_t>(blockIdx.x) >= p.num_comm) return false;
+  bwd::comm_gather(sh, p, s.g, wait);
+  return true;
+}
+__device__ __forceinline__ void BackwardDir::finish(Shared&, const Params& p, const gemm::WaitContext& wait) {
+  bwd::finish(p, wait);
+}
+
+__global__ void __launch_bounds__(TileConfig::kThreads, 1)
+    fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
+  run_megakernel<BackwardDir>(maps, p);
 }
 
 }  // namespace mok::cuda::fused::bwd

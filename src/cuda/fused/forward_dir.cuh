@@ -17,6 +17,20 @@
 //   k_blocks(p, g, c, task)      the task's K loop, in k-blocks
 //   consume(...)                 the consumers' MMA loop for a task of k_blocks k-blocks
 //   signal_targets(p), signal(targets, task, g, c)   the counters a finished tile adds 1 to
+// and the hooks of the kernel entry (megakernel.cuh: run_megakernel), defined beside the
+// direction's gathers and end phase in its kernel file:
+//   kProducerRegs, kConsumerRegs setmaxnreg's split of the register file
+//   GeometryStore, CountsStore, Setup, setup(sh, p, geometry_store, counts_store)
+//                                the call's geometry and tile counts, set up at entry where
+//                                the direction keeps them (the kernel's locals, or its shared
+//                                storage: the stores are then empty), and the task table and
+//                                role barriers (thread 0); Setup: the g and counts the roles
+//                                read, and what the gathers need.  Ends with a block barrier.
+//   start_gather(sh, p, s, wait) every block's gather of the first row blocks; returns the
+//                                phase it leaves the warp's staging barrier at
+//   comm_gather(sh, p, s, wait, phase)   a comm block's gather of the rest; false on a
+//                                compute block (nothing gathered)
+//   finish(sh, p, wait)          the consumer threads' end phase (grid barrier, reductions)
 // The backward (fused/schedule_bwd.cuh, its ops) is the second direction.
 #pragma once
 
@@ -36,7 +50,27 @@ struct ForwardDir {
   using Load = gemm::TileLoad;
   static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
   static constexpr bool kClaimAhead = false;  // the producer claims a task after the last one's loads
+  static constexpr int kProducerRegs = TileConfig::kProducerRegs, kConsumerRegs = TileConfig::kConsumerRegs;
 
+  // ---- the kernel entry (forward_kernel.cuh) ----
+  // The geometry and tile counts in the kernel's locals (registers); the gathers' counters and
+  // whether the block is a comm block (decided at entry)
+  using GeometryStore = Geometry;
+  using CountsStore = TaskCounts;
+  struct Setup {
+    const Geometry& g;
+    const TaskCounts& counts;
+    int32_t* gather_ready;
+    bool comm;  // a comm block
+  };
+  __device__ __forceinline__ static Setup setup(Shared& sh, const Params& p, Geometry& g, TaskCounts& counts);
+  __device__ __forceinline__ static uint32_t start_gather(Shared& sh, const Params& p, const Setup& s,
+                                                          const gemm::WaitContext& wait);
+  __device__ __forceinline__ static bool comm_gather(Shared& sh, const Params& p, const Setup& s,
+                                                     const gemm::WaitContext& wait, uint32_t phase);
+  __device__ __forceinline__ static void finish(Shared& sh, const Params& p, const gemm::WaitContext& wait);
+
+  // ---- the role loops (roles/) ----
   __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
     return &p.counters[static_cast<int>(Counter::kTaskNext)];
   }

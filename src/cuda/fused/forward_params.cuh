@@ -143,7 +143,7 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
 }
 
 // Counter arrays after the header: gather_ready, gu_done, dn_done, sgu_done, each [max_blocks]
-// (max_blocks >= ceil(T_max / 128), the shared blocks).
+// (max_blocks >= ceil(T_max / BLOCK_M), the shared blocks).
 __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
 }
