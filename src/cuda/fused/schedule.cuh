@@ -110,12 +110,8 @@ enum class CounterArray : int32_t {
   kNumArrays = 4,
   kNone = -1,        // no counter (an op whose tiles nothing waits on)
 };
-// The arrays' names in timeout messages (cuda/fused/wait_sites.hpp)
-inline const char* counter_array_name(int32_t a) {
-  constexpr const char* kNames[] = {"gather_ready", "gu_done", "dn_done", "sgu_done"};
-  static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<int>(CounterArray::kNumArrays), "one name per array");
-  return a >= 0 && a < static_cast<int32_t>(CounterArray::kNumArrays) ? kNames[a] : "?";
-}
+// The arrays' names in timeout messages (cuda/fused/wait_sites.hpp), one per array
+inline constexpr const char* kCounterArrayNames[] = {"gather_ready", "gu_done", "dn_done", "sgu_done"};
 struct Wait {
   CounterArray array;
   int32_t index;

@@ -115,14 +115,10 @@ enum class CounterArray : int32_t {
   kSharedDgradDownDone = 8,  // [token block] shared dgrad-down tiles finished; [shared_blocks]: all of them
   kNumArrays = 9,
 };
-// The arrays' names in timeout messages (cuda/fused/wait_sites.hpp)
-inline const char* counter_array_name(int32_t a) {
-  constexpr const char* kNames[] = {"dy_ready",   "x_ready",    "replay_done",        "dgrad_down_done",
-                                    "dgrad_gate_up_done", "expert_dgrad_done", "wgrad_done",
-                                    "shared_replay_done", "shared_dgrad_down_done"};
-  static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<int>(CounterArray::kNumArrays), "one name per array");
-  return a >= 0 && a < static_cast<int32_t>(CounterArray::kNumArrays) ? kNames[a] : "?";
-}
+// The arrays' names in timeout messages (cuda/fused/wait_sites.hpp), one per array
+inline constexpr const char* kCounterArrayNames[] = {
+    "dy_ready",          "x_ready",    "replay_done",        "dgrad_down_done",       "dgrad_gate_up_done",
+    "expert_dgrad_done", "wgrad_done", "shared_replay_done", "shared_dgrad_down_done"};
 struct Wait {
   CounterArray array;
   int32_t index;

@@ -2,6 +2,7 @@
 // record's site (common/defs.hpp, WaitSite), detail, expected and observed words.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -11,6 +12,13 @@
 #include "cuda/fused/schedule_bwd.cuh"
 
 namespace mok::cuda::fused {
+
+// Counter array `a` of a direction by name (the direction's kCounterArrayNames and CounterArray)
+template <class Array, size_t kN>
+inline const char* counter_array_name(const char* const (&names)[kN], int32_t a) {
+  static_assert(kN == static_cast<size_t>(Array::kNumArrays), "one name per counter array");
+  return a >= 0 && a < static_cast<int32_t>(kN) ? names[a] : "?";
+}
 
 // t: the record's words [flag, site, block, detail, expected, observed, rank].
 inline std::string describe_timeout(const int64_t* t) {
@@ -31,7 +39,9 @@ inline std::string describe_timeout(const int64_t* t) {
       const int32_t array = counter_wait_array(detail);
       s << (site == WaitSite::kTaskCounter ? "producer, before a task's loads" : "comm warp, before a row block's gather")
         << ": waiting for " << (fwd ? "forward" : "backward") << " counter "
-        << (fwd ? counter_array_name(array) : bwd::counter_array_name(array)) << "[" << counter_wait_index(detail)
+        << (fwd ? counter_array_name<CounterArray>(kCounterArrayNames, array)
+                : counter_array_name<bwd::CounterArray>(bwd::kCounterArrayNames, array))
+        << "[" << counter_wait_index(detail)
         << "] >= " << expected;
       if (observed >= 0) s << ", observed " << observed;
       return s.str();
