@@ -214,7 +214,7 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
 
 int main() {
   // Layer: H=256, I=128, E=8 routed experts (top-2), a shared expert of I_s=128, T=64 tokens
-  // (shapes that the CUDA backend takes too: H % 256 == 0, I % 128 == 0).
+  // (shapes that the CUDA backend takes too: H, I and I_s multiples of 64).
   const Dims d{/*H*/ 256, /*I*/ 128, /*Is*/ 128, /*E*/ 8, /*k*/ 2, /*T*/ 64};
   std::mt19937 rng(7);
   Inputs in;

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    # The defaults satisfy mok's CUDA shape rules (H % 256 == 0, I % 256 == 0 for the backward),
+    # The defaults satisfy mok's CUDA shape rules (H and I multiples of 64, forward and backward),
     # so the same command runs on both devices.
     p.add_argument("--tokens", type=int, default=128, help="tokens per batch (batch = tokens / seq)")
     p.add_argument("--seq", type=int, default=32, help="sequence length")

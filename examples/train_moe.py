@@ -25,7 +25,7 @@ import mok
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    # The defaults satisfy the CUDA shape rules (H % 256 == 0, I % 128 == 0, I_s % 128 == 0),
+    # The defaults satisfy the CUDA shape rules (H, I and I_s multiples of 64),
     # so the same command runs on both devices.
     p.add_argument("--tokens", type=int, default=256, help="T, tokens per batch")
     p.add_argument("--hidden", type=int, default=256, help="H, model width")
