@@ -14,6 +14,9 @@
 
 namespace mok {
 
+// ceil(a / b) for a >= 0, b > 0: the one home of the rounding (plan row blocks, tile counts)
+MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Limits.  The row record packs (rank, token, j) into 32 bits; these widths are the
 // contract between the plan builder and every kernel that decodes it.
 inline constexpr int kRankBits = 6;

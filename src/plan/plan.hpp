@@ -68,7 +68,7 @@ MOK_HD PlanDims plan_dims_of(const mokConfig_t& c) {
 
 MOK_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 MOK_HD int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-MOK_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using mok::ceil_div;
 MOK_HD int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Worst-case number of row records (always a multiple of block_m).

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from bench import shapes as _bench_shapes  # noqa: E402
 
 WEIGHTS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+GRADS = ("dx", "d_topk_weights") + WEIGHTS
 
 
 def make_weights(gen, hidden, intermediate, num_experts, shared_intermediate=0) -> Dict[str, Optional[torch.Tensor]]:
@@ -113,6 +114,18 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float = 1
         return
     rel = diff.norm().item() / ref_norm
     assert rel < tol, f"{name}: relative Frobenius error {rel:.3e} >= {tol} (max-abs {max_abs:.3e})"
+
+
+def assert_grads_bitwise(tag: str, a, b, names=GRADS) -> None:
+    """The gradients of two backward results (mok.functional's Grads) equal bit for bit; a
+    gradient absent (None) in one is absent in the other."""
+    for name in names:
+        ga, gb = getattr(a, name), getattr(b, name)
+        if ga is None:
+            assert gb is None, f"{tag}: {name} present in one result only"
+            continue
+        view = torch.int16 if ga.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(ga.view(view), gb.view(view)), f"{tag}: {name} differs bitwise"
 
 
 # The BENCH.md shapes (bench/shapes.py, the one table): H, I, k, E, T

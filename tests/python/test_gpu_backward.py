@@ -8,16 +8,13 @@ import torch
 
 import mok
 from mok import functional as F
-from oracle import (BENCH_SHAPES, WEIGHTS, assert_close, bench_shape_layer, make_routing, make_weights, make_x,
-                    reference, route_term_norms)
+from oracle import (BENCH_SHAPES, GRADS, WEIGHTS, assert_close, assert_grads_bitwise, bench_shape_layer, make_routing,
+                    make_weights, make_x, reference, route_term_norms)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(not mok.has_cuda(), reason="libmok was built without its CUDA part"),
 ]
-
-GRADS = ("dx", "d_topk_weights") + WEIGHTS
-
 
 def _layer(gen, H, I, E, k, T, I_s=0, masked=0.15):
     w = make_weights(gen, H, I, E, I_s)
@@ -51,17 +48,6 @@ def _check_against_oracle(tag, g, x, ids, tw, w, dy):
             assert_close(f"{tag}: grad {name}", _grad(g, name).cpu(), ref[name])
 
 
-def _assert_bitwise(tag, a, b):
-    for name in GRADS:
-        ga, gb = _grad(a, name), _grad(b, name)
-        if ga is None:
-            assert gb is None
-            continue
-        assert torch.equal(ga.view(torch.int16) if ga.dtype == torch.bfloat16 else ga.view(torch.int32),
-                           gb.view(torch.int16) if gb.dtype == torch.bfloat16 else gb.view(torch.int32)), \
-            f"{tag}: {name} differs bitwise"
-
-
 @pytest.mark.parametrize("H,I,E,k,T,I_s,masked", [
     (256, 256, 8, 2, 300, 0, 0.15),      # T not a multiple of 128, -1 routes, fully masked tokens
     (512, 256, 16, 4, 257, 256, 0.0),    # shared expert
@@ -84,7 +70,7 @@ def test_cuda_backward_matches_oracle_and_cpu(gen, H, I, E, k, T, I_s, masked):
             if w[name] is not None:
                 assert (_grad(g, name) == 0).all(), f"T = 0: grad {name} must be zero"
     for _ in range(3):
-        _assert_bitwise("run again", g, _backward(x, ids, tw, w, dy))
+        assert_grads_bitwise("run again", g, _backward(x, ids, tw, w, dy))
 
 
 @pytest.mark.parametrize("H,I,E,k,T,I_s", [(512, 256, 16, 4, 257, 256), (256, 256, 8, 2, 300, 0), (256, 256, 8, 2, 0, 256)])
@@ -102,7 +88,7 @@ def test_cuda_backward_reads_the_saved_pre_activations_bitwise(gen, monkeypatch,
     assert torch.equal(y, y_plain), "saving the pre-activations changed y"
     g_saved = F.backward(ctx, dy.cuda())
     g_replay = F.backward(ctx_plain, dy.cuda())
-    _assert_bitwise(f"saved vs recomputed ({path} forward)", g_saved, g_replay)
+    assert_grads_bitwise(f"saved vs recomputed ({path} forward)", g_saved, g_replay)
     _check_against_oracle("saved pre-activations", g_saved, x, ids, tw, w, dy)
 
 
@@ -135,7 +121,7 @@ def test_cuda_backward_ring_wraps_with_fp32_partial_sums_and_main_grads(gen):
     start = {n: torch.randn(w[n].shape, generator=gen).cuda() for n in WEIGHTS}
     mg = {n: t.clone() for n, t in start.items()}
     g2 = _backward(x, ids, tw, w, dy, config=small, main_grads=mg)
-    _assert_bitwise("with main_grads", g, g2)
+    assert_grads_bitwise("with main_grads", g, g2)
     for n in WEIGHTS:
         added = mg[n] - start[n]
         assert_close(f"main_grad {n} increment", added.cpu(), _grad(g, n).double().cpu(), tol=1e-2)
@@ -164,7 +150,7 @@ def test_cuda_backward_in_graph_replays_with_new_inputs(gen):
         graph.replay()
         y, c = F.forward(sx, sids, stw, **cw, workspace=ws)
         assert torch.equal(y_static, y), "graph replay of the forward differs from eager"
-        _assert_bitwise("graph replay", g_static, F.backward(c, sdy))
+        assert_grads_bitwise("graph replay", g_static, F.backward(c, sdy))
 
 
 def test_cuda_backward_through_autograd_and_torch_library(gen):
@@ -207,9 +193,9 @@ def test_cuda_backward_bench_shapes(gen, name):
     dy = (torch.randn(T, H, generator=gen) * 0.1).to(torch.bfloat16).to(dev)
     ctx = F.recompute_forward_context(x, ids, tw, **w)
     g = F.backward(ctx, dy)
-    _assert_bitwise(name, g, F.backward(ctx, dy))
+    assert_grads_bitwise(name, g, F.backward(ctx, dy))
     _, saved_ctx = F.forward(x, ids, tw, **w)  # the training forward's saved pre-activations
-    _assert_bitwise(f"{name}: saved vs recomputed", g, F.backward(saved_ctx, dy))
+    assert_grads_bitwise(f"{name}: saved vs recomputed", g, F.backward(saved_ctx, dy))
     del saved_ctx
     # Per-route float64 quantities of the sampled tokens
     sample = torch.randperm(T, generator=gen)[:16].tolist()
@@ -281,12 +267,12 @@ def test_fused_backward_equals_unfused_bitwise(gen, monkeypatch, H, I, E, k, T, 
         return F.backward(ctx, dy.cuda(), main_grads=mg), mg
 
     (gu, mgu), (gf, mgf) = _both_paths(monkeypatch, run)
-    _assert_bitwise("fused vs unfused", gu, gf)
+    assert_grads_bitwise("fused vs unfused", gu, gf)
     for n in start:
         assert torch.equal(mgu[n].view(torch.int32), mgf[n].view(torch.int32)), f"main_grad {n}: fused differs"
     _check_against_oracle("fused backward", gf, x, ids, tw, w, dy)
     for _ in range(2):
-        _assert_bitwise("fused, run again", gf, run()[0])
+        assert_grads_bitwise("fused, run again", gf, run()[0])
 
 
 def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
@@ -296,7 +282,7 @@ def test_fused_backward_bench_shape_equals_unfused(gen, monkeypatch):
     dy = (torch.randn(T, H, generator=gen) * 0.1).to(torch.bfloat16).cuda()
     _, ctx = F.forward(x, ids, tw, **w)
     gu, gf = _both_paths(monkeypatch, lambda: F.backward(ctx, dy))
-    _assert_bitwise("dsv3: fused vs unfused", gu, gf)
+    assert_grads_bitwise("dsv3: fused vs unfused", gu, gf)
 
 
 @pytest.mark.parametrize("H,E,k,T,ring", [(512, 16, 4, 257, 0), (256, 4, 2, 700, 256), (768, 32, 8, 64, 0)])
@@ -309,4 +295,4 @@ def test_fused_backward_start_gathers_equal_unfused(gen, monkeypatch, H, E, k, T
     config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
     monkeypatch.setenv("MOK_BACKWARD_START_GATHER", start)
     gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))
-    _assert_bitwise(f"start gather {start}: fused vs unfused", gu, gf)
+    assert_grads_bitwise(f"start gather {start}: fused vs unfused", gu, gf)

@@ -8,7 +8,7 @@ import torch
 
 import mok
 from mok import functional as F
-from oracle import WEIGHTS, assert_close, make_routing, reference, route_term_norms
+from oracle import WEIGHTS, assert_close, assert_grads_bitwise, make_routing, reference, route_term_norms
 
 from bench.shapes import MODELS
 
@@ -16,9 +16,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(not mok.has_cuda(), reason="libmok was built without its CUDA part"),
 ]
-
-GRADS = ("dx", "d_topk_weights") + WEIGHTS
-
 
 def _model_layer(name, num_tokens=320, seed=0):
     """(x, ids, tw, weights, dy) on the GPU: the model's H, I and I_s, at most 8 experts (4 for
@@ -42,16 +39,6 @@ def _model_layer(name, num_tokens=320, seed=0):
     return x, ids.cuda(), tw.cuda(), w, dy
 
 
-def _assert_bitwise(tag, a, b):
-    for name in GRADS:
-        ga, gb = getattr(a, name), getattr(b, name)
-        if ga is None:
-            assert gb is None, f"{tag}: {name}"
-            continue
-        view = torch.int16 if ga.dtype == torch.bfloat16 else torch.int32
-        assert torch.equal(ga.view(view), gb.view(view)), f"{tag}: {name} differs bitwise"
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_shape_forward_and_backward_match_float64(name, monkeypatch):
     x, ids, tw, w, dy = _model_layer(name)
@@ -68,17 +55,17 @@ def test_model_shape_forward_and_backward_match_float64(name, monkeypatch):
             assert_close(f"{name}: grad {n}", getattr(g, n), ref[n])
     # The replay (no saved h) gives the same bits; so does a second run
     g_replay = F.backward(F.recompute_forward_context(x, ids, tw, **w), dy)
-    _assert_bitwise(f"{name}: replayed vs saved h", g, g_replay)
+    assert_grads_bitwise(f"{name}: replayed vs saved h", g, g_replay)
     y2, ctx2 = F.forward(x, ids, tw, **w)
     assert torch.equal(y2, y), f"{name}: forward run twice differs"
-    _assert_bitwise(f"{name}: run twice", g, F.backward(ctx2, dy))
+    assert_grads_bitwise(f"{name}: run twice", g, F.backward(ctx2, dy))
     del ctx2
     # The fused kernels against the unfused launches (the bitwise oracle of the fused path)
     monkeypatch.setenv("MOK_FORWARD_PATH", "unfused")
     monkeypatch.setenv("MOK_BACKWARD_PATH", "unfused")
     y_u, ctx_u = F.forward(x, ids, tw, **w)
     assert torch.equal(y_u, y), f"{name}: fused forward differs from the unfused launches"
-    _assert_bitwise(f"{name}: fused vs unfused backward", g, F.backward(ctx_u, dy))
+    assert_grads_bitwise(f"{name}: fused vs unfused backward", g, F.backward(ctx_u, dy))
 
 
 def test_a_shape_off_the_64_grid_is_named_before_launch():

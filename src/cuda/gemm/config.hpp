@@ -64,7 +64,7 @@ enum class Epilogue : int32_t {
 // Tiles of `tile` covering n (model dimensions are multiples of 64, tiles 128 or 256 wide:
 // the last tile of a dimension may be partial; its loads past the end read neighbouring rows
 // or TMA's zero fill, and the epilogues write only the columns below n).
-MOK_HD constexpr int32_t tiles_of(int64_t n, int64_t tile) { return static_cast<int32_t>((n + tile - 1) / tile); }
+MOK_HD int32_t tiles_of(int64_t n, int64_t tile) { return static_cast<int32_t>(ceil_div(n, tile)); }
 
 // Bits of the wgrad kind's per-expert mode (gemm/wgrad.cuh; < 0: the expert is skipped)
 inline constexpr int32_t kWgradAccumulate = 1, kWgradStoreAcc = 2, kWgradFinal = 4;

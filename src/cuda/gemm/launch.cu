@@ -203,7 +203,7 @@ void check_swiglu_bwd(const GroupedGemmArgs& g) {
   const int64_t inter = g.n;
   MOK_CHECK_ARG(g.out_ld == 2 * inter, "grouped GEMM (dgrad down SwiGLU): dh rows must be 2I = " << 2 * inter << " wide");
   MOK_CHECK_ARG(g.b_n_major, "grouped GEMM (dgrad down SwiGLU): the epilogue needs the dgrad-down orientation");
-  MOK_CHECK_ARG(inter > 0 && inter % 64 == 0 && g.num_n_blocks == tiles_of(inter, g.tile_n),
+  MOK_CHECK_ARG(inter > 0 && inter % TileConfig::kBlockK == 0 && g.num_n_blocks == tiles_of(inter, g.tile_n),
                 "grouped GEMM (dgrad down SwiGLU): I = " << inter << " must be a positive multiple of 64");
   MOK_CHECK_ARG(g.h != nullptr, "grouped GEMM (dgrad down SwiGLU): h ([rows, 2I] bf16, the saved g | u) is missing");
   MOK_CHECK_ARG(g.row_weight != nullptr, "grouped GEMM (dgrad down SwiGLU): row_weight ([rows] fp32) is missing");
@@ -243,10 +243,10 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
                   "grouped GEMM (dgrad): K split = " << g.b_k_split << " must be a multiple of " << C::kBlockK
                                                      << " within K = " << g.k);
     MOK_CHECK_ARG(g.b_k_split <= g.b_rows_per_expert, "grouped GEMM (dgrad): K split exceeds the rows per expert");
-    MOK_CHECK_ARG(g.n % 64 == 0 && g.num_n_blocks == tiles_of(g.n, g.tile_n),
+    MOK_CHECK_ARG(g.n % TileConfig::kBlockK == 0 && g.num_n_blocks == tiles_of(g.n, g.tile_n),
                   "grouped GEMM (dgrad): N = " << g.n << " must be a multiple of 64");
   } else {
-    MOK_CHECK_ARG(g.b_rows_per_expert % 64 == 0 && g.num_n_blocks == tiles_of(g.b_rows_per_expert, g.b_n_step),
+    MOK_CHECK_ARG(g.b_rows_per_expert % TileConfig::kBlockK == 0 && g.num_n_blocks == tiles_of(g.b_rows_per_expert, g.b_n_step),
                   "grouped GEMM: N per expert = " << g.b_rows_per_expert << " must be a multiple of 64");
   }
   const bool swiglu_bwd = g.epilogue == static_cast<int32_t>(Epilogue::kDgradSwiGLU);
@@ -286,8 +286,8 @@ void load_backward_kernels() {
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   using C = TileConfig;
-  MOK_CHECK_ARG(g.mo > 0 && g.mo % 64 == 0, "grouped wgrad: Mo = " << g.mo << " must be a positive multiple of 64");
-  MOK_CHECK_ARG(g.no > 0 && g.no % 64 == 0, "grouped wgrad: No = " << g.no << " must be a positive multiple of 64");
+  MOK_CHECK_ARG(g.mo > 0 && g.mo % TileConfig::kBlockK == 0, "grouped wgrad: Mo = " << g.mo << " must be a positive multiple of 64");
+  MOK_CHECK_ARG(g.no > 0 && g.no % TileConfig::kBlockK == 0, "grouped wgrad: No = " << g.no << " must be a positive multiple of 64");
   MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad: accumulate needs acc");
   MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad: store_acc needs acc");
   MOK_CHECK_ARG(g.out_split == 0 || 2 * g.out_split == g.mo,
