@@ -602,9 +602,9 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
                                      in.strides.w_gate, c, timeout),
                               stream);
   gemm::launch_grouped_gemm(
-      with_b(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert, max_blocks, h,
-                                          b.row_weight, b.dh, b.wa, b.dtw_partials),
-             in.strides.w_down, c, timeout),
+      gemm::with_kind_tile(with_b(gemm::dgrad_down_swiglu_args(b.dy_rows, R, H, in.w_down, El, I, ws.block_expert,
+                                                               max_blocks, h, b.row_weight, b.dh, b.wa, b.dtw_partials),
+                                  in.strides.w_down, c, timeout)),
       stream);
   // EP = 1: the epilogue scatters each row into its slot; EP >= 2: rows in plan order, then
   // pushed to their home ranks' slots (bwd_push_kernel)
@@ -653,10 +653,11 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
                                                                    ws.shared_block, sblocks, b.sh_h),
                                          in.strides.ws_gate, c, timeout),
                                   stream);
-      gemm::launch_grouped_gemm(with_b(gemm::dgrad_down_swiglu_args(dy, T, H, in.ws_down, 1, Is, ws.shared_block,
-                                                                    sblocks, sh_h, b.ones, b.sh_dh, b.sh_a, nullptr),
-                                       in.strides.ws_down, c, timeout),
-                                stream);
+      gemm::launch_grouped_gemm(
+          gemm::with_kind_tile(with_b(gemm::dgrad_down_swiglu_args(dy, T, H, in.ws_down, 1, Is, ws.shared_block,
+                                                                   sblocks, sh_h, b.ones, b.sh_dh, b.sh_a, nullptr),
+                                      in.strides.ws_down, c, timeout)),
+          stream);
       gemm::launch_grouped_gemm(with_b(gemm::dgrad_gate_up_args(b.sh_dh, T, Is, in.ws_gate, in.ws_up, 1, H,
                                                                 ws.shared_block, sblocks, ws.shared_out),
                                        in.strides.ws_gate, c, timeout),

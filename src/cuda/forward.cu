@@ -474,7 +474,7 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
       MOK_FAIL(mokInvalidArgument, "grouped GEMM kind = " << call.kind << " is not a mokGemmKind_t");
   }
   g.num_blocks = call.num_blocks;
-  gemm::launch_grouped_gemm(g, static_cast<cudaStream_t>(stream));
+  gemm::launch_grouped_gemm(gemm::with_kind_tile(g), static_cast<cudaStream_t>(stream));
 }
 
 void grouped_wgrad(const GroupedWgradCall& call, void* stream) {

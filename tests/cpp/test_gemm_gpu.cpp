@@ -60,6 +60,21 @@ const char* kind_name(int kind) {
 
 // One grouped GEMM through the C ABI vs a double reference.  Forward kinds: b0, b1 [E, N, K];
 // dgrad kinds: the weights as stored, b0 [E, K, N] (down) or b0, b1 [E, K/2, N] (gate/up).
+// The engine's tile choices the tests walk, as a tile_n value: 256 (128 x 256, what the C ABI
+// launches), 128 (128 x 128, both consumer warpgroups on each tile) and kPingPong128 (128 x 128,
+// each warpgroup on whole tiles in turn: TileConfigPingPong).
+constexpr int32_t kPingPong128 = -128;
+constexpr int32_t kAbiTile = 0;  // the C ABI's launch (the kind's tile)
+gemm::GroupedGemmArgs engine_tile(const gemm::GroupedGemmArgs& g, int32_t tile_n) {
+  gemm::GroupedGemmArgs t = gemm::with_tile_n(g, tile_n < 0 ? -tile_n : tile_n);
+  t.ping_pong = tile_n == kPingPong128;
+  return t;
+}
+std::string tile_name(int32_t tile_n) {
+  if (tile_n == kAbiTile) return "C ABI";
+  return tile_n == kPingPong128 ? "128x128 ping-pong" : "128x" + std::to_string(tile_n);
+}
+
 // The engine's own launch of a kind in tiles of N = tile_n (the C ABI launches 128 x 256).
 mokResult_t launch_engine(const mokGroupedGemmArgs_t& args, int64_t K, int64_t N, int32_t tile_n) {
   const int64_t M = args.a.shape[0], E = args.b0.shape[0];
@@ -75,7 +90,7 @@ mokResult_t launch_engine(const mokGroupedGemmArgs_t& args, int64_t K, int64_t N
   }
   g.num_blocks = static_cast<int32_t>(args.num_blocks);
   try {
-    gemm::launch_grouped_gemm(gemm::with_tile_n(g, tile_n), nullptr);
+    gemm::launch_grouped_gemm(engine_tile(g, tile_n), nullptr);
   } catch (const std::exception& e) {
     ADD_FAILURE() << e.what();
     return mokInternalError;
@@ -87,7 +102,7 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
                         int64_t num_blocks, int32_t tile_n = 256) {
   SCOPED_TRACE("seed=" + std::to_string(seed) + " E=" + std::to_string(E) + " K=" + std::to_string(K) +
                " N=" + std::to_string(N) + " " + kind_name(kind) + " grid=" + std::to_string(num_blocks) +
-               " tile N=" + std::to_string(tile_n));
+               " tile " + tile_name(tile_n));
   auto run = [&](const mokGroupedGemmArgs_t& a) {
     return tile_n == 256 ? mokGroupedGemm(&a, nullptr) : launch_engine(a, K, N, tile_n);
   };
@@ -154,8 +169,8 @@ void check_grouped_gemm(uint64_t seed, int64_t E, int64_t K, int64_t N, std::vec
   const auto again = dout2.get<bf16_t>();
   for (int64_t i = 0; i < live_blocks * 128 * N; ++i)
     ASSERT_EQ(again[static_cast<size_t>(i)], out[static_cast<size_t>(i)]) << "run twice: element " << i << " differs";
-  std::printf("grouped GEMM %s (tile N %d) E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", kind_name(kind),
-              tile_n, static_cast<long>(E), static_cast<long>(K), static_cast<long>(N), block_expert.size(), s.rel,
+  std::printf("grouped GEMM %s (tile %s) E=%ld K=%ld N=%ld blocks=%zu: rel %.3e max-abs %.3e\n", kind_name(kind),
+              tile_name(tile_n).c_str(), static_cast<long>(E), static_cast<long>(K), static_cast<long>(N), block_expert.size(), s.rel,
               s.max_abs);
 }
 
@@ -356,12 +371,25 @@ TEST(GemmGpu, TileShape128x128EveryKind) {
   check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3, 128);
 }
 
+// The 128 x 128 ping-pong schedule (each consumer warpgroup owns whole tiles in turn, stages
+// released by one warpgroup): every kind; small grids and -1 blocks at the end, so the two
+// warpgroups' turns and the stages each skips wrap the ring many times.
+TEST(GemmGpu, PingPongEveryKind) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_gemm(fresh_seed(), 3, 192, 512, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0, kPingPong128);
+  check_grouped_gemm(fresh_seed(), 3, 512, 384, {2, 0, 1, 1, -1}, mokGemmGateUp, 0, kPingPong128);
+  check_grouped_gemm(fresh_seed(), 3, 512, 512, {0, 0, 2, 2, 1, -1, -1}, mokGemmDgradDown, 3, kPingPong128);
+  check_grouped_gemm(fresh_seed(), 2, 1024, 768, {0, 1, 1, 0, 1, -1}, mokGemmDgradGateUp, 3, kPingPong128);
+  check_grouped_gemm(fresh_seed(), 2, 2048, 512, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmDown, 1, kPingPong128);
+  check_grouped_gemm(fresh_seed(), 2, 640, 256, {0, 1, 1, 0, 1, 0, 0, 1}, mokGemmGateUp, 2, kPingPong128);
+}
+
 // Dimensions that are multiples of 64 but not of the tile: the last tile of N (and of the
 // wgrad's Mo and No) is partial; its columns past N are neither written nor read (the outputs
 // start as NaN, each row against float64, bitwise twice).
 TEST(GemmGpu, PartialTilesEveryKind) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (int32_t tile_n : {256, 128}) {
+  for (int32_t tile_n : {256, 128, kPingPong128}) {
     check_grouped_gemm(fresh_seed(), 3, 192, 320, {0, 0, 1, 2, 2, -1}, mokGemmDown, 0, tile_n);
     check_grouped_gemm(fresh_seed(), 2, 320, 192, {1, 0, 1, -1}, mokGemmGateUp, 0, tile_n);
     check_grouped_gemm(fresh_seed(), 3, 192, 320, {0, 0, 2, 2, -1}, mokGemmDgradDown, 0, tile_n);
@@ -439,8 +467,8 @@ struct SwiGLUBwdOutputs {
   std::vector<float> part;     // [M, ceil(I / 128)]
 };
 
-// One call at tile N = tile_n: 256 through the C ABI (what it launches), 128 through the
-// engine's own launch (with_tile_n).  Outputs start as 0xFF bytes (NaN); without
+// One call: tile_n 0 through the C ABI (the kind's tile: 128 x 128 ping-pong, with_kind_tile),
+// else the engine's own launch at that tile (engine_tile).  Outputs start as 0xFF bytes (NaN); without
 // `optional`, wa and the partials are not passed (and come back all 0xFF).
 ::testing::AssertionResult run_swiglu_bwd(const SwiGLUBwdInputs& in, int32_t tile_n, int64_t num_blocks, bool optional,
                                           SwiGLUBwdOutputs* out) {
@@ -449,7 +477,7 @@ struct SwiGLUBwdOutputs {
   DeviceBuffer ddh(static_cast<size_t>(M * 2 * I) * 2), dwa(static_cast<size_t>(M * I) * 2),
       dpart(static_cast<size_t>(M * C) * 4);
   const int32_t blocks = static_cast<int32_t>(in.block_expert.size());
-  if (tile_n == 256) {
+  if (tile_n == kAbiTile) {
     mokGroupedGemmArgs_t a{};
     a.a = tensor_view(ddy.ptr, mokBFloat16, {M, H}, 0);
     a.b0 = tensor_view(dw.ptr, mokBFloat16, {E, H, I}, 0);
@@ -472,9 +500,9 @@ struct SwiGLUBwdOutputs {
         optional ? static_cast<float*>(dpart.ptr) : nullptr);
     g.num_blocks = static_cast<int32_t>(num_blocks);
     try {
-      gemm::launch_grouped_gemm(gemm::with_tile_n(g, tile_n), nullptr);
+      gemm::launch_grouped_gemm(engine_tile(g, tile_n), nullptr);
     } catch (const std::exception& e) {
-      return ::testing::AssertionFailure() << "engine launch at tile N " << tile_n << ": " << e.what();
+      return ::testing::AssertionFailure() << "engine launch at tile " << tile_name(tile_n) << ": " << e.what();
     }
   }
   const cudaError_t err = cudaDeviceSynchronize();
@@ -721,9 +749,9 @@ TEST(GemmGpu, DgradDownSwiGLUEpilogue) {
     const uint64_t seed = fresh_seed();
     const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, c.E, c.H, c.I, c.segs, c.trailing, c.cut);
     const SwiGLUBwdWant want = swiglu_bwd_reference(in);
-    for (int32_t tile_n : {256, 128})
+    for (int32_t tile_n : {kAbiTile, 256, 128, kPingPong128})
       for (bool optional : {true, false}) {
-        const std::string what = std::string(c.name) + ", tile 128x" + std::to_string(tile_n) +
+        const std::string what = std::string(c.name) + ", tile " + tile_name(tile_n) +
                                  (optional ? "" : ", without wa and partials") + ", seed " + std::to_string(seed);
         SCOPED_TRACE(what);
         SwiGLUBwdOutputs out, again;
@@ -745,9 +773,9 @@ TEST(GemmGpu, DgradDownSwiGLUPartialTiles) {
     const uint64_t seed = fresh_seed();
     const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, 2, 192, I, {{1, 77}, {0, 300}}, 2, 0);
     const SwiGLUBwdWant want = swiglu_bwd_reference(in);
-    for (int32_t tile_n : {256, 128}) {
-      const std::string what = "E=2 H=192 I=" + std::to_string(I) + " experts 1:77 0:300, tile 128x" +
-                               std::to_string(tile_n) + ", seed " + std::to_string(seed);
+    for (int32_t tile_n : {kAbiTile, 256, 128, kPingPong128}) {
+      const std::string what = "E=2 H=192 I=" + std::to_string(I) + " experts 1:77 0:300, tile " +
+                               tile_name(tile_n) + ", seed " + std::to_string(seed);
       SCOPED_TRACE(what);
       SwiGLUBwdOutputs out, again;
       ASSERT_TRUE(run_swiglu_bwd(in, tile_n, 0, true, &out));
@@ -776,10 +804,15 @@ TEST(GemmGpu, DgradDownSwiGLUTileShapesAgreeBitwise) {
     const std::string what = std::string(c.name) + ", seed " + std::to_string(seed);
     SCOPED_TRACE(what);
     const SwiGLUBwdInputs in = make_swiglu_bwd_inputs(seed, c.E, c.H, c.I, c.segs, c.trailing, c.cut);
-    SwiGLUBwdOutputs t256, t128;
+    SwiGLUBwdOutputs t256, t128, tpp, tabi;
     ASSERT_TRUE(run_swiglu_bwd(in, 256, c.num_blocks, true, &t256));
     ASSERT_TRUE(run_swiglu_bwd(in, 128, c.num_blocks, true, &t128));
+    ASSERT_TRUE(run_swiglu_bwd(in, kPingPong128, c.num_blocks, true, &tpp));
+    ASSERT_TRUE(run_swiglu_bwd(in, kAbiTile, c.num_blocks, true, &tabi));
     std::string where;
+    // The schedule (which warpgroup runs a tile, in which order) never changes an element's sums
+    EXPECT_TRUE(bitwise_equal(t128, tpp, &where)) << what << ": 128x128 cooperative and ping-pong differ; " << where;
+    EXPECT_TRUE(bitwise_equal(tpp, tabi, &where)) << what << ": the C ABI's launch and ping-pong differ; " << where;
     if (bitwise_equal(t256, t128, &where)) continue;
     // Diagnose: the plain dgrad-down kind (bf16 da) at both shapes
     const int64_t M = in.M, H = in.H, I = in.I;

@@ -426,7 +426,7 @@ TEST(WaitSites, TheHostDecodesEveryRecord) {
       << s;
   s = says(record(WaitSite::kGridBarrier, 9, 1, 264, 263));
   EXPECT_NE(s.find("every block to arrive (EP: the second arrival), 264 arrivals, observed 263"), std::string::npos) << s;
-  for (int site = static_cast<int>(WaitSite::kStageEmpty); site <= static_cast<int>(WaitSite::kGridBarrier); ++site) {
+  for (int site = static_cast<int>(WaitSite::kStageEmpty); site <= static_cast<int>(WaitSite::kLastWaitSite); ++site) {
     s = says(record(static_cast<WaitSite>(site), 0, 0, 0, -1));
     EXPECT_EQ(s.find("wait site"), std::string::npos) << "site " << site << " has no sentence: " << s;
   }

@@ -6,6 +6,8 @@
 #   e2e    bench/bench_e2e.py (Qwen3-30B-A3B-shaped and DeepSeek-V3-family HF models, mok vs grouped_mm)
 #   perf   the layer's backward (and forward + backward), then its forward, at the sustained clock,
 #          on PERF_SHAPES (default dsv3 qwen3; bench/shapes.py SHAPES and MODELS names)
+#   gemm   the backward's GEMM kinds, mok vs torch._grouped_mm, at the sustained clock, on
+#          PERF_SHAPES (tools/sustained.py --gemm; GEMM_VARIANTS: its --variants)
 #   suite  tools/gpu_check.sh (every GPU test, sanitizers)
 # Logs and JSON under $OUT.
 set -uo pipefail
@@ -52,6 +54,12 @@ for part in ${PARTS:-tests}; do
       for shape in ${PERF_SHAPES:-dsv3 qwen3}; do
         timeout 240 python3 tools/sustained.py $shape --backward 2>&1 | tee -a "$OUT/sustained_bwd.log" | tail -12
         timeout 240 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/sustained_fwd.log" | tail -10
+      done
+      ;;
+    gemm)
+      for shape in ${PERF_SHAPES:-dsv3 qwen3}; do
+        timeout 240 python3 tools/sustained.py $shape --gemm ${GEMM_VARIANTS:+--variants "$GEMM_VARIANTS"} 2>&1 |
+          tee -a "$OUT/sustained_gemm.log" | tail -12
       done
       ;;
     suite)

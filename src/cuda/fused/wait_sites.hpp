@@ -73,6 +73,9 @@ inline std::string describe_timeout(const int64_t* t) {
     case WaitSite::kRowCopy:
       s << "comm warp " << detail << ": waiting for a row's bulk load into its staging row";
       break;
+    case WaitSite::kPingPongTurn:
+      s << "consumer " << detail << " (ping-pong): waiting for the other consumer to finish its tile's K loop";
+      break;
     case WaitSite::kGridBarrier:
       s << "end phase: waiting for every block to arrive" << (detail > 0 ? " (EP: the second arrival)" : "")
         << ", " << expected << " arrivals";

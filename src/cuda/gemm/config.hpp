@@ -23,13 +23,20 @@ enum class Operands : int32_t {
 // (TileConfig, 128 x 256 bf16, unless a launch asks for another: the dgrad-down epilogue and
 // the fp8 path want 128 x 128).  What the consumers issue per stage is the MMA policy
 // (tile.cuh: MmaBf16, MmaE4m3), chosen by the operand bytes.
-template <int kBlockM_, int kBlockN_, int kElemBytes_ = 2>
+// kPingPong: the schedule of the consumers.  false (cooperative): both warpgroups share every
+// tile, 64 rows each, and read every stage.  true (ping-pong): each warpgroup owns whole tiles in
+// turn (all BLOCK_M rows, as kSlabs 64-row slabs), reading only its tiles' stages, so one's
+// epilogue runs under the other's MMAs.
+template <int kBlockM_, int kBlockN_, int kElemBytes_ = 2, bool kPingPong_ = false>
 struct TileShape {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kElemBytes = kElemBytes_;
+  static constexpr bool kPingPong = kPingPong_;
   static constexpr int kBlockK = 128 / kElemBytes;
   static constexpr int kConsumers = 2;
+  static constexpr int kStageReaders = kPingPong ? 1 : kConsumers;  // releases that free a stage
+  static constexpr int kSlabs = kPingPong ? kBlockM / 64 : 1;        // 64-row accumulators per consumer
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
@@ -37,7 +44,7 @@ struct TileShape {
   static constexpr int kBHalfBytes = (kBlockN / 2) * kBlockK * kElemBytes;  // 16 KB at N = 256
   static constexpr int kStageBytes = kATileBytes + 2 * kBHalfBytes; // 48 KB at N = 256
   static constexpr int kStages = (192 * 1024) / kStageBytes;        // 4 at N = 256, 6 at N = 128
-  static constexpr int kAccRegs = kBlockN / 2;                      // fp32 per thread (64 x N / 128)
+  static constexpr int kAccRegs = kBlockN / 2;                      // fp32 per thread of a slab (64 x N / 128)
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
   static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the generated wrappers");
   static_assert(kElemBytes == 1 || kElemBytes == 2, "operands: bf16 (2 bytes) or fp8 e4m3 (1 byte)");
@@ -47,6 +54,7 @@ struct TileShape {
 using TileConfig = TileShape<128, 256>;
 using TileConfigN128 = TileShape<128, 128>;
 using TileConfigE4m3 = TileShape<128, 128, 1>;  // fp8 operands: the seam of the fp8 recipes
+using TileConfigPingPong = TileShape<128, 128, 2, true>;  // 128 x 128 tiles, a warpgroup each
 static_assert(TileConfig::kStages == 4, "the forward's measured configuration");
 
 // Channels of I per router-gradient partial of the dgrad-down SwiGLU epilogue (epilogue_bwd.cuh):

@@ -121,45 +121,69 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = static_cast<int>(role) - 1;
   PipelineState<C::kStages> stage;
-  float acc[C::kAccRegs];
+  float acc[C::kSlabs][C::kAccRegs];
   // NOTES: each tile's expert is read one tile ahead (its load latency under the previous
   // tile's MMAs); only its sign matters here.
   auto expert_of = [&](int tile) {
     return tile < num_tiles ? p.block_expert[raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group).m] : -1;
   };
   int expert = expert_of(blockIdx.x);
+  int taken = 0;  // ping-pong: tiles with an expert so far; consumer taken % 2 owns the next
+  uint32_t turn_phase = 0;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
     const int m_block = tc.m, n_block = tc.n;
     const int this_expert = expert;
     expert = expert_of(tile + static_cast<int>(gridDim.x));
     if (this_expert < 0) continue;
+    if constexpr (C::kPingPong) {
+      // The other warpgroup's tile: its stages pass by (the producer fills tiles in order)
+      if ((taken++ & 1) != consumer) {
+        stage.advance(p.num_k_blocks);
+        continue;
+      }
+      // Every tile but the block's first: the other consumer's K loop of the tile before has
+      // passed its stage waits (StageStorageT::turn)
+      if (taken > 1) {
+        if (!wait_barrier_warp(&s.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer)) return;
+        turn_phase ^= 1u;
+      }
+    }
     constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
-    if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait)) return;
-    // Epilogue straight from registers
+    const auto pass_turn = [&] {
+      if (C::kPingPong && threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
+    };
+    if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, pass_turn)) return;
+    // Epilogue straight from registers, a 64-row slab at a time
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
-    if constexpr (kSwiGLUBwd) {
-      static_assert(kBNMajor, "the SwiGLU-backward epilogue belongs to the dgrad-down kind");
-      const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter};
-      const int64_t left = p.out_rows - row0;
-      const int valid_rows = left < C::kBlockM ? static_cast<int>(left) : C::kBlockM;
-      const float* __restrict__ rw = p.row_weight + row0;
-      epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, valid_rows, int64_t{n_block} * C::kBlockN,
-                            [&](int r) { return rw[r]; });
-    } else {
-      switch (p.epilogue) {
-        case Epilogue::kSwiGLU:
-          epilogue_swiglu(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
-          break;
-        case Epilogue::kGateUpPreact:
-          epilogue_gate_up_preact(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
-          break;
-        case Epilogue::kStore:
-          epilogue_store(acc, consumer, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
-          break;
-        case Epilogue::kScatter:
-          epilogue_scatter(acc, consumer, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk, int64_t{n_block} * C::kBlockN);
-          break;
+#pragma unroll
+    for (int j = 0; j < C::kSlabs; ++j) {
+      const int slab = C::kPingPong ? j : consumer;  // rows 64 slab .. 64 slab + 63 of the tile
+      if constexpr (kSwiGLUBwd) {
+        static_assert(kBNMajor, "the SwiGLU-backward epilogue belongs to the dgrad-down kind");
+        const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter};
+        const int64_t left = p.out_rows - row0;
+        const int valid_rows = left < C::kBlockM ? static_cast<int>(left) : C::kBlockM;
+        const float* __restrict__ rw = p.row_weight + row0;
+        epilogue_dgrad_swiglu(acc[j], slab, e, row0, row0, valid_rows, int64_t{n_block} * C::kBlockN,
+                              [&](int r) { return rw[r]; });
+      } else {
+        switch (p.epilogue) {
+          case Epilogue::kSwiGLU:
+            epilogue_swiglu(acc[j], slab, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
+            break;
+          case Epilogue::kGateUpPreact:
+            epilogue_gate_up_preact(acc[j], slab, p.out, p.out_ld, row0, p.out_rows,
+                                    int64_t{n_block} * (C::kBlockN / 2));
+            break;
+          case Epilogue::kStore:
+            epilogue_store(acc[j], slab, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
+            break;
+          case Epilogue::kScatter:
+            epilogue_scatter(acc[j], slab, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
+                             int64_t{n_block} * C::kBlockN);
+            break;
+        }
       }
     }
   }

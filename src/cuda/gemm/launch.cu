@@ -192,7 +192,8 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
 
 template <bool kBNMajor, bool kSwiGLUBwd = false>
 void launch_tile_shape(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
-  if (g.tile_n == 128) launch_tiles<TileConfigN128, kBNMajor, kSwiGLUBwd>(g, sms, stream);
+  if (g.tile_n == 128 && g.ping_pong) launch_tiles<TileConfigPingPong, kBNMajor, kSwiGLUBwd>(g, sms, stream);
+  else if (g.tile_n == 128) launch_tiles<TileConfigN128, kBNMajor, kSwiGLUBwd>(g, sms, stream);
   else launch_tiles<TileConfig, kBNMajor, kSwiGLUBwd>(g, sms, stream);
 }
 
@@ -227,6 +228,13 @@ GroupedGemmArgs with_tile_n(GroupedGemmArgs g, int32_t tile_n) {
   // tile at 256 does not become a whole tile of nothing at 128
   g.num_n_blocks = g.b_n_major ? tiles_of(g.n, tile_n) : tiles_of(g.b_rows_per_expert, g.b_n_step);
   g.tile_n = tile_n;
+  return g;
+}
+
+GroupedGemmArgs with_kind_tile(GroupedGemmArgs g) {
+  if (g.epilogue != static_cast<int32_t>(Epilogue::kDgradSwiGLU) || g.tile_n != 256) return g;
+  g = with_tile_n(g, 128);
+  g.ping_pong = true;
   return g;
 }
 
@@ -280,6 +288,7 @@ void load_backward_kernels() {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfigN128, false>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, false>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, true>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigPingPong, true>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true>));
 }

@@ -42,6 +42,7 @@ struct GroupedGemmArgs {
   int64_t n = 0;                 // dgrad kinds: the output's columns (with_tile_n re-tiles them)
   // Tile N of the launch (config.hpp): 256, or 128 (TileConfigN128) through with_tile_n.
   int32_t tile_n = 256;
+  bool ping_pong = false;  // tile_n 128: each consumer warpgroup owns whole tiles (TileConfigPingPong)
   // Operand bytes: 2 (bf16), or 1: a and b e4m3 (K-major kinds only, 128 x 128 tiles of
   // TileConfigE4m3, K % 128 == 0, no scales: the seam of the fp8 recipes).
   int32_t operand_bytes = 2;
@@ -84,6 +85,11 @@ GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t h
 
 // The same GEMM in tiles of N = tile_n (128 or 256): the builders above lay out for 256.
 GroupedGemmArgs with_tile_n(GroupedGemmArgs args, int32_t tile_n);
+
+// The tile a kind runs at (the C ABI and the unfused backward launch through it): the builders'
+// 128 x 256 cooperative tiles, but for the dgrad-down SwiGLU kind 128 x 128 ping-pong tiles, whose
+// epilogue runs under the other warpgroup's K loop (docs/perf.md, session 17).  Same bits.
+GroupedGemmArgs with_kind_tile(GroupedGemmArgs args);
 
 // Throws mok::Error on a CUDA failure or an unsupported shape.
 void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream);

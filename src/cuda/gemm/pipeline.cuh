@@ -20,6 +20,12 @@ struct PipelineState {
       phase ^= 1u;
     }
   }
+  // n slots on (n >= 0): the position after n advance() calls
+  __device__ __forceinline__ void advance(int n) {
+    const int to = index + n;
+    phase ^= static_cast<uint32_t>(to / kStages) & 1u;
+    index = to % kStages;
+  }
 };
 
 // Where a timed-out wait reports: words of the kernel's error record (see common/defs.hpp

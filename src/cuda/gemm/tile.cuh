@@ -49,8 +49,18 @@ struct StageStorageT {
   alignas(1024) Elem a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
   alignas(1024) Elem b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
   Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
+  // Ping-pong: turn[c] completes a phase when the other consumer has passed every stage wait of
+  // its tile, so that consumer c waits on its next tile's stages at most one phase ahead of
+  // their barriers (an mbarrier's parity cannot tell phase p from p + 2)
+  uint64_t turn[2];
 
-  __device__ void init_barriers() { pipe.init(1, T::kConsumers); }
+  __device__ void init_barriers() {
+    pipe.init(1, T::kStageReaders);
+    if constexpr (T::kPingPong) {
+      ptx::mbar_init(&turn[0], 1);
+      ptx::mbar_init(&turn[1], 1);
+    }
+  }
 };
 using StageStorage = StageStorageT<TileConfig>;
 template <class T>
@@ -196,16 +206,23 @@ using MmaOf = std::conditional_t<T::kElemBytes == 1, MmaE4m3, MmaBf16>;
 
 // Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
 // least one), the operands in the stage as `kOps` says, each k-block issued by the MMA policy.
-template <Operands kOps = Operands::kKMajor, class T, class Mma = MmaOf<T>>
+// Cooperative tiles: the warpgroup's 64 rows (consumer selects them).  Ping-pong tiles: every
+// row, slab j (rows 64j .. 64j + 63) into acc[j]; the k-block's MMAs are one group.
+// after_waits() runs once every stage wait of the tile has passed (before the last MMAs drain).
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <Operands kOps = Operands::kKMajor, class T, class Mma = MmaOf<T>, class AfterWaits = NoHook>
 __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
-                                             int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
-                                             const WaitContext& wait) {
+                                             int num_k_blocks, int consumer, float (&acc)[T::kSlabs][T::kAccRegs],
+                                             const WaitContext& wait, AfterWaits after_waits = {}) {
   const bool leader = threadIdx.x % 128 == 0;
   int prev_index = 0;
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     // Wait for the stage, then issue its MMAs
     if (!s.pipe.consumer_wait(stage, wait)) return false;
-    Mma::template issue<kOps, T>(acc, s, stage.index, consumer, kb);
+#pragma unroll
+    for (int j = 0; j < T::kSlabs; ++j) Mma::template issue<kOps, T>(acc[j], s, stage.index, T::kPingPong ? j : consumer, kb);
     ptx::wgmma_commit();
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
     // inject a wait (C7517) and serialise the MMAs.
@@ -217,10 +234,21 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
     prev_index = stage.index;
     stage.advance();
   }
+  after_waits();
   ptx::wgmma_wait<0>();
-  ptx::fence_regs(acc);
+#pragma unroll
+  for (int j = 0; j < T::kSlabs; ++j) ptx::fence_regs(acc[j]);
   if (leader) s.pipe.consumer_release(prev_index);
   return true;
+}
+// A cooperative tile's one slab
+template <Operands kOps = Operands::kKMajor, class T, class Mma = MmaOf<T>>
+__device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+                                             int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
+                                             const WaitContext& wait) {
+  static_assert(T::kSlabs == 1, "a ping-pong tile has a slab per 64 rows");
+  return consume_tile<kOps, T, Mma>(s, stage, num_k_blocks, consumer, reinterpret_cast<float(&)[1][T::kAccRegs]>(acc),
+                                    wait);
 }
 
 // ---- epilogues: one consumer's 64 x 256 accumulator tile ------------------------------------
