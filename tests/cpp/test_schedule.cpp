@@ -92,13 +92,18 @@ void check(int32_t num_blocks, int32_t ring_blocks, int32_t mini_blocks, TaskCou
   // wait on a counter that tiles signal counts all of them, and all of them come earlier.
   std::map<std::pair<int, int32_t>, std::vector<int32_t>> signalled_by;  // (array, index) -> tasks
   for (const auto& [tile, t] : index) {
-    const CounterArray a = task_signals(static_cast<TaskKind>(std::get<0>(tile)));
-    if (a != CounterArray::kNone) signalled_by[{static_cast<int>(a), std::get<1>(tile)}].push_back(t);
+    Signal s[kMaxSignals];
+    const int n = task_signals(static_cast<TaskKind>(std::get<0>(tile)), std::get<1>(tile), 0, g, c, s);
+    ASSERT_TRUE(n >= 0 && n <= kMaxSignals);
+    for (int i = 0; i < n; ++i) {
+      ASSERT_NE(s[i].array, CounterArray::kGatherReady) << "a tile signals the comm blocks' counter";
+      signalled_by[{static_cast<int>(s[i].array), s[i].index}].push_back(t);
+    }
   }
   std::map<int32_t, std::set<int32_t>> waited_on;  // task -> the tasks its waits cover
   for (const auto& [tile, t] : index) {
     Wait w[kMaxWaits];
-    const int n = task_waits(static_cast<TaskKind>(std::get<0>(tile)), std::get<1>(tile), g, c, w);
+    const int n = task_waits(static_cast<TaskKind>(std::get<0>(tile)), std::get<1>(tile), 0, g, c, w);
     ASSERT_TRUE(n >= 0 && n <= kMaxWaits);
     for (int i = 0; i < n; ++i) {
       if (w[i].array == CounterArray::kGatherReady) {  // the comm blocks' rows
@@ -128,7 +133,7 @@ void check(int32_t num_blocks, int32_t ring_blocks, int32_t mini_blocks, TaskCou
         ASSERT_TRUE(covers(at(TaskKind::kGateUp, b, nn), TaskKind::kDown, prev, c.n_down)) << b;
       }
       Wait w[kMaxWaits];
-      const int n = task_waits(TaskKind::kGateUp, b, g, c, w);
+      const int n = task_waits(TaskKind::kGateUp, b, 0, g, c, w);
       const auto rows = [&](const Wait& x) { return x.array == CounterArray::kGatherReady && x.index == b; };
       ASSERT_TRUE(std::any_of(w, w + n, rows)) << "gate/up of block " << b << " waits for its rows";
     }
@@ -147,9 +152,10 @@ TEST(FusedSchedule, EveryKindDispatchesToItsOp) {
     EXPECT_EQ(visit_op(k, [](auto op) { return decltype(op)::kKind; }), k);
   const auto kind_of = [](auto op) { return static_cast<int>(decltype(op)::kKind); };
   EXPECT_EQ(visit_op(TaskKind::kDone, kind_of, [] { return -1; }), -1);
-  EXPECT_EQ(task_signals(TaskKind::kDone), CounterArray::kNone);
+  Signal s[kMaxSignals];
+  EXPECT_EQ(task_signals(TaskKind::kDone, 0, 0, Geometry::make(4, 2, 1), TaskCounts{1, 1, 1, 1, 1}, s), 0);
   Wait w[kMaxWaits];
-  EXPECT_EQ(task_waits(TaskKind::kDone, 0, Geometry::make(4, 2, 1), TaskCounts{1, 1, 1, 1, 1}, w), 0);
+  EXPECT_EQ(task_waits(TaskKind::kDone, 0, 0, Geometry::make(4, 2, 1), TaskCounts{1, 1, 1, 1, 1}, w), 0);
 }
 
 TEST(FusedSchedule, CoversEveryTileInTopologicalOrder) {
@@ -213,8 +219,9 @@ struct ProtocolModel {
   // A finished tile adds 1 to its op's counter, as the signaler does.
   void finish(int32_t task) {
     const TaskTile t = decode_task(seg, num_segments, n_group, task);
-    const CounterArray a = task_signals(static_cast<TaskKind>(t.kind));
-    if (a != CounterArray::kNone) ++counters[static_cast<int>(a)][static_cast<size_t>(t.block)];
+    Signal s[kMaxSignals];
+    const int n = task_signals(static_cast<TaskKind>(t.kind), t.block, 0, g, c, s);
+    for (int i = 0; i < n; ++i) ++counters[static_cast<int>(s[i].array)][static_cast<size_t>(s[i].index)];
   }
   // One step of compute block `cb`; false when it can do nothing now.
   bool step(Compute& cb, std::mt19937_64& rng) {
@@ -223,7 +230,7 @@ struct ProtocolModel {
     if (cb.pending >= 0) {
       const TaskTile t = decode_task(seg, num_segments, n_group, cb.pending);
       Wait w[kMaxWaits];
-      if (ready(w, task_waits(static_cast<TaskKind>(t.kind), t.block, g, c, w))) actions.push_back(1);
+      if (ready(w, task_waits(static_cast<TaskKind>(t.kind), t.block, 0, g, c, w))) actions.push_back(1);
     }
     if (!cb.in_flight.empty()) actions.push_back(2);
     if (actions.empty()) return false;

@@ -4,11 +4,14 @@
 #pragma once
 
 #include "cuda/fused/backward_params.cuh"
+#include "cuda/fused/direction.cuh"
 #include "cuda/fused/ops_bwd/ops.cuh"
 
 namespace mok::cuda::fused::bwd {
 
-struct BackwardDir {
+// The backward's types (DirBase's)
+struct BackwardTypes {
+  using Kind = TaskKind;
   using Params = BackwardParams;
   using MapsT = Maps;
   using Shared = bwd::Shared;
@@ -16,8 +19,12 @@ struct BackwardDir {
   using Counts = TaskCounts;
   using Task = bwd::Task;
   using WaitT = Wait;
+  using Signal = bwd::Signal;
+  static constexpr int kMaxSignals = bwd::kMaxSignals;
   using Load = bwd::Load;
-  static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
+};
+
+struct BackwardDir : DirBase<BackwardTypes> {
   // Many short tiles (wgrad K = an expert's rows): the next task's claim and decode go under
   // this one's loads
   static constexpr bool kClaimAhead = true;
@@ -42,20 +49,10 @@ struct BackwardDir {
                                                      const gemm::WaitContext& wait, uint32_t phase);
   __device__ __forceinline__ static void finish(Shared& sh, const Params& p, const gemm::WaitContext& wait);
 
-  // ---- the role loops (roles/) ----
-  __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
-    return &p.counters[static_cast<int>(Counter::kTaskNext)];
-  }
+  // ---- the role loops (roles/): what DirBase does not ----
   // The geometry and tile counts every role of the block reads (set up at kernel entry)
   __device__ __forceinline__ static Task decode(const Shared& sh, const Params& p, int32_t task);
   __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0, 0, 0, 0, 0}; }
-  template <class F>
-  __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {
-    return visit_op(static_cast<TaskKind>(kind), f);
-  }
-  __device__ __forceinline__ static int waits(const Task& t, const GeometryT& g, const Counts& c, WaitT* out) {
-    return task_waits(static_cast<TaskKind>(t.kind), t.block, t.macro, g, c, out);
-  }
   __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
                                                   const gemm::WaitContext& wait) {
     return bwd::wait_all(p, waits, n, wait);
@@ -102,10 +99,6 @@ struct BackwardDir {
       if (kb == 0) after_first();
     });
   }
-  __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT& g, const Counts& c,
-                                                     const Task& t) {
-    return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p, g, c, t); });
-  }
   // A task of no k-blocks (a wgrad tile of zeros) takes no stage; its epilogue does not read acc.
   __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
                                                  const Task& t, int32_t k_blocks, int consumer,
@@ -119,23 +112,6 @@ struct BackwardDir {
     if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor))
       return gemm::consume_tile<gemm::Operands::kBNMajor>(s, stage, k_blocks, consumer, acc, wait);
     return gemm::consume_tile<gemm::Operands::kMNMajor>(s, stage, k_blocks, consumer, acc, wait);
-  }
-  __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
-                                                  const Params& p, const GeometryT& g, const Counts& c,
-                                                  const Task& info) {
-    visit(info.kind, [&acc, consumer, &p, &g, &c, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, c, info); });
-  }
-  struct SignalTargets {
-    const Params* p;
-  };
-  __device__ __forceinline__ static SignalTargets signal_targets(const Params& p) { return SignalTargets{&p}; }
-  __device__ __forceinline__ static void signal(const SignalTargets& targets, const Task& info, const GeometryT& g,
-                                                const Counts& c) {
-    Signal out[kMaxSignals];
-    const int n = task_signals(static_cast<TaskKind>(info.kind), info.block, info.macro, g, c, out);
-    if (n == 0) return;
-    __threadfence();
-    for (int i = 0; i < n; ++i) signal_counter(counter_of(*targets.p, out[i].array, out[i].index), 1);
   }
 };
 

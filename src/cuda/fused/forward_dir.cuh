@@ -2,21 +2,23 @@
 // generic role loops (roles/) need from a direction.  A direction bundles
 //   Params, Maps, Shared, Geometry, Counts, Task   its kernel's parameter, tensor-map, shared-
 //                                                  memory, geometry, tile-count and task types
-//   kDone                        the task kind that ends the role loops
+//   kDone                        the task kind that ends the role loops (DirBase)
 //   kClaimAhead                  the producer claims the next task under this one's loads
 //                                (produce then takes a hook, called once the first k-block is issued)
-//   task_counter(p)              the global task claim counter
+//   task_counter(p)              the global task claim counter (DirBase)
 //   decode(sh, p, task)          task index -> Task (the direction's schedule builder)
-//   visit(kind, f)               f(Op{}) for the op of `kind` (its op list)
-//   waits(task, g, c, out)       what a task waits on (the ops' descriptions; the host model
-//                                of its schedule test reads the same)
+//   visit(kind, f)               f(Op{}) for the op of `kind` (DirBase, over its op list)
+//   waits(task, g, c, out)       what a task waits on (DirBase: the ops' descriptions; the host
+//                                model of its schedule test reads the same)
 //   wait_all(p, waits, n, wait)  the counters' waits
 //   Load, load(maps, p, g, c, task), produce(...)   what a task's tile loads and the producer
 //                                loop that loads it
 //   epilogue(acc, consumer, p, g, c, task)   what a consumer does with a task's accumulator
-//   k_blocks(p, g, c, task)      the task's K loop, in k-blocks
+//                                (DirBase)
+//   k_blocks(p, g, c, task)      the task's K loop, in k-blocks (DirBase)
 //   consume(...)                 the consumers' MMA loop for a task of k_blocks k-blocks
 //   signal_targets(p), signal(targets, task, g, c)   the counters a finished tile adds 1 to
+//                                (DirBase: the ops' signals at the direction's counter_of)
 // and the hooks of the kernel entry (megakernel.cuh: run_megakernel), defined beside the
 // direction's gathers and end phase in its kernel file:
 //   kProducerRegs, kConsumerRegs setmaxnreg's split of the register file
@@ -34,12 +36,15 @@
 // The backward (fused/schedule_bwd.cuh, its ops) is the second direction.
 #pragma once
 
+#include "cuda/fused/direction.cuh"
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/fused/ops/ops.cuh"
 
 namespace mok::cuda::fused {
 
-struct ForwardDir {
+// The forward's types (DirBase's)
+struct ForwardTypes {
+  using Kind = TaskKind;
   using Params = ForwardParams;
   using MapsT = Maps;
   using Shared = FusedShared;
@@ -47,8 +52,12 @@ struct ForwardDir {
   using Counts = TaskCounts;
   using Task = TaskInfo;
   using WaitT = Wait;
+  using Signal = fused::Signal;
+  static constexpr int kMaxSignals = fused::kMaxSignals;
   using Load = gemm::TileLoad;
-  static constexpr int32_t kDone = static_cast<int32_t>(TaskKind::kDone);
+};
+
+struct ForwardDir : DirBase<ForwardTypes> {
   static constexpr bool kClaimAhead = false;  // the producer claims a task after the last one's loads
   static constexpr int kProducerRegs = TileConfig::kProducerRegs, kConsumerRegs = TileConfig::kConsumerRegs;
 
@@ -70,72 +79,29 @@ struct ForwardDir {
                                                      const gemm::WaitContext& wait, uint32_t phase);
   __device__ __forceinline__ static void finish(Shared& sh, const Params& p, const gemm::WaitContext& wait);
 
-  // ---- the role loops (roles/) ----
-  __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
-    return &p.counters[static_cast<int>(Counter::kTaskNext)];
-  }
+  // ---- the role loops (roles/): what DirBase does not ----
   __device__ __forceinline__ static Task decode(const Shared& sh, const Params&, int32_t task) {
     return decode_task(sh, task);
   }
   __device__ __forceinline__ static Task done() { return TaskInfo{kDone, 0, 0, 0}; }
-  template <class F>
-  __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {
-    return visit_op(static_cast<TaskKind>(kind), f);
-  }
-  __device__ __forceinline__ static int waits(const Task& t, const GeometryT& g, const Counts& c, WaitT* out) {
-    return task_waits(static_cast<TaskKind>(t.kind), t.block, g, c, out);
-  }
   __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
                                                   const gemm::WaitContext& wait) {
     return fused::wait_all(p, waits, n, wait);
   }
-  __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts&,
+  __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
                                               const Task& info) {
     Load load{};
-    visit(info.kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, info); });
+    visit(info.kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, c, info); });
     return load;
-  }
-  __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
-                                                  const Params& p, const GeometryT& g, const Counts&,
-                                                  const Task& info) {
-    visit(info.kind, [&acc, consumer, &p, &g, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, info); });
   }
   __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
                                                  const Load& load, const gemm::WaitContext& wait) {
     return gemm::produce_tile(s, stage, load, wait);
   }
-  __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT&, const Counts&, const Task& t) {
-    return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p); });
-  }
   __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
                                                  const Task&, int32_t k_blocks, int consumer,
                                                  float (&acc)[TileConfig::kAccRegs], const gemm::WaitContext& wait) {
     return gemm::consume_tile(s, stage, k_blocks, consumer, acc, wait);
-  }
-  // The counter arrays a tile can add to, by CounterArray (gather_ready: the comm blocks'),
-  // found once per signaler
-  struct SignalTargets {
-    int32_t* arrays[4];
-  };
-  __device__ __forceinline__ static SignalTargets signal_targets(const Params& p) {
-    int32_t* gu_done = p.counters + static_cast<int>(Counter::kHeader) + p.max_blocks;
-    int32_t* dn_done = gu_done + p.max_blocks;
-    int32_t* sgu_done = dn_done + p.max_blocks;
-    return SignalTargets{{nullptr, gu_done, dn_done, sgu_done}};
-  }
-  template <CounterArray kArray>
-  __device__ __forceinline__ static int32_t* counter(const SignalTargets& t, int32_t block) {
-    static_assert(kArray != CounterArray::kGatherReady, "the comm blocks' counter");
-    if constexpr (kArray == CounterArray::kNone) return nullptr;
-    else return t.arrays[static_cast<int>(kArray)] + block;
-  }
-  __device__ __forceinline__ static void signal(const SignalTargets& targets, const Task& info, const GeometryT&,
-                                                const Counts&) {
-    int32_t* c = visit(info.kind, [=](auto op) -> int32_t* { return counter<decltype(op)::kSignals>(targets, info.block); });
-    if (c) {
-      __threadfence();
-      signal_counter(c, 1);
-    }
   }
 };
 

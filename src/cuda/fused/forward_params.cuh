@@ -32,7 +32,7 @@ struct TaskInfo {
   int32_t kind;     // TaskKind
   int32_t block;    // row block (routed: global plan block; shared: token block)
   int32_t n_block;
-  int32_t unused;
+  int32_t macro;    // 0 (the backward's tiles have one: the op contract is the same)
 };
 
 struct ForwardParams {
@@ -144,8 +144,11 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
 
 // Counter arrays after the header: gather_ready, gu_done, dn_done, sgu_done, each [max_blocks]
 // (max_blocks >= ceil(T_max / BLOCK_M), the shared blocks).
+__device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, CounterArray a, int32_t index) {
+  return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(a) * p.max_blocks + index;
+}
 __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
-  return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(w.array) * p.max_blocks + w.index;
+  return counter_of(p, w.array, w.index);
 }
 
 // The waits of a task (the producer) or of a row block's gather (a comm warp: kGatherCounter).

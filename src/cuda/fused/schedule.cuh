@@ -18,6 +18,7 @@
 
 #include <cstdint>
 
+#include "cuda/fused/op_list.cuh"
 #include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
@@ -100,8 +101,8 @@ struct TaskCounts {
 // What a task (or a comm block's row block) waits for: counter arrays in global memory,
 // each wait "counter[index] >= expected".  The one description of the dependencies, used
 // by the kernel and by the host model test of the protocol (tests/cpp/test_schedule.cpp):
-// a task's waits and the counter its tiles add to are its op's (ops/, task_waits and
-// task_signals in ops/ops.cuh), the comm blocks' are below.
+// a task's waits and the counters its tiles add to are its op's (ops/, through task_waits and
+// task_signals of op_list.cuh), the comm blocks' are below.
 enum class CounterArray : int32_t {
   kGatherReady = 0,  // rows of block b in the ring (expected BLOCK_M)
   kGateUpDone = 1,   // gate/up tiles of block b done
@@ -112,12 +113,9 @@ enum class CounterArray : int32_t {
 };
 // The arrays' names in timeout messages (cuda/fused/wait_sites.hpp), one per array
 inline constexpr const char* kCounterArrayNames[] = {"gather_ready", "gu_done", "dn_done", "sgu_done"};
-struct Wait {
-  CounterArray array;
-  int32_t index;
-  int32_t expected;
-};
-inline constexpr int kMaxWaits = 2;
+using Wait = CounterWait<CounterArray>;
+using Signal = CounterSignal<CounterArray>;
+inline constexpr int kMaxWaits = 2, kMaxSignals = 1;
 
 // The comm blocks' wait before gathering block b: the ring rows' previous occupant read by
 // all its gate/up tiles.

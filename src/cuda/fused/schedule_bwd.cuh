@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "cuda/fused/op_list.cuh"
 #include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
@@ -119,11 +120,7 @@ enum class CounterArray : int32_t {
 inline constexpr const char* kCounterArrayNames[] = {
     "dy_ready",          "x_ready",    "replay_done",        "dgrad_down_done",       "dgrad_gate_up_done",
     "expert_dgrad_done", "wgrad_done", "shared_replay_done", "shared_dgrad_down_done"};
-struct Wait {
-  CounterArray array;
-  int32_t index;
-  int32_t expected;
-};
+using Wait = CounterWait<CounterArray>;
 inline constexpr int kMaxWaits = 3;
 
 MOK_HD bool replays(const Geometry& g, const TaskCounts& c, int32_t b) {
@@ -132,12 +129,9 @@ MOK_HD bool replays(const Geometry& g, const TaskCounts& c, int32_t b) {
 MOK_HD int32_t wgrad_tiles(const TaskCounts& c) { return c.n_wgrad_down + c.n_wgrad_gate_up; }
 
 // What a finished tile adds 1 to: (array, index) pairs.  What each kind waits on and signals is
-// its op's (ops_bwd/: waits, signals), dispatched by task_waits / task_signals (ops_bwd/ops.cuh),
+// its op's (ops_bwd/: waits, signals), dispatched by task_waits / task_signals (op_list.cuh),
 // which the kernel and the host protocol model of tests/cpp/test_schedule_bwd.cpp both read.
-struct Signal {
-  CounterArray array;
-  int32_t index;
-};
+using Signal = CounterSignal<CounterArray>;
 inline constexpr int kMaxSignals = 2;
 
 // The rows of one expert that the wgrad tiles of macrobatch m sum over, and what those tiles

@@ -6,24 +6,25 @@
 
 namespace mok::cuda::fused::ops {
 
-struct Down {
-  static constexpr TaskKind kKind = TaskKind::kDown;
-  static constexpr CounterArray kSignals = CounterArray::kDownDone;
+struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone> {
   // Every gate/up tile of its block (its act rows complete)
-  MOK_HD static int waits(int32_t block, const Geometry&, const TaskCounts& c, Wait* out) {
-    out[0] = Wait{CounterArray::kGateUpDone, block, c.n_gate_up};
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kGateUpDone, unit, c.n_gate_up};
     return 1;
   }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.inter / kBlockK; }
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const TaskInfo&) {
+    return p.inter / kBlockK;
+  }
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
-                                                        const TaskInfo& t) {
+                                                        const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.down_pitch + t.n_block * kBlockN, kHalfN, k_blocks(p)};
+                          p.block_expert[t.block] * p.down_pitch + t.n_block * kBlockN, kHalfN, k_blocks(p, g, c, t)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
-                                                  const Geometry&, const TaskInfo& t) {
+                                                  const Geometry&, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
                            p.rows + int64_t{t.block} * kBlockM, p.topk, int64_t{t.n_block} * kBlockN);
   }

@@ -5,27 +5,28 @@
 
 namespace mok::cuda::fused::ops {
 
-struct GateUp {
-  static constexpr TaskKind kKind = TaskKind::kGateUp;
-  static constexpr CounterArray kSignals = CounterArray::kGateUpDone;
+struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone> {
   // Its rows gathered; the act rows it overwrites consumed by the previous occupant's down tiles
-  MOK_HD static int waits(int32_t block, const Geometry& g, const TaskCounts& c, Wait* out) {
-    out[0] = Wait{CounterArray::kGatherReady, block, kBlockM};
-    const int32_t prev = g.previous_occupant(block);
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kGatherReady, unit, kBlockM};
+    const int32_t prev = g.previous_occupant(unit);
     if (prev < 0) return 1;
     out[1] = Wait{CounterArray::kDownDone, prev, c.n_down};
     return 2;
   }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.hidden / kBlockK; }
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const TaskInfo&) {
+    return p.hidden / kBlockK;
+  }
   __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
-                                                        const TaskInfo& t) {
+                                                        const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.gate_up_pitch + t.n_block * kHalfN, 0, k_blocks(p)};
+                          p.block_expert[t.block] * p.gate_up_pitch + t.n_block * kHalfN, 0, k_blocks(p, g, c, t)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
-                                                  const Geometry& g, const TaskInfo& t) {
+                                                  const Geometry& g, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(t.block), int64_t{p.ring_blocks} * kBlockM,
                           int64_t{t.n_block} * kHalfN);
     // Training: the pre-activations too, at the block's plan rows (the backward's h)

@@ -1,17 +1,17 @@
 // What a task op of the fused forward declares: one file per TaskKind in this folder, the list
 // in ops.cuh.  The roles (../roles/) run every op through that list and know no kind but
-// kDone (the end of the list).
+// kDone (the end of the list).  The members are the backward's (ops_bwd/op.cuh), with the
+// forward's types:
 //
-//   kKind                       the TaskKind it runs
-//   waits(block, g, c, out)     what a tile of row block `block` waits on before its loads;
-//                               returns the count (host and device: the producer, and the
-//                               host protocol model of tests/cpp/test_schedule.cpp)
-//   kSignals                    the counter array a finished tile adds 1 to at [block]
-//                               (CounterArray::kNone: nothing waits on its tiles)
-//   k_blocks(p)                 its K loop, in k-blocks of BLOCK_K: the producer's loads and the
-//                               consumers' MMAs
-//   load(maps, p, g, t)         the tile's operands (gemm::TileLoad) for the producer
-//   epilogue(acc, consumer, p, g, t)   what a consumer warpgroup does with its accumulator
+//   kKind, kOps                      its TaskKind and operand orientation (OpBase: K-major)
+//   waits(unit, macro, g, c, out)    what a tile of row block `unit` waits on before its loads;
+//                                    returns the count (host and device: the producer, and the
+//                                    host protocol model of tests/cpp/test_schedule.cpp); macro: 0
+//   signals(unit, macro, g, c, out)  the counters a finished tile adds 1 to (host and device)
+//   k_blocks(p, g, c, t)             its K loop, in k-blocks of BLOCK_K: the producer's loads and
+//                                    the consumers' MMAs
+//   load(maps, p, g, c, t)           the tile's operands (gemm::TileLoad) for the producer
+//   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
 // t is the task (row block, N block).  The device members exist only in CUDA code: the host
 // test sees the schedule side alone.
 #pragma once
@@ -23,3 +23,21 @@
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/gemm/tile.cuh"
 #endif
+
+namespace mok::cuda::fused::ops {
+// What every forward op shares: its kind, K-major operands, and one signal at most (its row
+// block in `kSignals`'s array; kNone: nothing waits on its tiles).
+template <TaskKind kKindV, CounterArray kSignalsV>
+struct OpBase {
+  static constexpr TaskKind kKind = kKindV;
+  static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
+  MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
+    if constexpr (kSignalsV == CounterArray::kNone) {
+      return 0;
+    } else {
+      out[0] = Signal{kSignalsV, unit};
+      return 1;
+    }
+  }
+};
+}  // namespace mok::cuda::fused::ops

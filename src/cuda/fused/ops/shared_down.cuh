@@ -5,24 +5,26 @@
 
 namespace mok::cuda::fused::ops {
 
-struct SharedDown {
-  static constexpr TaskKind kKind = TaskKind::kSharedDown;
-  static constexpr CounterArray kSignals = CounterArray::kNone;  // read after the grid barrier
+// Nothing waits on its tiles: shared_out is read after the grid barrier
+struct SharedDown : OpBase<TaskKind::kSharedDown, CounterArray::kNone> {
   // Every shared gate/up tile of its token block
-  MOK_HD static int waits(int32_t block, const Geometry&, const TaskCounts& c, Wait* out) {
-    out[0] = Wait{CounterArray::kSharedGateUpDone, block, c.n_shared_gate_up};
+  MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
+    out[0] = Wait{CounterArray::kSharedGateUpDone, unit, c.n_shared_gate_up};
     return 1;
   }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.shared_inter / kBlockK; }
-  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry&,
-                                                        const TaskInfo& t) {
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const TaskInfo&) {
+    return p.shared_inter / kBlockK;
+  }
+  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+                                                        const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM, t.n_block * kBlockN,
-                          kHalfN, k_blocks(p)};
+                          kHalfN, k_blocks(p, g, c, t)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
-                                                  const Geometry&, const TaskInfo& t) {
+                                                  const Geometry&, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{t.block} * kBlockM, p.num_tokens,
                          int64_t{t.n_block} * kBlockN);
   }

@@ -6,19 +6,21 @@
 
 namespace mok::cuda::fused::ops {
 
-struct SharedGateUp {
-  static constexpr TaskKind kKind = TaskKind::kSharedGateUp;
-  static constexpr CounterArray kSignals = CounterArray::kSharedGateUpDone;
-  MOK_HD static int waits(int32_t, const Geometry&, const TaskCounts&, Wait*) { return 0; }
+struct SharedGateUp : OpBase<TaskKind::kSharedGateUp, CounterArray::kSharedGateUpDone> {
+  MOK_HD static int waits(int32_t, int32_t, const Geometry&, const TaskCounts&, Wait*) { return 0; }
 #if defined(__CUDACC__)
-  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p) { return p.hidden / kBlockK; }
-  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry&,
-                                                        const TaskInfo& t) {
-    return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * kBlockM, t.n_block * kHalfN, 0, k_blocks(p)};
+  __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p, const Geometry&, const TaskCounts&,
+                                                     const TaskInfo&) {
+    return p.hidden / kBlockK;
+  }
+  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+                                                        const TaskCounts& c, const TaskInfo& t) {
+    return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * kBlockM, t.n_block * kHalfN, 0,
+                          k_blocks(p, g, c, t)};
   }
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
-                                                  const Geometry&, const TaskInfo& t) {
+                                                  const Geometry&, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * kBlockM, p.num_tokens,
                           int64_t{t.n_block} * kHalfN);
     if (p.saved_shared_h)

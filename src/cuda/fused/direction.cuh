@@ -1,0 +1,64 @@
+// What both directions of the task engine share (forward_dir.cuh lists what a direction
+// provides): the op-list plumbing the role loops call, written once over a direction's types.
+//   Types: Kind (its TaskKind), Params, MapsT, Shared, GeometryT, Counts, Task, WaitT, Signal,
+//          kMaxSignals, Load
+// A direction is `struct XDir : DirBase<XTypes>` plus what differs: its decode, its loads and
+// their producer loop, its consumers' MMA step, its counter waits and the kernel entry's hooks.
+#pragma once
+
+#include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/op_list.cuh"
+
+namespace mok::cuda::fused {
+
+template <class Types>
+struct DirBase : Types {
+  using Kind = typename Types::Kind;
+  using Params = typename Types::Params;
+  using GeometryT = typename Types::GeometryT;
+  using Counts = typename Types::Counts;
+  using Task = typename Types::Task;
+  using WaitT = typename Types::WaitT;
+  using Signal = typename Types::Signal;
+  static constexpr int32_t kDone = static_cast<int32_t>(Kind::kDone);
+
+  // The global task claim counter
+  __device__ __forceinline__ static int32_t* task_counter(const Params& p) {
+    return &p.counters[static_cast<int>(Counter::kTaskNext)];
+  }
+  // f(Op{}) for the op of `kind` (the direction's op list)
+  template <class F>
+  __device__ __forceinline__ static decltype(auto) visit(int32_t kind, F&& f) {
+    return visit_op(static_cast<Kind>(kind), f);
+  }
+  // What a task waits on: its op's waits (the host model of the direction's schedule test reads
+  // the same)
+  __device__ __forceinline__ static int waits(const Task& t, const GeometryT& g, const Counts& c, WaitT* out) {
+    return task_waits(static_cast<Kind>(t.kind), t.block, t.macro, g, c, out);
+  }
+  __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT& g, const Counts& c,
+                                                     const Task& t) {
+    return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p, g, c, t); });
+  }
+  __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
+                                                  const Params& p, const GeometryT& g, const Counts& c,
+                                                  const Task& info) {
+    visit(info.kind,
+          [&acc, consumer, &p, &g, &c, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, c, info); });
+  }
+  // The counters a finished tile adds 1 to: its op's signals, at the direction's counter_of
+  struct SignalTargets {
+    const Params* p;
+  };
+  __device__ __forceinline__ static SignalTargets signal_targets(const Params& p) { return SignalTargets{&p}; }
+  __device__ __forceinline__ static void signal(const SignalTargets& targets, const Task& info, const GeometryT& g,
+                                                const Counts& c) {
+    Signal out[Types::kMaxSignals];
+    const int n = task_signals(static_cast<Kind>(info.kind), info.block, info.macro, g, c, out);
+    if (n == 0) return;
+    __threadfence();
+    for (int i = 0; i < n; ++i) signal_counter(counter_of(*targets.p, out[i].array, out[i].index), 1);
+  }
+};
+
+}  // namespace mok::cuda::fused
