@@ -35,6 +35,19 @@ enum class TaskKind : int32_t {
   kDone = 4,          // no more tasks (producer -> consumers)
 };
 
+// The ops of the kinds (ops/: one file each), listed here in the order of the kinds (op_list.cuh
+// reads the list: visit_op, task_waits, task_signals)
+namespace ops {
+struct SharedGateUp;
+struct GateUp;
+struct SharedDown;
+struct Down;
+}  // namespace ops
+template <>
+struct OpsOf<TaskKind> {
+  using type = OpList<TaskKind, ops::SharedGateUp, ops::GateUp, ops::SharedDown, ops::Down>;
+};
+
 struct Segment {
   int32_t kind;         // TaskKind
   int32_t first_block;  // row block of the segment's first tile

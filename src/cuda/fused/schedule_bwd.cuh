@@ -42,6 +42,35 @@ enum class TaskKind : int32_t {
   kDone = 10,
 };
 
+// The ops of the kinds (ops_bwd/: one file per GEMM kind, its routed and its shared op), listed
+// here in the order of the kinds (op_list.cuh reads the list: visit_op, task_waits, task_signals)
+namespace ops {
+struct Replay;
+struct DgradDown;
+struct DgradGateUp;
+struct SharedReplay;
+struct SharedDgradDown;
+struct SharedDgradGateUp;
+template <TaskKind kKindV, bool kShared, bool kDown>
+struct WgradOp;  // ops_bwd/wgrad.cuh: the wgrad kinds, routed or shared, down or gate/up
+using WgradDown = WgradOp<TaskKind::kWgradDown, false, true>;
+using WgradGateUp = WgradOp<TaskKind::kWgradGateUp, false, false>;
+using SharedWgradDown = WgradOp<TaskKind::kSharedWgradDown, true, true>;
+using SharedWgradGateUp = WgradOp<TaskKind::kSharedWgradGateUp, true, false>;
+}  // namespace ops
+}  // namespace mok::cuda::fused::bwd
+
+namespace mok::cuda::fused {
+template <>
+struct OpsOf<bwd::TaskKind> {
+  using type = OpList<bwd::TaskKind, bwd::ops::Replay, bwd::ops::DgradDown, bwd::ops::DgradGateUp, bwd::ops::WgradDown,
+                      bwd::ops::WgradGateUp, bwd::ops::SharedReplay, bwd::ops::SharedDgradDown,
+                      bwd::ops::SharedDgradGateUp, bwd::ops::SharedWgradDown, bwd::ops::SharedWgradGateUp>;
+};
+}  // namespace mok::cuda::fused
+
+namespace mok::cuda::fused::bwd {
+
 // Tiles per unit of work (from the shape and the tile engine).
 struct TaskCounts {
   int32_t n_replay;          // ceil(2I / BLOCK_N) tiles per block

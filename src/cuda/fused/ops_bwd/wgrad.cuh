@@ -102,9 +102,7 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
 #endif
 };
 
-using WgradDown = WgradOp<TaskKind::kWgradDown, false, true>;
-using WgradGateUp = WgradOp<TaskKind::kWgradGateUp, false, false>;
-using SharedWgradDown = WgradOp<TaskKind::kSharedWgradDown, true, true>;
-using SharedWgradGateUp = WgradOp<TaskKind::kSharedWgradGateUp, true, false>;
+// WgradDown, WgradGateUp, SharedWgradDown, SharedWgradGateUp: WgradOp<kind, shared, down>
+// (../schedule_bwd.cuh, beside the kinds)
 
 }  // namespace mok::cuda::fused::bwd::ops
