@@ -1,5 +1,5 @@
 // What a task op of the fused backward declares: one file per GEMM kind in this folder (each
-// with its routed and its shared-expert op), the list in ops.cuh.  The roles (../roles/) run
+// with its routed and its shared-expert op), their list beside the kinds (../schedule_bwd.cuh).  The roles (../roles/) run
 // every op through that list.
 //
 //   kKind                        the TaskKind it runs
