@@ -1,7 +1,7 @@
 // What a task op of the fused forward declares: one file per TaskKind in this folder, their
 // list beside the kinds (../schedule.cuh).  The roles (../roles/) run every op through that list
-// and know no kind but kDone (the end of the list).  The members are the backward's (ops_bwd/op.cuh), with the
-// forward's types:
+// and know no kind but kDone (the end of the list).  The members are the backward's
+// (ops_bwd/op.cuh), with the forward's types:
 //
 //   kKind, kOps                      its TaskKind and operand orientation (OpBase: K-major)
 //   waits(unit, macro, g, c, out)    what a tile of row block `unit` waits on before its loads;
