@@ -95,7 +95,8 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
     const int32_t b = g.block_at(q);
     const uint64_t t_begin = ptx::globaltimer_ns();
     // Wait until the previous occupant of the ring slot was consumed by its gate/up tiles
-    if (!wait_all(p, waits, gather_waits(b, g, counts, waits), wait, WaitSite::kGatherCounter)) return;
+    if (!wait_counters<kForwardDirection>(p, waits, gather_waits(b, g, counts, waits), wait, WaitSite::kGatherCounter))
+      return;
     gather_block(w, p, g, b, wait, gather_ready);
     if (warp == 0 && (threadIdx.x & 31) == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 255, b, -1);
   }

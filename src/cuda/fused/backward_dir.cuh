@@ -22,6 +22,7 @@ struct BackwardTypes {
   using Signal = bwd::Signal;
   static constexpr int kMaxSignals = bwd::kMaxSignals;
   using Load = bwd::Load;
+  static constexpr int kDirection = kBackwardDirection;
 };
 
 struct BackwardDir : DirBase<BackwardTypes> {
@@ -53,10 +54,6 @@ struct BackwardDir : DirBase<BackwardTypes> {
   // The geometry and tile counts every role of the block reads (set up at kernel entry)
   __device__ __forceinline__ static Task decode(const Shared& sh, const Params& p, int32_t task);
   __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0, 0, 0, 0, 0}; }
-  __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
-                                                  const gemm::WaitContext& wait) {
-    return bwd::wait_all(p, waits, n, wait);
-  }
   __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
                                               const Task& info) {
     return visit(info.kind, [&, info](auto op) { return decltype(op)::load(maps, p, g, c, info); });

@@ -115,15 +115,6 @@ __device__ __forceinline__ int32_t* counter_of(const BackwardParams& p, CounterA
   return p.counters + p.counter_offset[static_cast<int>(a)] + index;
 }
 
-__device__ __forceinline__ bool wait_all(const BackwardParams& p, const Wait* waits, int n,
-                                         const gemm::WaitContext& wait, WaitSite site = WaitSite::kTaskCounter) {
-  for (int i = 0; i < n; ++i)
-    if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait, site,
-                      counter_wait_detail(kBackwardDirection, static_cast<int32_t>(waits[i].array), waits[i].index)))
-      return false;
-  return true;
-}
-
 // The tile counts of the call (the schedule's TaskCounts) from the parameters.
 __device__ __forceinline__ TaskCounts task_counts(const BackwardParams& p) {
   TaskCounts c{};

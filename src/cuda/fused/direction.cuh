@@ -1,7 +1,7 @@
 // What both directions of the task engine share (forward_dir.cuh lists what a direction
 // provides): the op-list plumbing the role loops call, written once over a direction's types.
 //   Types: Kind (its TaskKind), Params, MapsT, Shared, GeometryT, Counts, Task, WaitT, Signal,
-//          kMaxSignals, Load
+//          kMaxSignals, Load, kDirection (kForwardDirection or kBackwardDirection)
 // A direction is `struct XDir : DirBase<XTypes>` plus what differs: its decode, its loads and
 // their producer loop, its consumers' MMA step, its counter waits and the kernel entry's hooks.
 #pragma once
@@ -35,6 +35,11 @@ struct DirBase : Types {
   // the same)
   __device__ __forceinline__ static int waits(const Task& t, const GeometryT& g, const Counts& c, WaitT* out) {
     return task_waits(static_cast<Kind>(t.kind), t.block, t.macro, g, c, out);
+  }
+  // The counters' waits (the direction's counter_of)
+  __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
+                                                  const gemm::WaitContext& wait) {
+    return wait_counters<Types::kDirection>(p, waits, n, wait);
   }
   __device__ __forceinline__ static int32_t k_blocks(const Params& p, const GeometryT& g, const Counts& c,
                                                      const Task& t) {

@@ -10,7 +10,7 @@
 //   visit(kind, f)               f(Op{}) for the op of `kind` (DirBase, over its op list)
 //   waits(task, g, c, out)       what a task waits on (DirBase: the ops' descriptions; the host
 //                                model of its schedule test reads the same)
-//   wait_all(p, waits, n, wait)  the counters' waits
+//   wait_all(p, waits, n, wait)  the counters' waits (DirBase, at the direction's counter_of)
 //   Load, load(maps, p, g, c, task), produce(...)   what a task's tile loads and the producer
 //                                loop that loads it
 //   epilogue(acc, consumer, p, g, c, task)   what a consumer does with a task's accumulator
@@ -55,6 +55,7 @@ struct ForwardTypes {
   using Signal = fused::Signal;
   static constexpr int kMaxSignals = fused::kMaxSignals;
   using Load = gemm::TileLoad;
+  static constexpr int kDirection = kForwardDirection;
 };
 
 struct ForwardDir : DirBase<ForwardTypes> {
@@ -84,10 +85,6 @@ struct ForwardDir : DirBase<ForwardTypes> {
     return decode_task(sh, task);
   }
   __device__ __forceinline__ static Task done() { return TaskInfo{kDone, 0, 0, 0}; }
-  __device__ __forceinline__ static bool wait_all(const Params& p, const WaitT* waits, int n,
-                                                  const gemm::WaitContext& wait) {
-    return fused::wait_all(p, waits, n, wait);
-  }
   __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
                                               const Task& info) {
     Load load{};

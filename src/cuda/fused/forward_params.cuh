@@ -147,16 +147,16 @@ __device__ __forceinline__ void signal_counter(int32_t* counter, int32_t add) {
 __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, CounterArray a, int32_t index) {
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(a) * p.max_blocks + index;
 }
-__device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, const Wait& w) {
-  return counter_of(p, w.array, w.index);
-}
 
-// The waits of a task (the producer) or of a row block's gather (a comm warp: kGatherCounter).
-__device__ __forceinline__ bool wait_all(const ForwardParams& p, const Wait* waits, int n,
-                                         const gemm::WaitContext& wait, WaitSite site = WaitSite::kTaskCounter) {
+// The counter waits of a task (the producer) or of a row block's gather (a comm warp:
+// kGatherCounter), at the counters of a direction's parameters (its counter_of); kDirection
+// goes into the timeout record's detail.
+template <int kDirection, class Params, class Array>
+__device__ __forceinline__ bool wait_counters(const Params& p, const CounterWait<Array>* waits, int n,
+                                              const gemm::WaitContext& wait, WaitSite site = WaitSite::kTaskCounter) {
   for (int i = 0; i < n; ++i)
-    if (!wait_counter(counter_of(p, waits[i]), waits[i].expected, wait, site,
-                      counter_wait_detail(kForwardDirection, static_cast<int32_t>(waits[i].array), waits[i].index)))
+    if (!wait_counter(counter_of(p, waits[i].array, waits[i].index), waits[i].expected, wait, site,
+                      counter_wait_detail(kDirection, static_cast<int32_t>(waits[i].array), waits[i].index)))
       return false;
   return true;
 }
