@@ -63,7 +63,7 @@ void check(int32_t num_blocks, int32_t ring_blocks, int32_t mini_blocks, TaskCou
   int32_t task = 0;
   for (int i = 0; i < n; ++i) {
     ASSERT_EQ(seg[i].first_task, task);
-    for (int32_t b = seg[i].first_block; b < seg[i].first_block + seg[i].num_blocks; ++b)
+    for (int32_t b = seg[i].first; b < seg[i].first + seg[i].count; ++b)
       for (int32_t nn = 0; nn < seg[i].num_n; ++nn)
         ASSERT_TRUE(index.emplace(std::make_tuple(seg[i].kind, b, nn), task++).second) << "tile twice";
   }

@@ -13,12 +13,13 @@
 //   [routed gate/up p1] [routed down p0]  [gate/up p2] [down p1] ...  [down p_last]
 // Down tiles lag gate/up by one minibatch, except that the down tiles of a ring slot's
 // previous occupant always come before the gate/up tiles that overwrite its act rows.
-// Segment = tiles of one kind over a range of row blocks, walked m-major.
+// Segment (task_table.cuh) = tiles of one kind over a range of row blocks, walked m-major.
 #pragma once
 
 #include <cstdint>
 
 #include "cuda/fused/op_list.cuh"
+#include "cuda/fused/task_table.cuh"
 #include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
@@ -46,14 +47,6 @@ struct Down;
 template <>
 struct OpsOf<TaskKind> {
   using type = OpList<TaskKind, ops::SharedGateUp, ops::GateUp, ops::SharedDown, ops::Down>;
-};
-
-struct Segment {
-  int32_t kind;         // TaskKind
-  int32_t first_block;  // row block of the segment's first tile
-  int32_t num_blocks;
-  int32_t num_n;        // tiles along N per row block
-  int32_t first_task;   // index of the segment's first tile in the task list
 };
 
 // Two segments per minibatch (its gate/up and down tiles) plus the shared expert's two.
@@ -142,12 +135,9 @@ MOK_HD int gather_waits(int32_t block, const Geometry& g, const TaskCounts& c, W
 // Writes the segment table; returns the number of segments (the total task count goes to
 // *num_tasks).  Identical on every block (and on the host).
 MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
-  int n = 0;
-  int32_t task = 0;
+  SegmentWriter out{seg};
   auto push = [&](TaskKind kind, int32_t first, int32_t count, int32_t num_n) {
-    if (count <= 0 || num_n <= 0) return;
-    seg[n++] = Segment{static_cast<int32_t>(kind), first, count, num_n, task};
-    task += count * num_n;
+    out.push(static_cast<int32_t>(kind), first, count, num_n);
   };
   auto mini_push = [&](TaskKind kind, int32_t p, int32_t num_n) {
     const int32_t m = g.minibatch_at(p);
@@ -171,8 +161,8 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     for (; next_down < s; ++next_down) mini_push(TaskKind::kDown, next_down, c.n_down);
   }
   for (; next_down < g.num_mini; ++next_down) mini_push(TaskKind::kDown, next_down, c.n_down);
-  *num_tasks = task;
-  return n;
+  *num_tasks = out.task;
+  return out.n;
 }
 
 // Task index -> (kind, row block, N-block): the segment by binary search, the tile inside it
@@ -183,14 +173,9 @@ struct TaskTile {
   int32_t n_block;
 };
 MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t n_group, int32_t task) {
-  int lo = 0, hi = num_segments - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (seg[mid].first_task <= task) lo = mid; else hi = mid - 1;
-  }
-  const Segment& s = seg[lo];
-  const gemm::TileCoord tc = gemm::raster(task - s.first_task, s.num_blocks, s.num_n, n_group);
-  return TaskTile{s.kind, s.first_block + tc.m, tc.n};
+  const Segment& s = segment_of(seg, num_segments, task);
+  const gemm::TileCoord tc = gemm::raster(task - s.first_task, s.count, s.num_n, n_group);
+  return TaskTile{s.kind, s.first + tc.m, tc.n};
 }
 
 }  // namespace mok::cuda::fused

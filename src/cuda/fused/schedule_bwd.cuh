@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "cuda/fused/op_list.cuh"
+#include "cuda/fused/task_table.cuh"
 #include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
@@ -205,17 +206,10 @@ MOK_HD int gather_waits(int32_t b, const Geometry& g, const TaskCounts& c, Wait*
   return 3;
 }
 
-// Segment = tiles of one kind over a range of row blocks, or the wgrad tiles of a range of
-// experts in one macrobatch (kind kSegmentWgrad: per expert, its wgrad-down tiles then its
-// wgrad gate/up tiles).
-struct Segment {
-  int32_t kind;        // TaskKind, or kSegmentWgrad
-  int32_t first;       // first row block, or the first expert
-  int32_t count;       // row blocks, or experts
-  int32_t num_n;       // tiles per row block (per expert: both wgrad kinds)
-  int32_t macro;       // wgrad: the macrobatch, -1 for experts without rows
-  int32_t first_task;
-};
+// Segment (task_table.cuh) = tiles of one kind over a range of row blocks, or the wgrad tiles
+// of a range of experts in one macrobatch (kind kSegmentWgrad: per expert, its wgrad-down tiles
+// then its wgrad gate/up tiles; num_n counts both; macro: the macrobatch, -1 for experts without
+// rows).
 inline constexpr int32_t kSegmentWgrad = 100;
 
 // Most segments a call can need: per minibatch four (replay, dgrad down, the lagged dgrad
@@ -226,12 +220,9 @@ MOK_HD int32_t max_segments(const Geometry& g) { return 4 * g.num_mini + 6; }
 // Writes the segment table; returns the number of segments (*num_tasks gets the task count).
 // O(experts + minibatches): the experts' wgrad ranges come from one sweep.
 MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
-  int n = 0;
-  int32_t task = 0;
+  SegmentWriter out{seg};
   auto push = [&](int32_t kind, int32_t first, int32_t count, int32_t num_n, int32_t macro) {
-    if (count <= 0 || num_n <= 0) return;
-    seg[n++] = Segment{kind, first, count, num_n, macro, task};
-    task += count * num_n;
+    out.push(kind, first, count, num_n, macro);
   };
   auto mini_range = [&](int32_t p, int32_t* lo, int32_t* hi) {
     *lo = p * g.minibatch_blocks;
@@ -291,8 +282,8 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
   }
   flush();
   // No rows at all: every expert went with the leading segment above
-  *num_tasks = task;
-  return n;
+  *num_tasks = out.task;
+  return out.n;
 }
 
 // Task index -> (kind, unit, n, macro): the segment by binary search, then the tile in it.  A
@@ -311,12 +302,7 @@ MOK_HD int32_t raster_index(int32_t local, int32_t num_tiles, int32_t num_n, int
 }
 MOK_HD TaskTile decode_task(const Segment* seg, int num_segments, int32_t task, const Geometry& g,
                             const TaskCounts& c) {
-  int lo = 0, hi = num_segments - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (seg[mid].first_task <= task) lo = mid; else hi = mid - 1;
-  }
-  const Segment& s = seg[lo];
+  const Segment& s = segment_of(seg, num_segments, task);
   const int32_t local = task - s.first_task;
   const TaskKind kind = static_cast<TaskKind>(s.kind);
   if (s.kind != kSegmentWgrad) {
