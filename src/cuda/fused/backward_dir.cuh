@@ -9,23 +9,8 @@
 
 namespace mok::cuda::fused::bwd {
 
-// The backward's types (DirBase's)
-struct BackwardTypes {
-  using Kind = TaskKind;
-  using Params = BackwardParams;
-  using MapsT = Maps;
-  using Shared = bwd::Shared;
-  using GeometryT = Geometry;
-  using Counts = TaskCounts;
-  using Task = bwd::Task;
-  using WaitT = Wait;
-  using Signal = bwd::Signal;
-  static constexpr int kMaxSignals = bwd::kMaxSignals;
-  using Load = bwd::Load;
-  static constexpr int kDirection = kBackwardDirection;
-};
-
-struct BackwardDir : DirBase<BackwardTypes> {
+struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, Maps, bwd::Shared, Geometry, TaskCounts, bwd::Task,
+                                       bwd::Load, CounterArray, kMaxSignals, kBackwardDirection>> {
   // Many short tiles (wgrad K = an expert's rows): the next task's claim and decode go under
   // this one's loads
   static constexpr bool kClaimAhead = true;

@@ -1,15 +1,34 @@
 // What both directions of the task engine share (forward_dir.cuh lists what a direction
-// provides): the op-list plumbing the role loops call, written once over a direction's types.
-//   Types: Kind (its TaskKind), Params, MapsT, Shared, GeometryT, Counts, Task, WaitT, Signal,
-//          kMaxSignals, Load, kDirection (kForwardDirection or kBackwardDirection)
-// A direction is `struct XDir : DirBase<XTypes>` plus what differs: its decode, its loads and
-// their producer loop, its consumers' MMA step, its counter waits and the kernel entry's hooks.
+// provides): the op-list plumbing the role loops call, written once over a direction's types
+// (DirTypes).  A direction is `struct XDir : DirBase<DirTypes<...>>` plus what differs: its
+// decode, its loads and their producer loop, its consumers' MMA step and the kernel entry's hooks.
 #pragma once
 
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/fused/op_list.cuh"
 
 namespace mok::cuda::fused {
+
+// A direction's types: its TaskKind, kernel parameters, tensor maps, shared storage, geometry,
+// tile counts, task and tile-load types, counter arrays (waits and signals over them, at most
+// kMaxSignals per tile), and which direction its timeout records name (kForwardDirection or
+// kBackwardDirection).
+template <class KindT, class ParamsT, class MapsT_, class SharedT, class GeometryT_, class CountsT, class TaskT,
+          class LoadT, class CounterArrayT, int kMaxSignalsV, int kDirectionV>
+struct DirTypes {
+  using Kind = KindT;
+  using Params = ParamsT;
+  using MapsT = MapsT_;
+  using Shared = SharedT;
+  using GeometryT = GeometryT_;
+  using Counts = CountsT;
+  using Task = TaskT;
+  using Load = LoadT;
+  using WaitT = CounterWait<CounterArrayT>;
+  using Signal = CounterSignal<CounterArrayT>;
+  static constexpr int kMaxSignals = kMaxSignalsV;
+  static constexpr int kDirection = kDirectionV;
+};
 
 template <class Types>
 struct DirBase : Types {

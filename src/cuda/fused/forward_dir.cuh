@@ -42,23 +42,8 @@
 
 namespace mok::cuda::fused {
 
-// The forward's types (DirBase's)
-struct ForwardTypes {
-  using Kind = TaskKind;
-  using Params = ForwardParams;
-  using MapsT = Maps;
-  using Shared = FusedShared;
-  using GeometryT = Geometry;
-  using Counts = TaskCounts;
-  using Task = TaskInfo;
-  using WaitT = Wait;
-  using Signal = fused::Signal;
-  static constexpr int kMaxSignals = fused::kMaxSignals;
-  using Load = gemm::TileLoad;
-  static constexpr int kDirection = kForwardDirection;
-};
-
-struct ForwardDir : DirBase<ForwardTypes> {
+struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, Maps, FusedShared, Geometry, TaskCounts, TaskInfo,
+                                      gemm::TileLoad, CounterArray, kMaxSignals, kForwardDirection>> {
   static constexpr bool kClaimAhead = false;  // the producer claims a task after the last one's loads
   static constexpr int kProducerRegs = TileConfig::kProducerRegs, kConsumerRegs = TileConfig::kConsumerRegs;
 
