@@ -148,6 +148,14 @@ __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, CounterAr
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(a) * p.max_blocks + index;
 }
 
+// The shared expert's output tile (token block `block`, N block `n_block`) into out [tokens, ld]:
+// what the forward's shared down and the backward's shared dgrad gate/up store.
+template <int kRegs>
+__device__ __forceinline__ void store_token_tile(const float (&acc)[kRegs], int consumer, __nv_bfloat16* out,
+                                                 int64_t ld, int64_t num_tokens, int32_t block, int32_t n_block) {
+  gemm::epilogue_store(acc, consumer, out, ld, int64_t{block} * kBlockM, num_tokens, int64_t{n_block} * kBlockN);
+}
+
 // The counter waits of a task (the producer) or of a row block's gather (a comm warp:
 // kGatherCounter), at the counters of a direction's parameters (its counter_of); kDirection
 // goes into the timeout record's detail.

@@ -25,8 +25,7 @@ struct SharedDown : OpBase<TaskKind::kSharedDown, CounterArray::kNone> {
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskCounts&, const TaskInfo& t) {
-    gemm::epilogue_store(acc, consumer, p.shared_out, p.hidden, int64_t{t.block} * kBlockM, p.num_tokens,
-                         int64_t{t.n_block} * kBlockN);
+    store_token_tile(acc, consumer, p.shared_out, p.hidden, p.num_tokens, t.block, t.n_block);
   }
 #endif
 };

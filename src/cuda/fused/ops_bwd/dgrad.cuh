@@ -132,8 +132,7 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
   template <int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
-    gemm::epilogue_store(acc, consumer, p.shared_dx, p.hidden, int64_t{t.block} * kBlockM, p.num_tokens,
-                         int64_t{t.n_block} * kBlockN);
+    store_token_tile(acc, consumer, p.shared_dx, p.hidden, p.num_tokens, t.block, t.n_block);
   }
 #endif
 };
