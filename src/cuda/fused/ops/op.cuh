@@ -26,7 +26,7 @@
 
 namespace mok::cuda::fused::ops {
 // What every forward op shares: its kind, K-major operands, and one signal at most (its row
-// block in `kSignals`'s array; kNone: nothing waits on its tiles).
+// block in `kSignalsV`'s array; kNone: nothing waits on its tiles).
 template <TaskKind kKindV, CounterArray kSignalsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
