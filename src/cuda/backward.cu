@@ -436,24 +436,14 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   clear_trace(ws, stream);
   p.counters = b.counters;
   {
-    using A = fb::CounterArray;
-    const int64_t MB = ws.max_blocks, EM = El * b.num_macro, SB = ws.shared_blocks + 1;
-    int64_t at = static_cast<int64_t>(fused::Counter::kHeader);
-    auto put = [&](A a, int64_t words) {
-      p.counter_offset[static_cast<int>(a)] = static_cast<int32_t>(at);
-      at += words;
-    };
-    put(A::kDyReady, MB);
-    put(A::kXReady, MB);
-    put(A::kReplayDone, MB);
-    put(A::kDgradDownDone, MB);
-    put(A::kDgradGateUpDone, MB);
-    put(A::kExpertDgradDone, EM);
-    put(A::kWgradDone, EM);
-    put(A::kSharedReplayDone, SB);
-    put(A::kSharedDgradDownDone, SB);
-    if (at != b.num_counters)
-      MOK_FAIL(mokInternalError, "fused backward: " << at << " counter words, the layout has " << b.num_counters);
+    // The schedule's counter layout (schedule_bwd.cuh: counter_offset)
+    static_assert(fb::kCounterHeaderWords == static_cast<int64_t>(fused::Counter::kHeader), "the header words");
+    const fb::CounterSizes sizes{ws.max_blocks, El * b.num_macro, ws.shared_blocks};
+    for (int a = 0; a < static_cast<int>(fb::CounterArray::kNumArrays); ++a)
+      p.counter_offset[a] = static_cast<int32_t>(fb::counter_offset(static_cast<fb::CounterArray>(a), sizes));
+    const int64_t total = fb::counter_offset(fb::CounterArray::kNumArrays, sizes);
+    if (total != b.num_counters)
+      MOK_FAIL(mokInternalError, "fused backward: " << total << " counter words, the workspace has " << b.num_counters);
   }
   // Each wait's deadline: the config's, capped by MOK_GEMM_TIMEOUT_S (as the grouped launches')
   const double knob_s = std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr));

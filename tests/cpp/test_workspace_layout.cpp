@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/workspace_layout.hpp"
+#include "cuda/fused/schedule_bwd.cuh"
 #include "runtime/layer.hpp"
 
 namespace mok {
@@ -189,6 +190,26 @@ TEST(WorkspaceLayout, SharedExpertSizesAreTheFormulas) {
   EXPECT_EQ(L[WsBuffer::kBwdDtwPartials].bytes, int64_t{73600} * 6 * 4);
   check_geometry(L);
   check_backward_adds_exactly_its_entries(c);
+}
+
+// The fused backward's counter words are its schedule's counter layout (schedule_bwd.cuh:
+// counter_offset, from which the host sets the arrays' offsets) over the workspace's sizes: an
+// array added to the schedule fails here until the workspace reserves its words.
+TEST(WorkspaceLayout, CounterWordsAreTheSchedulesLayout) {
+  namespace fb = cuda::fused::bwd;
+  for (const mokConfig_t& c : {config(7168, 2048, 0, 256, 8, 4096, 16), config(2048, 768, 2048, 64, 8, 8192),
+                               config(1024, 512, 0, 8, 2, 1024), config(64, 64, 64, 8, 4, 96)}) {
+    const WorkspaceLayout L = layout(c, true);
+    const fb::CounterSizes s{L.max_blocks, L.El * L.n_macro, L.shared_blocks};
+    EXPECT_EQ(fb::counter_offset(fb::CounterArray::kNumArrays, s), L[WsBuffer::kUbCounters].count)
+        << "E_l " << L.El << ", macrobatches " << L.n_macro << ", row blocks " << L.max_blocks;
+    // Disjoint arrays in the order of the enum, after the header
+    EXPECT_EQ(fb::counter_offset(fb::CounterArray::kDyReady, s), fb::kCounterHeaderWords);
+    for (int a = 1; a <= static_cast<int>(fb::CounterArray::kNumArrays); ++a)
+      EXPECT_EQ(fb::counter_offset(static_cast<fb::CounterArray>(a), s),
+                fb::counter_offset(static_cast<fb::CounterArray>(a - 1), s) +
+                    fb::counter_words(static_cast<fb::CounterArray>(a - 1), s));
+  }
 }
 
 TEST(WorkspaceLayout, OneMacrobatchNeedsNoWeightGradientAccumulator) {

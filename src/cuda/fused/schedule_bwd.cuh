@@ -146,6 +146,31 @@ enum class CounterArray : int32_t {
   kSharedDgradDownDone = 8,  // [token block] shared dgrad-down tiles finished; [shared_blocks]: all of them
   kNumArrays = 9,
 };
+// The counter layout: the header words (task claim, grid barrier), then each array in the order
+// above, as many words as what it is indexed by.  The host fills BackwardParams::counter_offset
+// from it and checks its total against the workspace's counter words.
+struct CounterSizes {
+  int64_t max_blocks;     // row blocks of the largest call
+  int64_t expert_macros;  // local experts x macrobatches
+  int64_t shared_blocks;  // the shared expert's token blocks
+};
+MOK_HD int64_t counter_words(CounterArray a, const CounterSizes& s) {
+  switch (a) {
+    case CounterArray::kExpertDgradDone:
+    case CounterArray::kWgradDone: return s.expert_macros;
+    case CounterArray::kSharedReplayDone:
+    case CounterArray::kSharedDgradDownDone: return s.shared_blocks + 1;  // per token block, and the total
+    default: return s.max_blocks;  // per row block
+  }
+}
+inline constexpr int64_t kCounterHeaderWords = 2;
+// Where array `a` starts, and (a = kNumArrays) the layout's total words
+MOK_HD int64_t counter_offset(CounterArray a, const CounterSizes& s) {
+  int64_t at = kCounterHeaderWords;
+  for (int i = 0; i < static_cast<int>(a); ++i) at += counter_words(static_cast<CounterArray>(i), s);
+  return at;
+}
+
 // The arrays' names in timeout messages (cuda/fused/wait_sites.hpp), one per array
 inline constexpr const char* kCounterArrayNames[] = {
     "dy_ready",          "x_ready",    "replay_done",        "dgrad_down_done",       "dgrad_gate_up_done",
