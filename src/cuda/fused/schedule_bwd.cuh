@@ -246,26 +246,23 @@ MOK_HD int32_t max_segments(const Geometry& g) { return 4 * g.num_mini + 6; }
 // O(experts + minibatches): the experts' wgrad ranges come from one sweep.
 MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, int32_t* num_tasks) {
   SegmentWriter out{seg};
-  auto push = [&](int32_t kind, int32_t first, int32_t count, int32_t num_n, int32_t macro) {
-    out.push(kind, first, count, num_n, macro);
-  };
   auto mini_range = [&](int32_t p, int32_t* lo, int32_t* hi) {
     *lo = p * g.minibatch_blocks;
     *hi = *lo + g.minibatch_blocks < g.num_blocks ? *lo + g.minibatch_blocks : g.num_blocks;
   };
   // The shared expert, first: replay, dgrad down, dgrad gate/up over its token blocks, its wgrad
   // (a rank without tokens still writes its shared wgrad tiles: zeros)
-  push(static_cast<int32_t>(TaskKind::kSharedReplay), 0, c.shared_blocks, c.n_shared_replay, 0);
-  push(static_cast<int32_t>(TaskKind::kSharedDgradDown), 0, c.shared_blocks, c.n_shared_dgrad_down, 0);
-  push(static_cast<int32_t>(TaskKind::kSharedDgradGateUp), 0, c.shared_blocks, c.n_shared_dgrad_gate_up, 0);
-  push(static_cast<int32_t>(TaskKind::kSharedWgradDown), 0, 1, c.n_shared_wgrad_down, 0);
-  push(static_cast<int32_t>(TaskKind::kSharedWgradGateUp), 0, 1, c.n_shared_wgrad_gate_up, 0);
+  out.push(static_cast<int32_t>(TaskKind::kSharedReplay), 0, c.shared_blocks, c.n_shared_replay, 0);
+  out.push(static_cast<int32_t>(TaskKind::kSharedDgradDown), 0, c.shared_blocks, c.n_shared_dgrad_down, 0);
+  out.push(static_cast<int32_t>(TaskKind::kSharedDgradGateUp), 0, c.shared_blocks, c.n_shared_dgrad_gate_up, 0);
+  out.push(static_cast<int32_t>(TaskKind::kSharedWgradDown), 0, 1, c.n_shared_wgrad_down, 0);
+  out.push(static_cast<int32_t>(TaskKind::kSharedWgradGateUp), 0, 1, c.n_shared_wgrad_gate_up, 0);
   const int32_t per_expert = wgrad_tiles(c);
   // The experts without rows before the first row (their zero tiles wait on nothing); every
   // later expert without rows goes with the expert before it (decode_task gives it macro -1)
   int32_t e_next = 0;
   while (e_next < g.num_experts && g.expert_end[e_next] <= 0) ++e_next;
-  push(kSegmentWgrad, 0, e_next, per_expert, -1);
+  out.push(kSegmentWgrad, 0, e_next, per_expert, -1);
   // The wgrad tiles of the experts whose last block in macrobatch m lies before `hi` (the
   // lagged minibatch's end), from e_next on: a contiguous range.  An expert that continues
   // into the next macrobatch stays next (its rows there are a pair of their own).
@@ -282,7 +279,7 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
       continues = !empty && g.expert_end[e - 1] > (m + 1) * g.ring_blocks;
       if (continues) break;
     }
-    push(kSegmentWgrad, first, e - first, per_expert, m);
+    out.push(kSegmentWgrad, first, e - first, per_expert, m);
     e_next = continues ? e - 1 : e;
   };
   int32_t lag = -1;  // the minibatch whose dgrad gate/up and wgrad tiles are not emitted yet
@@ -290,7 +287,7 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     if (lag < 0) return;
     int32_t lo, hi;
     mini_range(lag, &lo, &hi);
-    push(static_cast<int32_t>(TaskKind::kDgradGateUp), lo, hi - lo, c.n_dgrad_gate_up, 0);
+    out.push(static_cast<int32_t>(TaskKind::kDgradGateUp), lo, hi - lo, c.n_dgrad_gate_up, 0);
     // The call's last minibatch takes every expert left (those without rows after the last row)
     wgrad_ending_before(g.macro_of(lo), hi == g.num_blocks ? 0x7fffffff : hi);
     lag = -1;
@@ -300,8 +297,8 @@ MOK_HD int build_segments(const Geometry& g, const TaskCounts& c, Segment* seg, 
     mini_range(p, &lo, &hi);
     // A new macrobatch overwrites the ring slots of the previous one: its readers first
     if (!c.resident && lag >= 0 && g.macro_of(lag * g.minibatch_blocks) != g.macro_of(lo)) flush();
-    if (replays(g, c, lo)) push(static_cast<int32_t>(TaskKind::kReplay), lo, hi - lo, c.n_replay, 0);
-    push(static_cast<int32_t>(TaskKind::kDgradDown), lo, hi - lo, c.n_dgrad_down, 0);
+    if (replays(g, c, lo)) out.push(static_cast<int32_t>(TaskKind::kReplay), lo, hi - lo, c.n_replay, 0);
+    out.push(static_cast<int32_t>(TaskKind::kDgradDown), lo, hi - lo, c.n_dgrad_down, 0);
     flush();
     lag = p;
   }
