@@ -90,7 +90,7 @@ if [ "${PERF:-0}" = 1 ]; then
   echo "== fused forward knob sweep"
   PYTHONPATH=python timeout 240 python3 tools/sweep_forward.py dsv3 2>&1 | tee "$OUT/sweep.log" | tail -40
   echo "== timing ring"
-  PYTHONPATH=python timeout 120 python3 tools/trace_forward.py dsv3 --comm 8 --out "$OUT" 2>&1 | tail -16
+  PYTHONPATH=python timeout 120 python3 tools/trace_forward.py dsv3 --out "$OUT" 2>&1 | tail -16
   echo "== the bars at the sustained clock (interleaved timing after 3 s of load)"
   PYTHONPATH=python timeout 120 python3 tools/sustained.py dsv3 2>&1 | tail -7
   echo "== layer benchmark"

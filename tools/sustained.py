@@ -219,12 +219,6 @@ def backward_rows(args, H, I, k, E, T):
     ring = ws_all.c_config().macrobatch_size
     _, saved_all = F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)
 
-    # The backward's comm blocks (gather of x, dy, weights): fewer and more than the default
-    comm_ctx = {}
-    for n in ((16, 24) if args.explore_gather else ()):
-        wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(bwd_num_comm_sms=n))
-        comm_ctx[n] = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
-
     fwd_mini, fwd_macro = map(int, re.search(r"minibatch_size\s*=\s*(\d+) rows, macrobatch_size = (\d+)",
                                              ws.describe()).groups())
     print(f"{args.shape}: minibatch {fwd_mini} rows, macrobatch {fwd_macro} rows (the forward's)")
@@ -281,36 +275,22 @@ def backward_rows(args, H, I, k, E, T):
             f"mok fwd+bwd ring={ring} start=2 mini=ring": with_env(
                 {"MOK_BACKWARD_START_GATHER": "2", "MOK_BACKWARD_MINIBATCH": str(ring)}, lambda: mok_fb(ws_all)),
         })
-    if args.explore_comm:
-        # Fewer comm blocks in the forward (the backward keeps its default), then in both
-        # directions, with the ring for every row: the forward gathers x only, 2H bytes a row
-        # against 6HI FLOPs, so its comm share falls as I grows
-        for n in (4, 6):
-            cfg = F.MoKConfig(fwd_num_comm_sms=n, macrobatch_size=F.MACROBATCH_ALL_ROWS)
-            wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
-            variants.update({
-                f"mok fwd ring={ring} fwd comm={n}": (lambda w=wsn: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0]),
-                f"mok fwd+bwd ring={ring} fwd comm={n}": (lambda w=wsn: mok_fb(w)),
-            })
-        for n in (4, 6):
-            cfg = F.MoKConfig(fwd_num_comm_sms=n, bwd_num_comm_sms=n, macrobatch_size=F.MACROBATCH_ALL_ROWS)
-            wsn = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
-            ctx_n = F.forward(x, ids, tw, wg, wu, wd, workspace=wsn)[1]
-            variants.update({
-                f"mok bwd ring={ring} comm={n}": (lambda c=ctx_n: F.backward(c, dy)),
-                f"mok fwd ring={ring} comm={n}": (lambda w=wsn: F.forward(x, ids, tw, wg, wu, wd, workspace=w)[0]),
-                f"mok fwd+bwd ring={ring} comm={n}": (lambda w=wsn: mok_fb(w)),
-            })
-        variants[f"mok fwd ring={ring}"] = lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0]
     if args.explore_gather:
-        # The knobs of the fused backward measured in session 11 (docs/perf.md): its raster and
-        # its comm blocks
+        # The raster knob of the fused backward (session 11, docs/perf.md)
         variants.update({
             "mok bwd n_group=1": with_env({"MOK_TILE_N_GROUP": "1"}, lambda: F.backward(saved_ctx, dy)),
             "mok bwd n_group=4": with_env({"MOK_TILE_N_GROUP": "4"}, lambda: F.backward(saved_ctx, dy)),
-            "mok bwd comm=16": lambda: F.backward(comm_ctx[16], dy),
-            "mok bwd comm=24": lambda: F.backward(comm_ctx[24], dy),
         })
+    # --variants name:ENV=VAL,...: the backward under those knobs (the ring for every row), after
+    # checking its gradients equal the default's bit for bit
+    if args.variants and args.variants != "base":
+        ref = F.backward(saved_all, dy)
+        for vname, env in parse_variants(args.variants).items():
+            got = with_env(env, lambda: F.backward(saved_all, dy))()
+            for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
+                if not torch.equal(getattr(ref, name), getattr(got, name)):
+                    raise SystemExit(f"mok backward: {name} differs under variant {vname}")
+            variants[f"mok bwd ring={ring} [{vname}]"] = with_env(env, lambda: F.backward(saved_all, dy))
     a, b, c = F.backward(ctx, dy), F.backward(ctx, dy), F.backward(saved_ctx, dy)
     d = variants["mok bwd unfused"]()
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
@@ -372,15 +352,13 @@ def main():
                     help="with --backward: the default calls repeated (the noise floor of the A/Bs)")
     ap.add_argument("--explore-v5", action="store_true",
                     help="with --backward: session 12's variants (start gather, minibatch, ring)")
-    ap.add_argument("--explore-comm", action="store_true",
-                    help="with --backward: 4 and 6 comm blocks in both directions (ring for every row)")
     ap.add_argument("--explore-gather", action="store_true",
-                    help="with --backward: session 11's variants too (raster, comm blocks)")
+                    help="with --backward: session 11's raster variants too")
     ap.add_argument("--minibatches", default="0",
                     help="forward: minibatch sizes of mok's workspaces timed side by side (0 = mok's choice)")
     ap.add_argument("--variants", default="base",
-                    help="--gemm and the forward: name[:ENV=VAL[;ENV=VAL]],... knob settings of mok timed "
-                         "side by side")
+                    help="--gemm, --backward and the forward: name[:ENV=VAL[;ENV=VAL]],... knob settings of "
+                         "mok timed side by side")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
     if args.gemm:

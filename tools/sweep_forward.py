@@ -1,5 +1,5 @@
 """Sweep of the fused forward's knobs on one shape (median ms of CUDA-event timings, same
-inputs): fwd_num_comm_sms x minibatch_size x macrobatch_size, plus the unfused launches
+inputs): minibatch_size x macrobatch_size (EP = 1: no comm blocks), plus the unfused launches
 (MOK_FORWARD_PATH=unfused) for reference.   python3 tools/sweep_forward.py [shape]"""
 import os
 import sys
@@ -30,19 +30,18 @@ def main():
          (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
     ref = None
     print(f"{name}: fused forward, median ms")
-    for comm in (2, 4, 8, 16):
-        # minibatch == macrobatch walks each ring fill as a gate/up phase then a down phase
-        # (the L2 behaviour of the unfused launches, with the gather of the next fill overlapped)
-        for mini, macro in ((512, 16384), (1024, 16384), (2048, 16384), (1024, 4096), (1024, 65536),
-                            (4096, 4096), (16384, 16384), (65536, 65536)):
-            cfg = F.MoKConfig(fwd_num_comm_sms=comm, minibatch_size=mini, macrobatch_size=macro)
-            ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
-            ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))
-            y, _ = F.forward(x, ids, tw, *w, workspace=ws)
-            ref = y if ref is None else ref
-            print(f"comm {comm:3d} minibatch {mini:5d} macrobatch {macro:6d}: {ms:7.3f} ms  "
-                  f"{'same bits' if torch.equal(y, ref) else 'DIFFERENT BITS'}")
-            del ws
+    # minibatch == macrobatch walks each ring fill as a gate/up phase then a down phase
+    # (the L2 behaviour of the unfused launches, with the gather of the next fill overlapped)
+    for mini, macro in ((512, 16384), (1024, 16384), (2048, 16384), (1024, 4096), (1024, 65536),
+                        (4096, 4096), (16384, 16384), (65536, 65536)):
+        cfg = F.MoKConfig(minibatch_size=mini, macrobatch_size=macro)
+        ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
+        ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))
+        y, _ = F.forward(x, ids, tw, *w, workspace=ws)
+        ref = y if ref is None else ref
+        print(f"minibatch {mini:5d} macrobatch {macro:6d}: {ms:7.3f} ms  "
+              f"{'same bits' if torch.equal(y, ref) else 'DIFFERENT BITS'}")
+        del ws
     os.environ["MOK_FORWARD_PATH"] = "unfused"
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda")
     ms = median_ms(lambda: F.forward(x, ids, tw, *w, workspace=ws))

@@ -1,7 +1,7 @@
 """Timing ring of the fused forward (or, --backward, the fused backward): where the time of one
 call goes, per role.
 
-    python3 tools/trace_forward.py [shape] [--comm N] [--minibatch R] [--out DIR] [--backward]
+    python3 tools/trace_forward.py [shape] [--minibatch R] [--out DIR] [--backward]
 
 Runs the fused forward on a shape of docs/benchmarks.md with MOK_TRACE=1, reads the ring
 (mokWorkspaceReadTrace), prints a summary (tile time by kind, producer waits, gather
@@ -26,7 +26,7 @@ KINDS_BWD = {0: "replay", 1: "dgrad down", 2: "dgrad gate/up", 3: "wgrad down", 
              5: "shared replay", 6: "shared dgrad down", 7: "shared dgrad g/u", 8: "shared wgrad down",
              9: "shared wgrad g/u", 255: "-"}
 
-def summarize(ev, num_comm, kinds=KINDS):
+def summarize(ev, kinds=KINDS):
     t0 = ev[:, 0].min().item()
     span = (ev[:, 1].max().item() - t0) / 1e3
     print(f"traced span {span:.1f} us (first event to last)")
@@ -52,7 +52,7 @@ def summarize(ev, num_comm, kinds=KINDS):
     print(f"  compute blocks {compute}: tiles busy {busy / (compute * span):.1%} of span")
     gathers = ev[ev[:, 2] == 0]
     if gathers.numel():
-        print(f"  gather: {num_comm} comm blocks, last row block released at "
+        print(f"  gather (start gather, then the gather warps; EP = 1), last row block released at "
               f"{(gathers[:, 1].max().item() - t0) / 1e3:.1f} us")
     first_tile = (tiles[:, 0].min().item() - t0) / 1e3 if tiles.numel() else 0
     last_tile = (tiles[:, 1].max().item() - t0) / 1e3 if tiles.numel() else 0
@@ -144,7 +144,6 @@ def draw(ev, t0, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="dsv3")
-    ap.add_argument("--comm", type=int, default=F.MoKConfig().fwd_num_comm_sms)
     ap.add_argument("--minibatch", type=int, default=F.MoKConfig().minibatch_size)
     ap.add_argument("--out", default=".")
     ap.add_argument("--warm", type=int, default=3, help="untraced calls first (sustained load: 30+)")
@@ -158,7 +157,7 @@ def main():
     w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
          (torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
          (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
-    cfg = F.MoKConfig(fwd_num_comm_sms=args.comm, minibatch_size=args.minibatch,
+    cfg = F.MoKConfig(minibatch_size=args.minibatch,
                       macrobatch_size=F.MACROBATCH_ALL_ROWS if args.ring_all else 0)
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
     if args.backward:
@@ -175,10 +174,10 @@ def main():
     end.record()
     end.synchronize()
     what = "backward" if args.backward else "forward"
-    print(f"{args.shape}: fused {what} {start.elapsed_time(end):.3f} ms (traced call, comm {args.comm}, "
+    print(f"{args.shape}: fused {what} {start.elapsed_time(end):.3f} ms (traced call, "
           f"minibatch {args.minibatch})")
     ev = ws.read_trace()
-    t0 = summarize(ev, args.comm, KINDS_BWD if args.backward else KINDS)
+    t0 = summarize(ev, KINDS_BWD if args.backward else KINDS)
     os.makedirs(args.out, exist_ok=True)
     draw(ev, t0, os.path.join(args.out, f"trace_{what}_{args.shape}.png"))
 

@@ -107,8 +107,9 @@ typedef struct mokConfig_t {
   int64_t ep_rank;              /* r */
   int64_t max_tokens;           /* T_max: the most tokens any rank passes in one call */
   /* knobs */
-  int64_t fwd_num_comm_sms;
-  int64_t bwd_num_comm_sms;
+  int64_t fwd_num_comm_sms;     /* EP >= 2: blocks of the fused forward that pull rows first
+                                   (EP = 1: none; the producer warpgroups gather) */
+  int64_t bwd_num_comm_sms;     /* the same for the fused backward; 0 = fwd_num_comm_sms */
   int64_t minibatch_size;       /* rows; multiple of block_m; 0 = chosen by mok */
   int64_t macrobatch_size;      /* rows of the ring buffer; multiple of minibatch_size; 0 = chosen;
                                    MOK_MACROBATCH_ALL_ROWS = every row of a worst-case plan */

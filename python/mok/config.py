@@ -46,6 +46,9 @@ class MoKConfig:
 
     num_blocks: grid of the persistent CUDA kernels; 0 = one block per SM (a VirtualGroup
     turns 0 into SMs // P, so that the P ranks' kernels are resident at once).
+    fwd_num_comm_sms, bwd_num_comm_sms (0: the forward's): EP >= 2, the blocks of each fused
+    kernel that pull rows from the peers before they compute; at EP = 1 no block is set aside
+    (the producer warpgroups' gather warps copy the rows).
     macrobatch_size: rows of the ring; 0 = chosen by mok; MACROBATCH_ALL_ROWS = every row of a
     worst-case plan (recommended for training: no expert's weight gradient split into pieces)."""
 

@@ -76,7 +76,7 @@ enum class WaitSite : int32_t {
   kStartBarrier = 4,      // EP: peer `detail` reaches the call's start (routing exchange)
   kEndBarrier = 5,        // EP: peer `detail`'s pushes landed (end barrier)
   kConfigMismatch = 6,    // EP: peer `detail`'s region was created with another configuration
-  kGatherCounter = 7,     // a comm warp, before a row block's gather: counter_wait_detail
+  kGatherCounter = 7,     // a gather warp (comm, or EP = 1's), before a row block's gather: counter_wait_detail
   kTaskSlotFree = 8,      // the fused producer: consumers and signaler took hand-off slot `detail`
   kTaskSlotFull = 9,      // fused consumer `detail` (0, 1): the producer's next task
   kSignalerTaskFull = 10, // the fused signaler: the producer's task in hand-off slot `detail`

@@ -363,8 +363,10 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.num_tokens = T;
   p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / fused::kBlockM);
   p.minibatch_blocks = minibatch_blocks;
+  // EP = 1: no comm blocks, the producer warpgroups' gather warps copy the rows (local_gather);
+  // EP >= 2: bwd_num_comm_sms blocks (0: fwd_num_comm_sms) pull them from the peers first
   const int64_t comm = c.bwd_num_comm_sms > 0 ? c.bwd_num_comm_sms : c.fwd_num_comm_sms;
-  p.num_comm = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(comm, ws.grid - 1)));
+  p.num_comm = c.ep_size == 1 ? 0 : static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(comm, ws.grid - 1)));
   p.num_local = static_cast<int32_t>(El);
   p.shared_blocks = Is > 0 ? gemm::tiles_of(T, fused::kBlockM) : 0;
   p.replay = saved.h ? 0 : 1;

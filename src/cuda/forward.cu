@@ -186,8 +186,12 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   const WeightStacks w = weight_stacks(c, in);
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
-  const int32_t num_comm = static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.grid - 1));
-  MOK_CHECK_ARG(num_comm >= 1, "fwd_num_comm_sms = " << c.fwd_num_comm_sms << " must be at least 1 (the comm blocks gather)");
+  // EP = 1: no comm blocks, the producer warpgroups' gather warps copy the rows (local_gather);
+  // EP >= 2: fwd_num_comm_sms blocks pull them from the peers first
+  const int32_t num_comm =
+      c.ep_size == 1 ? 0 : static_cast<int32_t>(std::min<int64_t>(c.fwd_num_comm_sms, ws.grid - 1));
+  MOK_CHECK_ARG(c.ep_size == 1 || num_comm >= 1,
+                "fwd_num_comm_sms = " << c.fwd_num_comm_sms << " must be at least 1 at EP >= 2 (the comm blocks pull rows)");
   fused::ForwardParams p{};
   p.hidden = static_cast<int32_t>(H);
   p.inter = static_cast<int32_t>(I);

@@ -919,13 +919,13 @@ struct GpuLayer {
   mokWorkspace_t ws = nullptr;
   DeviceBuffer x, ids, w, wg, wu, wd, sg, su, sd, y;
   mokForwardArgs_t a{};
-  explicit GpuLayer(Layer& layer, int64_t minibatch = 0, int64_t macrobatch = 0, int64_t comm_sms = 0)
+  explicit GpuLayer(Layer& layer, int64_t minibatch = 0, int64_t macrobatch = 0, int64_t num_blocks = 0)
       : l(layer), x(l.x), ids(l.ids), w(l.w), wg(l.wg), wu(l.wu), wd(l.wd), sg(l.sg), su(l.su), sd(l.sd),
         y(static_cast<size_t>(l.T * l.H) * 2) {
     mokConfig_t c = layer_config(l, 0);
     if (minibatch) c.minibatch_size = minibatch;
     if (macrobatch) c.macrobatch_size = macrobatch;
-    if (comm_sms) c.fwd_num_comm_sms = comm_sms;
+    if (num_blocks) c.num_blocks = num_blocks;
     EXPECT_EQ(mokWorkspaceCreate(&c, &ws), mokSuccess) << mokGetLastError();
     a.x = tensor_view(x.ptr, mokBFloat16, {l.T, l.H}, 0);
     a.topk_ids = tensor_view(ids.ptr, mokInt32, {l.T, l.k}, 0);
@@ -986,7 +986,8 @@ TEST(ForwardGpu, MatchesCpuReference) {
 
 // The fused megakernel against the unfused launches built from the same tiles and the same
 // reduction order (MOK_FORWARD_PATH=unfused): identical bits.  Also identical bits with the
-// ring wrapping many times (small macrobatches), and for any number of comm blocks.
+// ring wrapping many times (small macrobatches), and on grids of 1 to every SM (the gather
+// warps' share of the rows).
 TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   struct Shape { int64_t H, I, Is, E, k, T; Routing r; };
@@ -1007,15 +1008,15 @@ TEST(ForwardGpu, FusedEqualsUnfusedAndRingWrapping) {
       ASSERT_EQ(0, std::memcmp(fused.data(), unfused.data(), fused.size() * 2)) << "fused vs unfused";
     }
     // The start gather of every block (the default one minibatch, none, or three minibatches,
-    // clamped to the ring's first pass)
+    // clamped to the ring's first pass), then the gather warps of a grid of `blocks` (0: one per SM)
     for (const char* start : {"1", "0", "3"}) {
       setenv("MOK_FORWARD_START_GATHER", start, 1);
-      for (auto [mini, macro, comm] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
-                                        {128, 128, 2}, {1024, 16384, 16}, {512, 512, 3}}) {
-        GpuLayer g(l, mini, macro, comm);
+      for (auto [mini, macro, blocks] : {std::tuple<int64_t, int64_t, int64_t>{128, 256, 1}, {256, 512, 4},
+                                          {128, 128, 2}, {1024, 16384, 0}, {512, 512, 3}}) {
+        GpuLayer g(l, mini, macro, blocks);
         const auto y = g.run();
         ASSERT_EQ(0, std::memcmp(fused.data(), y.data(), fused.size() * 2))
-            << "start gather " << start << " minibatch " << mini << " macrobatch " << macro << " comm " << comm;
+            << "start gather " << start << " minibatch " << mini << " macrobatch " << macro << " blocks " << blocks;
       }
     }
     unsetenv("MOK_FORWARD_START_GATHER");

@@ -268,6 +268,29 @@ struct ProtocolModel {
     }
     return true;
   }
+  // EP = 1's gather warps (comm/gather.cuh, local_gather): warp `index` of `num` copies units
+  // index, index + num, ... of kGatherUnitRows rows of the positions after the start gather's,
+  // each after its block's gather_waits(), and adds its rows to gather_ready.
+  struct GatherWarp {
+    int64_t next = 0;      // units of this warp done
+    bool started = false;  // the current unit's waits were met
+  };
+  bool step(GatherWarp& gw, int index, int num) {
+    constexpr int kUnitsPerBlock = kBlockM / kGatherUnitRows;
+    const int64_t u = index + gw.next * num;
+    if (u >= int64_t{g.num_blocks - first} * kUnitsPerBlock) return false;
+    const int32_t b = g.block_at(first + static_cast<int32_t>(u / kUnitsPerBlock));
+    if (!gw.started) {
+      Wait w[kMaxWaits];
+      if (!ready(w, gather_waits(b, g, c, w))) return false;
+      gw.started = true;
+      return true;
+    }
+    counters[0][static_cast<size_t>(b)] += kGatherUnitRows;
+    gw.started = false;
+    ++gw.next;
+    return true;
+  }
 };
 
 // Runs compute blocks and comm blocks (comm_step(i, rng): one step of comm block i) in random
@@ -329,6 +352,35 @@ TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
     ASSERT_TRUE(run_model(m, num_compute, num_comm, seed, &why))
         << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
         << ", comm " << num_comm << ", start " << start << ", seed " << seed << ")";
+  }
+}
+
+// EP = 1: no comm blocks; every compute block's two gather warps share the rows in units
+TEST(FusedSchedule, ProtocolModelWithGatherWarpsAlwaysFinishes) {
+  std::mt19937_64 rng(fresh_protocol_seed());
+  for (int iter = 0; iter < 300; ++iter) {
+    const int32_t mini = 1 << (rng() % 3), ring = mini << (rng() % 3);
+    const int32_t blocks = static_cast<int32_t>(rng() % 24);
+    const TaskCounts c{1 + static_cast<int32_t>(rng() % 3), 1 + static_cast<int32_t>(rng() % 2),
+                       static_cast<int32_t>(rng() % 2), 1, static_cast<int32_t>(rng() % 3)};
+    ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
+    const int num_compute = 1 + static_cast<int>(rng() % 5), num_warps = num_compute * kGatherWarps;
+    const int32_t start = rng() % 3 == 0 ? 0 : mini * (1 + static_cast<int32_t>(rng() % 3));
+    m.start_gather(start);
+    std::vector<ProtocolModel::GatherWarp> warps(static_cast<size_t>(num_warps));
+    std::string why;
+    const uint64_t seed = rng();
+    ASSERT_TRUE(run_actors(
+        m, num_compute, num_warps, seed,
+        [&](int i, std::mt19937_64&) { return m.step(warps[static_cast<size_t>(i)], i, num_warps); },
+        [&] {
+          for (int32_t b = 0; b < m.g.num_blocks; ++b)
+            if (m.counters[0][static_cast<size_t>(b)] != kBlockM) return false;
+          return true;
+        },
+        &why))
+        << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
+        << ", start " << start << ", seed " << seed << ")";
   }
 }
 

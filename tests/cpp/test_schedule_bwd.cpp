@@ -418,7 +418,7 @@ TEST(WaitSites, TheHostDecodesEveryRecord) {
   s = says(record(WaitSite::kGatherCounter, 3,
                   counter_wait_detail(kForwardDirection, static_cast<int32_t>(fused::CounterArray::kDownDone), 40), 11,
                   2));
-  EXPECT_NE(s.find("comm warp, before a row block's gather: waiting for forward counter dn_done[40] >= 11, observed 2"),
+  EXPECT_NE(s.find("gather warp, before a row block's gather: waiting for forward counter dn_done[40] >= 11, observed 2"),
             std::string::npos)
       << s;
   s = says(record(WaitSite::kTaskSlotFull, 5, 1, 0, -1));

@@ -392,7 +392,7 @@ def test_trace_records_every_role(gen, monkeypatch):
     x, ids, tw, w = _layer(gen, 512, 256, 16, 4, 700, 256, masked=0.0)
     cuda_w = {n: t.cuda() for n, t in w.items()}
     ws = F.create_workspace(512, 256, 16, 4, max_tokens=1024, shared_intermediate=256, device="cuda",
-                            config=F.MoKConfig(fwd_num_comm_sms=2, minibatch_size=256, macrobatch_size=512))
+                            config=F.MoKConfig(minibatch_size=256, macrobatch_size=512))
     F.forward(x.cuda(), ids.cuda(), tw.cuda(), **cuda_w, workspace=ws)
     ev = ws.read_trace()
     roles = set(ev[:, 2].tolist())

@@ -1,11 +1,13 @@
 // The fused backward megakernel: one persistent launch, grid = SM count (or config.num_blocks),
 // the forward's roles and entry (megakernel.cuh) over the backward's task list
 // (schedule_bwd.cuh) and ops (ops_bwd/):
-//   comm blocks   blockIdx.x < p.num_comm: gather x, dy and the route weight of every plan row
-//                 (EP >= 2: from the row's source rank's region over NVLink: the pull of the
+//   comm blocks   EP >= 2, blockIdx.x < p.num_comm: gather x, dy and the route weight of every
+//                 plan row from the row's source rank's region over NVLink (the pull of the
 //                 reverse combine), block by block in order, then join the compute roles
 //   producer      thread 0 of warpgroup 0: claims tasks, waits for their inputs, issues loads
 //   signaler      thread 32 of warpgroup 0: publishes each finished tile to the counters
+//   gather        EP = 1, warps 2 and 3 of warpgroup 0 of every block: the same gather, 8-row
+//                 units in order (local_gather)
 //   consumers     warpgroups 1, 2: wgmma and the ops' epilogues
 // then every block's consumers meet at a grid barrier (EP >= 2: and the group's end barrier)
 // and reduce: d topk_weights[t, j] = Σ_c partials (ascending c; EP >= 2 pushed to the home
@@ -112,6 +114,54 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   __syncwarp();
 }
 
+// ---- EP = 1 (no comm blocks): the gather warps ------------------------------------------------
+// Gather warp `gw` of `num_gw` (warps 2 and 3 of every block's producer warpgroup) copies units
+// of kGatherUnitRows plan rows after the start gather's blocks, in order: x and dy with 16-byte
+// vector copies (no staging: the stage ring is the GEMMs'), the route weight; then adds its
+// rows to dy_ready[b] and x_ready[b].  The block's first gather warp records its span (trace
+// kind 253).
+__device__ void local_gather(const BackwardParams& p, const Geometry& g, const TaskCounts& counts, int64_t gw,
+                             int64_t num_gw) {
+  constexpr int kUnitRows = kGatherUnitRows, kUnitsPerBlock = kBlockM / kUnitRows;
+  const int lane = threadIdx.x % 32;
+  const int32_t first = start_block_count(p, g, counts);
+  const int64_t units = int64_t{g.num_blocks - first} * kUnitsPerBlock;
+  const int64_t row_vecs = p.hidden / 8;
+  TraceWriter trace(p, 3);
+  const uint64_t t_begin = ptx::globaltimer_ns();
+  for (int64_t u = gw; u < units; u += num_gw) {
+    const int32_t b = first + static_cast<int32_t>(u / kUnitsPerBlock);
+    const int64_t row0 = int64_t{b} * kBlockM + (u % kUnitsPerBlock) * kUnitRows;
+    for (int64_t row = row0; row < row0 + kUnitRows; ++row) {
+      const uint32_t rec = p.rows[row];
+      uint4* xd = reinterpret_cast<uint4*>(p.x_rows + row * p.hidden);
+      uint4* dd = reinterpret_cast<uint4*>(p.dy_rows + row * p.hidden);
+      if (row_is_pad(rec)) {
+        for (int64_t v = lane; v < row_vecs; v += 32) xd[v] = dd[v] = make_uint4(0, 0, 0, 0);
+        if (lane == 0) p.row_weight[row] = 0.0f;
+        continue;
+      }
+      if (lane == 0) p.row_weight[row] = route_weight(p, rec);
+      const uint4* xs = reinterpret_cast<const uint4*>(x_row(p, rec));
+      const uint4* ds = reinterpret_cast<const uint4*>(dy_row(p, rec));
+#pragma unroll 2
+      for (int64_t v = lane; v < row_vecs; v += 32) {
+        const uint4 a = __ldg(xs + v), c = __ldg(ds + v);
+        xd[v] = a;
+        dd[v] = c;
+      }
+    }
+    // The unit's rows, before the TMA loads that read them (another SM's async proxy)
+    ptx::fence_proxy_async_global();
+    __syncwarp();
+    if (lane == 0) {
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), kUnitRows);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), kUnitRows);
+    }
+  }
+  if (lane == 0 && gw % kGatherWarps == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 253, -1, -1);
+}
+
 // ---- the reductions: d topk_weights of a plan row, dx of a token (finish) ---------------------
 // d topk_weights of routed plan row i: the fixed-order sum of its partials (EP >= 2: into the
 // row's source rank's region); padding rows have none.
@@ -216,6 +266,10 @@ __device__ __forceinline__ bool BackwardDir::comm_gather(Shared& sh, const Param
   if (static_cast<int32_t>(blockIdx.x) >= p.num_comm) return false;
   bwd::comm_gather(sh, p, s.g, wait);
   return true;
+}
+__device__ __forceinline__ void BackwardDir::gather_warps(const Params& p, const Setup& s, const gemm::WaitContext&,
+                                                          int index) {
+  local_gather(p, s.g, s.counts, int64_t{blockIdx.x} * kGatherWarps + index, int64_t{gridDim.x} * kGatherWarps);
 }
 __device__ __forceinline__ void BackwardDir::finish(Shared&, const Params& p, const gemm::WaitContext& wait) {
   bwd::finish(p, wait);

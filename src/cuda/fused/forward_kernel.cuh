@@ -6,12 +6,14 @@
 // Roles (dispatched by block index, then warpgroup: run_megakernel, megakernel.cuh; the
 // shared parameters, storage and counters in forward_params.cuh, the task ops they run in
 // ops/, the comm role in ../comm/):
-//   kComm       blocks [0, num_comm): gather routed rows of x into the ring (bulk copies
-//               through shared memory), block by block in processing order; then they
+//   kComm       EP >= 2, blocks [0, num_comm): gather routed rows of x into the ring (bulk
+//               copies through shared memory), block by block in processing order; then they
 //               join the compute roles below
 //   kProducer   warpgroup 0 of a compute block: claims tasks, waits for their inputs,
 //               issues TMA loads
 //   kSignaler   warp 1 of warpgroup 0: publishes each finished tile to the global counters
+//   gather      EP = 1, warps 2 and 3 of warpgroup 0 of every block: gather the rows after
+//               the start gather (local_gather), 8-row units in processing order
 //   kConsumer*  warpgroups 1, 2: wgmma and the epilogues (SwiGLU / scatter / store)
 // after which every block joins the fixed-order combine of y (a grid barrier first).
 //
@@ -67,6 +69,11 @@ __device__ __forceinline__ bool ForwardDir::comm_gather(Shared& sh, const Params
   if (!s.comm) return false;
   fused::comm_gather(sh, p, s.g, wait, s.gather_ready, s.counts, phase);
   return true;
+}
+__device__ __forceinline__ void ForwardDir::gather_warps(const Params& p, const Setup& s, const gemm::WaitContext& wait,
+                                                         int index) {
+  local_gather(p, s.g, s.counts, wait, s.gather_ready, int64_t{blockIdx.x} * kGatherWarps + index,
+               int64_t{gridDim.x} * kGatherWarps);
 }
 __device__ __forceinline__ void ForwardDir::finish(Shared& sh, const Params& p, const gemm::WaitContext& wait) {
   finish_and_combine(sh, p, wait);

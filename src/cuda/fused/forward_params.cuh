@@ -16,9 +16,10 @@ enum class NamedBarrier : uint32_t {
 };
 
 // The role table's threads (every fused kernel): thread 0 of warpgroup 0 produces, thread 32
-// signals, warpgroups 1 and 2 consume.
+// signals, warps 2 and 3 gather (EP = 1), warpgroups 1 and 2 consume.
 inline constexpr int kProducerWarpgroup = 0;
 inline constexpr uint32_t kProducerThread = 0, kSignalerThread = 32;
+inline constexpr int kFirstGatherWarp = 2;  // kGatherWarps of them (tile_sizes.cuh)
 inline constexpr int kFirstConsumerWarpgroup = 1;
 // Threads of a warpgroup; of both consumer warpgroups (the kConsumers barrier, the end phases),
 // which the first consumer thread leads at the grid barrier

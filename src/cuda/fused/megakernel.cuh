@@ -6,8 +6,11 @@
 // The role table: which threads of which block run which role (the roles' code is in roles/
 // and ../comm/).
 //   comm blocks   blockIdx.x < p.num_comm   every thread: the comm role, then the compute roles
+//                                            (EP >= 2; at EP = 1 num_comm is 0)
 //   kProducerThread                          thread 0 of warpgroup 0: claims tasks, issues loads
 //   kSignalerThread                          thread 32 of warpgroup 0: publishes finished tiles
+//   kFirstGatherWarp, + 1                    warps 2, 3 of warpgroup 0, at EP = 1: gather the
+//                                            rows after the start gather (Dir::gather_warps)
 //   warpgroups 1, 2                          the consumers (rows [0, BLOCK_M / 2), [BLOCK_M / 2, BLOCK_M))
 // (kProducerWarpgroup, kProducerThread, kSignalerThread, kFirstConsumerWarpgroup: forward_params.cuh)
 #pragma once
@@ -40,8 +43,9 @@ __device__ __forceinline__ void run_megakernel(const typename Dir::MapsT& maps, 
   const typename Dir::GeometryT& g = s.g;
   const typename Dir::Counts& counts = s.counts;
 
-  // Gathers: every block the first row blocks (the start gather), the comm blocks the rest, their
-  // staging barriers continuing from the phase the start gather leaves.  The bulk copies are
+  // Gathers: every block the first row blocks (the start gather); the rest at EP >= 2 the comm
+  // blocks, their staging barriers continuing from the phase the start gather leaves, and at
+  // EP = 1 the gather warps of every block (under the compute roles, below).  The bulk copies are
   // complete before the stage memory is the producer's.  A comm block that has gathered its share
   // joins the compute roles: tasks are claimed dynamically, so it takes what is left (its staging
   // rows are free by then and the stage barriers were never touched).
@@ -60,6 +64,8 @@ __device__ __forceinline__ void run_megakernel(const typename Dir::MapsT& maps, 
     ptx::setmaxnreg_dec<Dir::kProducerRegs>();
     if (threadIdx.x == kProducerThread) produce_tasks<Dir>(sh, maps, p, g, counts, wait);
     if (threadIdx.x == kSignalerThread) signal_tasks<Dir>(sh, p, g, counts, wait);
+    const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 32), 0);
+    if (warp >= kFirstGatherWarp && p.num_comm == 0) Dir::gather_warps(p, s, wait, warp - kFirstGatherWarp);
     return;
   }
   ptx::setmaxnreg_inc<Dir::kConsumerRegs>();

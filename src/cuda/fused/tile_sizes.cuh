@@ -24,6 +24,11 @@ inline constexpr int kBlockK = TileConfig::kBlockK;
 // Columns of a TMA box (gemm::tensor_map_2d: one 128-byte swizzle row, BLOCK_K elements): an
 // N-major B stage is kBlockN / kBoxCols boxes side by side, an MN-major A kBlockM / kBoxCols
 inline constexpr int kBoxCols = TileConfig::kBlockK;
+// EP = 1's gather warps (warps 2 and 3 of each block's producer warpgroup) and their unit of
+// work: rows of one row block
+inline constexpr int kGatherWarps = 2;
+inline constexpr int kGatherUnitRows = 8;
+static_assert(kBlockM % kGatherUnitRows == 0, "a row block is whole gather units");
 
 static_assert(MOK_DEFAULT_BLOCK_M == kBlockM, "the plan's row block is the fused tile's BLOCK_M");
 
