@@ -463,6 +463,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   m.dy_rows_k = tm(b.dy_rows, R, H, kA);
   m.w_down_n = gemm::tensor_map_stack(w.w_down, kK);
   m.dh_k = tm(b.dh, R, 2 * I, kA);
+  m.h_k = tm(p.h, R, 2 * I, kA);
   m.w_gate_n = gemm::tensor_map_stack(w.w_gate, kK);
   m.w_up_n = gemm::tensor_map_stack(w.w_up, kK);
   m.dy_rows_mn = tm(b.dy_rows, R, H, kK);
@@ -476,6 +477,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     m.dy_k = tm(dy, T, H, kA);
     m.ws_down_n = gemm::tensor_map_stack(w.ws_down, kK);
     m.sh_dh_k = tm(b.sh_dh, T, 2 * Is, kA);
+    m.sh_h_k = tm(p.sh_h, T, 2 * Is, kA);
     m.ws_gate_n = gemm::tensor_map_stack(w.ws_gate, kK);
     m.ws_up_n = gemm::tensor_map_stack(w.ws_up, kK);
     m.dy_mn = tm(dy, T, H, kK);
@@ -484,7 +486,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     m.x_mn = tm(in.x, T, H, kK);
   } else {
     // No shared rows: its only tiles are the wgrad zeros, which load nothing
-    m.x_k = m.ws_gate_k = m.ws_up_k = m.dy_k = m.sh_dh_k = m.x_rows_k;
+    m.x_k = m.ws_gate_k = m.ws_up_k = m.dy_k = m.sh_dh_k = m.sh_h_k = m.x_rows_k;
     m.ws_down_n = m.ws_gate_n = m.ws_up_n = m.w_down_n;
     m.dy_mn = m.sh_a_mn = m.sh_dh_mn = m.x_mn = m.x_rows_mn;
   }

@@ -93,6 +93,8 @@ struct Maps {
   // shared
   CUtensorMap x_k, ws_gate_k, ws_up_k, dy_k, ws_down_n, sh_dh_k, ws_gate_n, ws_up_n;
   CUtensorMap dy_mn, sh_a_mn, sh_dh_mn, x_mn;
+  // h and the shared h, 128-row x 64-channel boxes (the dgrad-down epilogues' passes)
+  CUtensorMap h_k, sh_h_k;
 };
 
 struct alignas(1024) Shared {

@@ -64,11 +64,29 @@ struct DirBase : Types {
                                                      const Task& t) {
     return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p, g, c, t); });
   }
-  __device__ __forceinline__ static void epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
+  // An op with kRingEpilogue reads stages after its K loop (its produce_epilogue loads them);
+  // false on a timed-out wait
+  __device__ __forceinline__ static bool epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                   const Params& p, const GeometryT& g, const Counts& c,
-                                                  const Task& info) {
-    visit(info.kind,
-          [&acc, consumer, &p, &g, &c, info](auto op) { decltype(op)::epilogue(acc, consumer, p, g, c, info); });
+                                                  const Task& info, const EpilogueRing& ring) {
+    return visit(info.kind, [&acc, consumer, &p, &g, &c, info, &ring](auto op) -> bool {
+      if constexpr (decltype(op)::kRingEpilogue) {
+        return decltype(op)::epilogue_ring(acc, consumer, p, g, c, info, ring);
+      } else {
+        decltype(op)::epilogue(acc, consumer, p, g, c, info);
+        return true;
+      }
+    });
+  }
+  template <class MapsArg>
+  __device__ __forceinline__ static bool produce_epilogue(gemm::StageStorage& s,
+                                                          gemm::PipelineState<TileConfig::kStages>& stage,
+                                                          const MapsArg& maps, const Params& p, const Task& info,
+                                                          const gemm::WaitContext& wait) {
+    return visit(info.kind, [&](auto op) -> bool {
+      if constexpr (decltype(op)::kRingEpilogue) return decltype(op)::produce_epilogue(s, stage, maps, p, info, wait);
+      else return true;
+    });
   }
   // The counters a finished tile adds 1 to: its op's signals, at the direction's counter_of
   struct SignalTargets {

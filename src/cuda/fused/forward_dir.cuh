@@ -13,8 +13,11 @@
 //   wait_all(p, waits, n, wait)  the counters' waits (DirBase, at the direction's counter_of)
 //   Load, load(maps, p, g, c, task), produce(...)   what a task's tile loads and the producer
 //                                loop that loads it
-//   epilogue(acc, consumer, p, g, c, task)   what a consumer does with a task's accumulator
-//                                (DirBase)
+//   epilogue(acc, consumer, p, g, c, task, ring)   what a consumer does with a task's
+//                                accumulator (DirBase: the op's epilogue, or its epilogue_ring);
+//                                false on a timed-out wait
+//   produce_epilogue(s, stage, maps, p, task, wait)   the stages an op's epilogue reads, loaded
+//                                after its k-blocks (DirBase; none but for kRingEpilogue ops)
 //   k_blocks(p, g, c, task)      the task's K loop, in k-blocks (DirBase)
 //   consume(...)                 the consumers' MMA loop for a task of k_blocks k-blocks
 //   signal_targets(p), signal(targets, task, g, c)   the counters a finished tile adds 1 to

@@ -149,6 +149,15 @@ __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, CounterAr
   return p.counters + static_cast<int>(Counter::kHeader) + static_cast<int64_t>(a) * p.max_blocks + index;
 }
 
+// What an epilogue that reads stages after the K loop needs (ops' kRingEpilogue):
+// the stage ring and the consumer's place in it, the deadline, its warpgroup's named barrier.
+struct EpilogueRing {
+  gemm::StageStorage& s;
+  gemm::PipelineState<TileConfig::kStages>& stage;
+  const gemm::WaitContext& wait;
+  uint32_t bar;
+};
+
 // The shared expert's output tile (token block `block`, N block `n_block`) into out [tokens, ld]:
 // what the forward's shared down and the backward's shared dgrad gate/up store.
 template <int kRegs>

@@ -151,4 +151,154 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
   }
 }
 
+// ---- h through the stage ring (the fused backward's dgrad-down ops) ----------------------------
+// The producer follows a dgrad-down tile's K loop with BLOCK_N / kHPassCols more stages, pass q
+// holding g (in the stage's a) and u (in b) of the tile's BLOCK_M rows and channels
+// ch0 + 64q .. +63, as TMA writes them: rows of 128 bytes, 16-byte chunks swizzled
+// (chunk ^ row % 8).  The consumers read h from shared memory instead of global memory, so
+// their epilogue waits for nothing the producer did not fetch under the K loop.
+inline constexpr int kHPassCols = 64;
+inline constexpr uint32_t kHPassBytes = 2u * 128 * kHPassCols * 2;  // g and u boxes, 128 rows
+
+// Producer: the h passes of a tile (after its k-blocks); false on a timed-out wait.
+template <class T>
+__device__ __forceinline__ bool produce_swiglu_h(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+                                                 const CUtensorMap* map_h, int32_t row0, int32_t ch0, int32_t inter,
+                                                 const WaitContext& wait) {
+  static_assert(T::kBlockM == 128 && T::kBlockN % kHPassCols == 0, "an h pass is 128 rows x 64 channels");
+  static_assert(sizeof(s.a[0]) >= kHPassBytes / 2 && sizeof(s.b[0]) >= kHPassBytes / 2, "a stage holds g and u");
+  for (int q = 0; q < T::kBlockN / kHPassCols; ++q) {
+    if (!s.pipe.producer_acquire(stage, wait)) return false;
+    uint64_t* full = s.pipe.full_barrier(stage);
+    ptx::mbar_arrive_expect_tx(full, kHPassBytes);
+    ptx::tma_load_2d(s.a[stage.index], map_h, full, ch0 + q * kHPassCols, row0);
+    ptx::tma_load_2d(s.b[stage.index], map_h, full, inter + ch0 + q * kHPassCols, row0);
+    stage.advance();
+  }
+  return true;
+}
+
+// The 4-byte pair of row r's channels n8 * 8 + 2t, +1 of an h pass box (128-byte rows, swizzled)
+__device__ __forceinline__ uint32_t h_pass_pair(const __nv_bfloat16* box, int r, int n8, int t) {
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(box) + r * 128;
+  return *reinterpret_cast<const uint32_t*>(row + ((n8 ^ (r & 7)) << 4) + 4 * t);
+}
+
+// The epilogue of one consumer's tile (T::kSlabs 64-row slabs in acc) with h from the stage
+// ring: the same values, roundings and partial-sum order as epilogue_dgrad_swiglu (header), in
+// passes of 64 channels; a 128-channel chunk's partial of a row sums its first pass's 8 n8 blocks,
+// then its second's.  consumer: the slab of a cooperative tile (kSlabs == 1); wg_barrier: the
+// named barrier of the consumer's warpgroup (128 threads).  False on a timed-out wait.
+// Every pass's stage is waited for first (the producer fetched them under the K loop), then
+// the passes are computed and released in order.
+template <class T, typename Weight>
+__device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[T::kSlabs][T::kAccRegs], int consumer,
+                                                             StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+                                                             const WaitContext& wait, const SwiGLUBwdArgs& e,
+                                                             int64_t row0, int64_t part_row0, int valid_rows,
+                                                             int64_t ch0, Weight weight, uint32_t wg_barrier) {
+  constexpr int kPasses = T::kBlockN / kHPassCols;
+  constexpr int kPassBlocks = kHPassCols / 8;  // n8 blocks per pass: 8
+  static_assert(kPasses <= T::kStages, "a tile's h passes fit in the stage ring at once");
+  const int t = threadIdx.x & 3;
+  const bool leader = threadIdx.x % 128 == 0;
+  const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = tiles_of(inter, kDtwChunk);
+  float part[T::kSlabs][2];  // running partials of the current 128-channel chunk, per slab and half
+#pragma unroll
+  for (int j = 0; j < T::kSlabs; ++j) part[j][0] = part[j][1] = 0.0f;
+  float w[T::kSlabs][2];
+#pragma unroll
+  for (int j = 0; j < T::kSlabs; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = fragment_row(T::kPingPong ? j : consumer, half);
+      w[j][half] = r < valid_rows ? weight(r) : 0.0f;
+    }
+  PipelineState<T::kStages> ahead = stage;
+#pragma unroll 1
+  for (int q = 0; q < kPasses; ++q) {
+    if (!s.pipe.consumer_wait(ahead, wait)) return false;
+    ahead.advance();
+  }
+#pragma unroll 1
+  for (int q = 0; q < kPasses; ++q) {
+    const __nv_bfloat16* g_box = s.a[stage.index];
+    const __nv_bfloat16* u_box = s.b[stage.index];
+    const int64_t col = ch0 + q * kHPassCols;  // the pass's first channel
+    const int64_t pass_cols = inter - col;     // its channels below I (<= 0: none; uniform)
+    // da of fragment element (n8 block n8 of pass q, register pair half, element x), every
+    // index static, the runtime pass picked with selects
+    auto da_of = [&](const float(&a)[T::kAccRegs], int half, int n8, int x) {
+      float v = a[n8 * 4 + half * 2 + x];
+#pragma unroll
+      for (int qq = 1; qq < kPasses; ++qq) v = q == qq ? a[(qq * kPassBlocks + n8) * 4 + half * 2 + x] : v;
+      return v;
+    };
+    if (pass_cols > 0) {
+#pragma unroll
+      for (int j = 0; j < T::kSlabs; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = fragment_row(T::kPingPong ? j : consumer, half);
+          const bool valid = r < valid_rows;
+          const int64_t row = row0 + r;
+          __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
+          __nv_bfloat16* du_row = dg_row + inter;
+          __nv_bfloat16* wa_row = e.wa + row * inter + col;
+          float sum = part[j][half];
+#pragma unroll
+          for (int b = 0; b < kPassBlocks; b += 2) {
+            uint32_t dgp[2], dup[2], wap[2];
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+              const int n8 = b + jj;
+              const uint32_t gw = h_pass_pair(g_box, r, n8, t), uw = h_pass_pair(u_box, r, n8, t);
+              const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(acc[j], half, n8, 0), bf16_lo(gw), bf16_lo(uw), w[j][half]);
+              const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(acc[j], half, n8, 1), bf16_hi(gw), bf16_hi(uw), w[j][half]);
+              if (n8 * 8 < pass_cols) {
+                sum = __fadd_rn(sum, x0.da_a);
+                sum = __fadd_rn(sum, x1.da_a);
+              }
+              dgp[jj] = pack_bf16x2(x0.dg, x1.dg);
+              dup[jj] = pack_bf16x2(x0.du, x1.du);
+              wap[jj] = pack_bf16x2(x0.wa, x1.wa);
+            }
+            const bool write = valid && b * 8 < pass_cols;
+            store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], write);
+            store_block_pair_8b(du_row + b * 8, dup[0], dup[1], write);
+            if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], write);
+          }
+          part[j][half] = sum;
+        }
+    }
+    // The stage is read: release it (both warpgroups of a cooperative tile release each stage).
+    // Every warp of the warpgroup read it, so all of them reach a barrier of the warpgroup before
+    // its leader releases (unlike the K loop's wgmma reads, which the warpgroup's wgmma wait
+    // covers); the fence orders the generic-proxy reads before the TMA that refills the stage.
+    ptx::fence_proxy_async_smem();
+    ptx::named_barrier_sync(wg_barrier, 128);
+    if (leader) s.pipe.consumer_release(stage.index);
+    stage.advance();
+    // The end of a 128-channel chunk (its second pass, or its first when I ends there): the
+    // quad's sum and the store, as epilogue_dgrad_swiglu (uniform: every lane shuffles)
+    const bool chunk_end = pass_cols > 0 && ((q & 1) == 1 || pass_cols <= kHPassCols);
+    if (chunk_end) {
+#pragma unroll
+      for (int j = 0; j < T::kSlabs; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float sum = part[j][half];
+          sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+          sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+          const int r = fragment_row(T::kPingPong ? j : consumer, half);
+          const int64_t chunk_first = ch0 + (q & ~1) * kHPassCols;
+          if (e.dtw_partials != nullptr && r < valid_rows && t == 0 && chunk_first < inter)
+            e.dtw_partials[(part_row0 + r) * n_chunks + chunk_first / kDtwChunk] = sum;
+          part[j][half] = 0.0f;
+        }
+    }
+  }
+  return true;
+}
+
 }  // namespace mok::gemm

@@ -12,6 +12,7 @@
 //                                    the consumers' MMAs
 //   load(maps, p, g, c, t)           the tile's operands (gemm::TileLoad) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
+//   kRingEpilogue                    false: no forward epilogue reads stages (ops_bwd/op.cuh)
 // t is the task (row block, N block).  The device members exist only in CUDA code: the host
 // test sees the schedule side alone.
 #pragma once
@@ -31,6 +32,7 @@ template <TaskKind kKindV, CounterArray kSignalsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
+  static constexpr bool kRingEpilogue = false;
   MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
     if constexpr (kSignalsV == CounterArray::kNone) {
       return 0;

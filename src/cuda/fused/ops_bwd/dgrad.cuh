@@ -1,6 +1,7 @@
 // The dgrad kinds (B read as stored, N-major):
 //   dgrad down     da = dy · W_down[e] ([H, I]) with the SwiGLU backward in its epilogue:
-//                  dh = [dg | du], wa = bf16(w·a), ⟨da, a⟩ partials (gemm/epilogue_bwd.cuh)
+//                  dh = [dg | du], wa = bf16(w·a), ⟨da, a⟩ partials, h read from stages the
+//                  producer loads after the K loop (gemm/epilogue_bwd.cuh: the staged epilogue)
 //   dgrad gate/up  dx row = [dg | du] · [W_gate; W_up][e] (K = 2I, one chain), into the slot
 //                  token·k + j of the row's home rank (EP >= 2: over NVLink)
 // and the shared expert's (its tokens' rows, weight 1; its dx rows into shared_dx).
@@ -11,6 +12,7 @@
 namespace mok::cuda::fused::bwd::ops {
 
 struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
+  static constexpr bool kRingEpilogue = true;  // h through the stage ring (gemm/epilogue_bwd.cuh)
   // Its block's dy rows gathered, and its h replayed where the forward did not keep it
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kDyReady, unit, kBlockM};
@@ -35,19 +37,30 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
     return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * kBlockM, e * p.down_pitch,
                 t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
+  // The tile's h passes after its k-blocks, and the SwiGLU-backward epilogue that reads them
+  __device__ __forceinline__ static bool produce_epilogue(gemm::StageStorage& s,
+                                                          gemm::PipelineState<TileConfig::kStages>& stage,
+                                                          const Maps& m, const BackwardParams& p, const Task& t,
+                                                          const gemm::WaitContext& wait) {
+    return gemm::produce_swiglu_h(s, stage, &m.h_k, t.block * kBlockM, t.n_block * kBlockN, p.inter, wait);
+  }
   template <int kRegs>
-  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
-                                                  const Geometry&, const TaskCounts&, const Task& t) {
+  __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                       const Geometry&, const TaskCounts&, const Task& t,
+                                                       const EpilogueRing& r) {
     const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.max_rows - row0;
     const float* __restrict__ rw = p.row_weight + row0;
-    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < kBlockM ? static_cast<int>(left) : kBlockM,
-                                int64_t{t.n_block} * kBlockN, [&](int r) { return rw[r]; });
+    return gemm::epilogue_dgrad_swiglu_staged<TileConfig>(
+        reinterpret_cast<const float(&)[1][kRegs]>(acc), consumer, r.s, r.stage, r.wait, e, row0, row0,
+        left < kBlockM ? static_cast<int>(left) : kBlockM, int64_t{t.n_block} * kBlockN, [&](int q) { return rw[q]; },
+        r.bar);
   }
 #endif
 };
 
 struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNMajor> {
+  static constexpr bool kRingEpilogue = true;  // h through the stage ring (gemm/epilogue_bwd.cuh)
   // Its token block's h replayed, where the forward did not keep it
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
     if (c.n_shared_replay == 0) return 0;
@@ -70,13 +83,24 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
     return Load{static_cast<int32_t>(kOps), &m.dy_k, &m.ws_down_n, &m.ws_down_n, t.block * kBlockM, 0,
                 t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
+  // As DgradDown's, over the shared h
+  __device__ __forceinline__ static bool produce_epilogue(gemm::StageStorage& s,
+                                                          gemm::PipelineState<TileConfig::kStages>& stage,
+                                                          const Maps& m, const BackwardParams& p, const Task& t,
+                                                          const gemm::WaitContext& wait) {
+    return gemm::produce_swiglu_h(s, stage, &m.sh_h_k, t.block * kBlockM, t.n_block * kBlockN, p.shared_inter,
+                                  wait);
+  }
   template <int kRegs>
-  __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
-                                                  const Geometry&, const TaskCounts&, const Task& t) {
+  __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
+                                                       const Geometry&, const TaskCounts&, const Task& t,
+                                                       const EpilogueRing& r) {
     const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.num_tokens - row0;
-    gemm::epilogue_dgrad_swiglu(acc, consumer, e, row0, row0, left < kBlockM ? static_cast<int>(left) : kBlockM,
-                                int64_t{t.n_block} * kBlockN, [](int) { return 1.0f; });
+    return gemm::epilogue_dgrad_swiglu_staged<TileConfig>(
+        reinterpret_cast<const float(&)[1][kRegs]>(acc), consumer, r.s, r.stage, r.wait, e, row0, row0,
+        left < kBlockM ? static_cast<int>(left) : kBlockM, int64_t{t.n_block} * kBlockN, [](int) { return 1.0f; },
+        r.bar);
   }
 #endif
 };

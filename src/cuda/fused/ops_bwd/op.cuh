@@ -15,6 +15,12 @@
 //                                piece, 0 for a tile of zeros)
 //   load(maps, p, g, c, t)       the tile's operands (Load) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
+//   kRingEpilogue                false (OpBase), or true for an op whose epilogue reads more
+//                                stages after its K loop (the dgrad-down ops' h), which it declares
+//                                instead of epilogue:
+//     produce_epilogue(s, stage, maps, p, t, wait)   the producer's loads of those stages
+//     epilogue_ring(acc, consumer, p, g, c, t, ring)  the epilogue that reads and releases them
+//                                (ring: EpilogueRing, forward_params.cuh); false on a timed-out wait
 // The device members exist only in CUDA code: the host test sees the descriptions alone.
 #pragma once
 
@@ -52,6 +58,7 @@ template <TaskKind kKindV, gemm::Operands kOpsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = kOpsV;
+  static constexpr bool kRingEpilogue = false;  // the epilogue reads no stage (dgrad.cuh's do)
 #if defined(__CUDACC__)
   __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}
 #endif

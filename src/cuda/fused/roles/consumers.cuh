@@ -38,7 +38,11 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     // The op's K loop and epilogue
     const int32_t k_blocks = Dir::k_blocks(p, g, counts, info);
     if (!Dir::consume(sh.stages, stage, info, k_blocks, consumer, acc, wait)) break;
-    Dir::epilogue(acc, consumer, p, g, counts, info);
+    // (an epilogue that reads stages takes the stage ring; NOTES: its result through a shuffle,
+    // so that ptxas knows the branch is warp-uniform: C7518 otherwise)
+    const bool epilogue_ok =
+        Dir::epilogue(acc, consumer, p, g, counts, info, EpilogueRing{sh.stages, stage, wait, bar_id});
+    if (!__shfl_sync(0xffffffffu, epilogue_ok, 0)) break;
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
     ptx::named_barrier_sync(bar_id, bar_threads);

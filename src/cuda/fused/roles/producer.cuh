@@ -46,6 +46,7 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
         sh.next_task = t < sh.num_tasks ? Dir::decode(sh, p, t) : Dir::done();
       };
       if (!Dir::produce(sh.stages, stage, load, wait, claim_next)) break;
+      if (!Dir::produce_epilogue(sh.stages, stage, maps, p, info, wait)) break;
       trace.add(mokTraceProducerWait, t_claim, t_ready, info.kind, info.block, info.n_block);
       trace.add(mokTraceProducerLoad, t_ready, ptx::globaltimer_ns(), info.kind, info.block, info.n_block);
       info = sh.next_task;
@@ -71,6 +72,7 @@ __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::Maps
     ptx::fence_proxy_async_global();
     const uint64_t t_ready = ptx::globaltimer_ns();
     if (!Dir::produce(sh.stages, stage, load, wait)) break;
+    if (!Dir::produce_epilogue(sh.stages, stage, maps, p, info, wait)) break;
     trace.add(mokTraceProducerWait, t_claim, t_ready, info.kind, b, info.n_block);
     trace.add(mokTraceProducerLoad, t_ready, ptx::globaltimer_ns(), info.kind, b, info.n_block);
   }

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# session 18 device calls: STAGE=suite (gpu_check.sh) | time (variants, traces)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+if [ ! -f build/lib/libmok.so ]; then
+  cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+    ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+  echo "== built at $(el) s"
+fi
+case "${STAGE:-suite}" in
+  suite)
+    OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
+  time)
+    for shape in qwen3 dsv3; do
+      timeout 150 python3 tools/sustained.py $shape --backward --variants st:MOK_GEMM_SCHEDULE=32 2>&1 |
+        tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused|Error|differs' ; echo "at $(el) s"
+      timeout 100 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/fwd.log" | tail -5; echo "at $(el) s"
+      timeout 150 python3 tools/sustained.py $shape --gemm \
+        --variants pp:MOK_GEMM_SCHEDULE=0,st:MOK_GEMM_SCHEDULE=24,coop:MOK_GEMM_SCHEDULE=16 2>&1 |
+        tee -a "$OUT/gemm.log" | tail -22; echo "at $(el) s"
+    done
+    for shape in qwen3 dsv3; do
+      for v in base st; do
+        [ $v = st ] && export MOK_GEMM_SCHEDULE=32
+        mkdir -p "$OUT/tr_${shape}_$v"
+        timeout 100 python3 tools/trace_forward.py $shape --backward --ring-all --warm 30 --out "$OUT/tr_${shape}_$v" \
+          > "$OUT/trace_${shape}_$v.log" 2>&1; unset MOK_GEMM_SCHEDULE
+      done
+    done
+    echo "traces at $(el) s" ;;
+esac
