@@ -12,6 +12,18 @@ if [ ! -f build/lib/libmok.so ]; then
   echo "== built at $(el) s"
 fi
 case "${STAGE:-suite}" in
+  verify)
+    for t in test_gemm_gpu test_ep_gpu; do
+      timeout 200 build/tests/cpp/$t --gtest_brief=1 >"$OUT/$t.log" 2>&1
+      echo "$t: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$t.log" | tr '\n' ' ') at $(el) s"
+    done
+    timeout 300 python3 -m pytest -q tests/python/test_gpu_backward.py tests/python/test_gpu.py \
+      tests/python/test_forward_hashes.py tests/python/test_gpu_shapes.py ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$? $(tail -1 "$OUT/pytest.log") at $(el) s"; grep -E "^FAILED|Error" "$OUT/pytest.log" | head
+    for shape in qwen3 dsv3; do
+      timeout 100 python3 tools/sustained.py $shape --backward 2>&1 | tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused'
+      timeout 100 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/fwd.log" | tail -4
+    done; echo "at $(el) s" ;;
   suite)
     OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
   time)
