@@ -23,7 +23,16 @@ case "${STAGE:-suite}" in
     for shape in qwen3 dsv3; do
       timeout 100 python3 tools/sustained.py $shape --backward 2>&1 | tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused'
       timeout 100 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/fwd.log" | tail -4
-    done; echo "at $(el) s" ;;
+    done; echo "at $(el) s"
+    if [ "${NCU:-1}" = 1 ]; then
+      timeout 200 ncu --section WarpStateStats --section SourceCounters -k regex:fused_backward --launch-skip 1 \
+        --launch-count 1 -o /tmp/fb -f python3 tools/dev/profile_fused_bwd.py qwen3 >"$OUT/ncu_run.log" 2>&1
+      echo "ncu rc=$? at $(el) s"
+      ncu -i /tmp/fb.ncu-rep --page details >"$OUT/ncu_details.txt" 2>>"$OUT/ncu_run.log"
+      ncu -i /tmp/fb.ncu-rep --page source --csv --print-source sass >/tmp/fb_src.csv 2>>"$OUT/ncu_run.log"
+      python3 tools/dev/ncu_source_top.py /tmp/fb_src.csv 120 >"$OUT/fb_source_top.txt" 2>&1
+      grep -iE "stall|warp cycles|issued" "$OUT/ncu_details.txt" | head -30
+    fi ;;
   suite)
     OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
   time)
