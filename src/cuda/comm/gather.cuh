@@ -2,6 +2,7 @@
 // (pull), one row in flight per warp.
 #pragma once
 
+#include "cuda/comm/local_gather.cuh"
 #include "cuda/comm/staging.cuh"
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/forward_params.cuh"
@@ -82,28 +83,19 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
   return __shfl_sync(0xffffffffu, w.state.phase, 0);
 }
 
-// EP = 1 (no comm blocks): gather warp `gw` of `num_gw` (warps 2 and 3 of every block's
-// producer warpgroup) copies units of kGatherUnitRows rows of the positions after the start
-// gather's, in processing order (unit u: position first + u / units-per-block), each once its
-// ring slot's previous occupant is consumed, with 16-byte vector copies (no staging: the stage
-// ring is the GEMMs'), then adds its rows to gather_ready[b].  The block's first gather warp
-// records its span (trace kind 253).
+// EP = 1 (no comm blocks): gather warp `gw` of `num_gw` (local_gather.cuh) copies its units of
+// the positions after the start gather's, in processing order, each once its ring slot's
+// previous occupant is consumed, then adds its rows to gather_ready[b].
 __device__ void local_gather(const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
                              const gemm::WaitContext& wait, int32_t* gather_ready, int64_t gw, int64_t num_gw) {
-  constexpr int kUnitRows = kGatherUnitRows, kUnitsPerBlock = kBlockM / kUnitRows;
   const int lane = threadIdx.x % 32;
-  const int32_t first = start_positions(p, g, counts);
-  const int64_t units = int64_t{g.num_blocks - first} * kUnitsPerBlock;
   const int64_t row_vecs = p.hidden / 8;
-  TraceWriter trace(p, 3);
-  const uint64_t t_begin = ptx::globaltimer_ns();
   Wait waits[kMaxWaits];
-  for (int64_t u = gw; u < units; u += num_gw) {
-    const int32_t b = g.block_at(first + static_cast<int32_t>(u / kUnitsPerBlock));
-    const int i0 = static_cast<int>(u % kUnitsPerBlock) * kUnitRows;
+  gather_units(p, start_positions(p, g, counts), g.num_blocks, gw, num_gw, [&](int32_t q, int i0) {
+    const int32_t b = g.block_at(q);
     if (!wait_counters<kForwardDirection>(p, waits, gather_waits(b, g, counts, waits), wait, WaitSite::kGatherCounter))
-      return;
-    for (int i = i0; i < i0 + kUnitRows; ++i) {
+      return false;
+    for (int i = i0; i < i0 + kGatherUnitRows; ++i) {
       const uint32_t rec = p.rows[static_cast<int64_t>(b) * kBlockM + i];
       uint4* dst = reinterpret_cast<uint4*>(p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden);
       if (row_is_pad(rec)) {
@@ -114,12 +106,10 @@ __device__ void local_gather(const ForwardParams& p, const Geometry& g, const Ta
 #pragma unroll 4
       for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = __ldg(src + v);
     }
-    // The unit's rows, before the TMA loads that read them (another SM's async proxy)
-    ptx::fence_proxy_async_global();
-    __syncwarp();
-    if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], kUnitRows);
-  }
-  if (lane == 0 && gw % kGatherWarps == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 253, -1, -1);
+    unit_stored();
+    if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], kGatherUnitRows);
+    return true;
+  });
 }
 
 // Comm block i: the processing positions after the start gather's, i, i + num_comm, ..., each

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "cuda/comm/combine.cuh"
+#include "cuda/comm/local_gather.cuh"
 #include "cuda/comm/staging.cuh"
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/backward_dir.cuh"
@@ -115,24 +116,15 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
 }
 
 // ---- EP = 1 (no comm blocks): the gather warps ------------------------------------------------
-// Gather warp `gw` of `num_gw` (warps 2 and 3 of every block's producer warpgroup) copies units
-// of kGatherUnitRows plan rows after the start gather's blocks, in order: x and dy with 16-byte
-// vector copies (no staging: the stage ring is the GEMMs'), the route weight; then adds its
-// rows to dy_ready[b] and x_ready[b].  The block's first gather warp records its span (trace
-// kind 253).
+// Gather warp `gw` of `num_gw` (../comm/local_gather.cuh) copies its units of the plan rows
+// after the start gather's blocks, in order: x and dy, the route weight; then adds its rows to
+// dy_ready[b] and x_ready[b].
 __device__ void local_gather(const BackwardParams& p, const Geometry& g, const TaskCounts& counts, int64_t gw,
                              int64_t num_gw) {
-  constexpr int kUnitRows = kGatherUnitRows, kUnitsPerBlock = kBlockM / kUnitRows;
   const int lane = threadIdx.x % 32;
-  const int32_t first = start_block_count(p, g, counts);
-  const int64_t units = int64_t{g.num_blocks - first} * kUnitsPerBlock;
   const int64_t row_vecs = p.hidden / 8;
-  TraceWriter trace(p, 3);
-  const uint64_t t_begin = ptx::globaltimer_ns();
-  for (int64_t u = gw; u < units; u += num_gw) {
-    const int32_t b = first + static_cast<int32_t>(u / kUnitsPerBlock);
-    const int64_t row0 = int64_t{b} * kBlockM + (u % kUnitsPerBlock) * kUnitRows;
-    for (int64_t row = row0; row < row0 + kUnitRows; ++row) {
+  gather_units(p, start_block_count(p, g, counts), g.num_blocks, gw, num_gw, [&](int32_t b, int i0) {
+    for (int64_t row = int64_t{b} * kBlockM + i0; row < int64_t{b} * kBlockM + i0 + kGatherUnitRows; ++row) {
       const uint32_t rec = p.rows[row];
       uint4* xd = reinterpret_cast<uint4*>(p.x_rows + row * p.hidden);
       uint4* dd = reinterpret_cast<uint4*>(p.dy_rows + row * p.hidden);
@@ -151,15 +143,13 @@ __device__ void local_gather(const BackwardParams& p, const Geometry& g, const T
         dd[v] = c;
       }
     }
-    // The unit's rows, before the TMA loads that read them (another SM's async proxy)
-    ptx::fence_proxy_async_global();
-    __syncwarp();
+    unit_stored();
     if (lane == 0) {
-      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), kUnitRows);
-      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), kUnitRows);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kDyReady, b), kGatherUnitRows);
+      ptx::red_release_gpu_add(counter_of(p, CounterArray::kXReady, b), kGatherUnitRows);
     }
-  }
-  if (lane == 0 && gw % kGatherWarps == 0) trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 253, -1, -1);
+    return true;
+  });
 }
 
 // ---- the reductions: d topk_weights of a plan row, dx of a token (finish) ---------------------

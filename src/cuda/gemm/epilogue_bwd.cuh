@@ -65,6 +65,38 @@ __device__ __forceinline__ SwiGLUBwdElem swiglu_bwd_elem(float da, float g, floa
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
+// n8 blocks b and b + 1 of one fragment row, both forms of the epilogue below: the SwiGLU
+// backward of the lane's column pair in each (da(n8, x) from the accumulator, g_word(n8) and
+// u_word(n8) the pair's h words as stored), their ⟨da, a⟩ added to `sum` in order where the
+// block is below `cols`, and dg, du (and wa where e.wa is set) out through the lane-pair 8-byte
+// stores (row pointers at the blocks' chunk or pass); returns the sum
+template <class Da, class GWord, class UWord>
+__device__ __forceinline__ float swiglu_bwd_block_pair(const SwiGLUBwdArgs& e, int b, Da da, GWord g_word,
+                                                       UWord u_word, float w, float sum, int64_t cols, bool valid,
+                                                       __nv_bfloat16* dg_row, __nv_bfloat16* du_row,
+                                                       __nv_bfloat16* wa_row) {
+  uint32_t dgp[2], dup[2], wap[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int n8 = b + j;
+    const uint32_t gw = g_word(n8), uw = u_word(n8);
+    const SwiGLUBwdElem x0 = swiglu_bwd_elem(da(n8, 0), bf16_lo(gw), bf16_lo(uw), w);
+    const SwiGLUBwdElem x1 = swiglu_bwd_elem(da(n8, 1), bf16_hi(gw), bf16_hi(uw), w);
+    if (n8 * 8 < cols) {
+      sum = __fadd_rn(sum, x0.da_a);
+      sum = __fadd_rn(sum, x1.da_a);
+    }
+    dgp[j] = pack_bf16x2(x0.dg, x1.dg);
+    dup[j] = pack_bf16x2(x0.du, x1.du);
+    wap[j] = pack_bf16x2(x0.wa, x1.wa);
+  }
+  const bool write = valid && b * 8 < cols;
+  store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], write);
+  store_block_pair_8b(du_row + b * 8, dup[0], dup[1], write);
+  if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], write);
+  return sum;
+}
+
 // One consumer's 64 rows of a dgrad-down tile: acc holds da of tile rows
 // fragment_row(consumer, half) and channels ch0 + [0, BLOCK_N) (kRegs = BLOCK_N / 2).
 //   row0       tile row 0's row in h, dh and wa
@@ -124,26 +156,10 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
     }
     float s = 0.0f;
 #pragma unroll
-    for (int b = 0; b < kChunkBlocks; b += 2) {
-      uint32_t dgp[2], dup[2], wap[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int n8 = b + j;
-        const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(c, half, n8, 0), bf16_lo(gw[n8]), bf16_lo(uw[n8]), w);
-        const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(c, half, n8, 1), bf16_hi(gw[n8]), bf16_hi(uw[n8]), w);
-        if (n8 * 8 < chunk_cols) {
-          s = __fadd_rn(s, x0.da_a);
-          s = __fadd_rn(s, x1.da_a);
-        }
-        dgp[j] = pack_bf16x2(x0.dg, x1.dg);
-        dup[j] = pack_bf16x2(x0.du, x1.du);
-        wap[j] = pack_bf16x2(x0.wa, x1.wa);
-      }
-      const bool write = valid && b * 8 < chunk_cols;
-      store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], write);
-      store_block_pair_8b(du_row + b * 8, dup[0], dup[1], write);
-      if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], write);
-    }
+    for (int b = 0; b < kChunkBlocks; b += 2)
+      s = swiglu_bwd_block_pair(
+          e, b, [&](int n8, int x) { return da_of(c, half, n8, x); }, [&](int n8) { return gw[n8]; },
+          [&](int n8) { return uw[n8]; }, w, s, chunk_cols, valid, dg_row, du_row, wa_row);
     s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
     s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
     if (e.dtw_partials != nullptr && valid && t == 0)
@@ -247,27 +263,11 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
           __nv_bfloat16* wa_row = e.wa + row * inter + col;
           float sum = part[j][half];
 #pragma unroll
-          for (int b = 0; b < kPassBlocks; b += 2) {
-            uint32_t dgp[2], dup[2], wap[2];
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-              const int n8 = b + jj;
-              const uint32_t gw = h_pass_pair(g_box, r, n8, t), uw = h_pass_pair(u_box, r, n8, t);
-              const SwiGLUBwdElem x0 = swiglu_bwd_elem(da_of(acc[j], half, n8, 0), bf16_lo(gw), bf16_lo(uw), w[j][half]);
-              const SwiGLUBwdElem x1 = swiglu_bwd_elem(da_of(acc[j], half, n8, 1), bf16_hi(gw), bf16_hi(uw), w[j][half]);
-              if (n8 * 8 < pass_cols) {
-                sum = __fadd_rn(sum, x0.da_a);
-                sum = __fadd_rn(sum, x1.da_a);
-              }
-              dgp[jj] = pack_bf16x2(x0.dg, x1.dg);
-              dup[jj] = pack_bf16x2(x0.du, x1.du);
-              wap[jj] = pack_bf16x2(x0.wa, x1.wa);
-            }
-            const bool write = valid && b * 8 < pass_cols;
-            store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], write);
-            store_block_pair_8b(du_row + b * 8, dup[0], dup[1], write);
-            if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], write);
-          }
+          for (int b = 0; b < kPassBlocks; b += 2)
+            sum = swiglu_bwd_block_pair(
+                e, b, [&](int n8, int x) { return da_of(acc[j], half, n8, x); },
+                [&](int n8) { return h_pass_pair(g_box, r, n8, t); }, [&](int n8) { return h_pass_pair(u_box, r, n8, t); },
+                w[j][half], sum, pass_cols, valid, dg_row, du_row, wa_row);
           part[j][half] = sum;
         }
     }
