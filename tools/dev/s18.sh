@@ -21,10 +21,15 @@ case "${STAGE:-suite}" in
       tests/python/test_forward_hashes.py tests/python/test_gpu_shapes.py ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? $(tail -1 "$OUT/pytest.log") at $(el) s"; grep -E "^FAILED|Error" "$OUT/pytest.log" | head
     for shape in qwen3 dsv3; do
-      timeout 100 python3 tools/sustained.py $shape --backward 2>&1 | tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused'
+      timeout 100 python3 tools/sustained.py $shape --backward ${BWD_VARIANTS:+--variants "$BWD_VARIANTS"} 2>&1 | tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused'
       timeout 100 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/fwd.log" | tail -4
     done; echo "at $(el) s"
-    if [ "${NCU:-1}" = 1 ]; then
+    for shape in ${TRACE_SHAPES:-}; do
+      mkdir -p "$OUT/tr_$shape"
+      timeout 100 python3 tools/trace_forward.py $shape --backward --ring-all --warm 30 --out "$OUT/tr_$shape" \
+        > "$OUT/trace_$shape.log" 2>&1; grep -E "traced|combine|grid barrier|tiles busy" "$OUT/trace_$shape.log"
+    done
+    if [ "${NCU:-1}" = 1 ] && [ "$(el)" -lt "${NCU_BEFORE_S:-280}" ]; then
       timeout 200 ncu --section WarpStateStats --section SourceCounters -k regex:fused_backward --launch-skip 1 \
         --launch-count 1 -o /tmp/fb -f python3 tools/dev/profile_fused_bwd.py qwen3 >"$OUT/ncu_run.log" 2>&1
       echo "ncu rc=$? at $(el) s"
