@@ -85,8 +85,7 @@ enum class WaitSite : int32_t {
   kRowCopy = 13,          // comm warp `detail`: one x or dy row's bulk load into its staging row
   kGridBarrier = 14,      // the end phase: every block arrived (`detail`: the round, 1 = EP's second)
   kPingPongTurn = 15,     // ping-pong GEMM consumer `detail`: the other finished its tile's K loop
-  kDxCounter = 16,        // EP = 1's gather warp, before the backward's dx reduction: counter_wait_detail
-  kLastWaitSite = kDxCounter,
+  kLastWaitSite = kPingPongTurn,
 };
 
 // The detail of a counter wait: the direction, its counter array (cuda/fused/schedule.cuh,

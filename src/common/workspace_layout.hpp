@@ -366,10 +366,10 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
           I);
     // The fused backward's dependency counters (cuda/fused/schedule_bwd.cuh, CounterArray):
     // task claim and grid barrier, 5 per row block, 2 per (expert, macrobatch), 2 per shared
-    // token block and their totals, the shared dgrad gate/up total; zeroed per launch
-    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 2*(shared_blocks + 1) + 1",
+    // token block and its total; zeroed per launch
+    L.put(WsBuffer::kUbCounters, WsPlace::kSeparate, "2 + 5*max_blocks + 2*E_l*n_macro + 2*(shared_blocks + 1)",
           "zeroed per fused backward launch (the same allocation)", 2, 1,
-          5 * L.max_blocks + 2 * L.El * L.n_macro + 2 * (L.shared_blocks + 1) + 1);
+          5 * L.max_blocks + 2 * L.El * L.n_macro + 2 * (L.shared_blocks + 1));
   }
   if (!bwd) return L;
 

@@ -11,13 +11,12 @@ namespace mok::cuda::fused {
 // Gather warp `gw` of `num_gw` takes units gw, gw + num_gw, ... of kGatherUnitRows rows: unit u
 // is rows (u mod per-block) · kGatherUnitRows .. of the row block at position first + u / per-block
 // (positions < num_positions).  unit(position, first_row) copies and publishes them; false (a
-// wait timed out) ends the loop.  The block's first gather warp records its span (trace kind 253)
-// and returns the writer, for what it records next.
+// wait timed out) ends the loop.  The block's first gather warp records its span (trace kind 253).
 template <class Params, class Unit>
-__device__ __forceinline__ TraceWriter gather_units(const Params& p, int32_t first, int32_t num_positions, int64_t gw,
-                                                    int64_t num_gw, Unit unit) {
+__device__ __forceinline__ void gather_units(const Params& p, int32_t first, int32_t num_positions, int64_t gw,
+                                             int64_t num_gw, Unit unit) {
   constexpr int kUnitsPerBlock = kBlockM / kGatherUnitRows;
-  TraceWriter trace(p, 3, kTraceAfterStartGather);
+  TraceWriter trace(p, 3);
   const uint64_t t_begin = ptx::globaltimer_ns();
   const int64_t units = int64_t{num_positions - first} * kUnitsPerBlock;
   for (int64_t u = gw; u < units; u += num_gw)
@@ -25,7 +24,6 @@ __device__ __forceinline__ TraceWriter gather_units(const Params& p, int32_t fir
       break;
   if (threadIdx.x % 32 == 0 && gw % kGatherWarps == 0)
     trace.add(mokTraceGather, t_begin, ptx::globaltimer_ns(), 253, -1, -1);
-  return trace;
 }
 
 // The warp's unit is stored: its generic stores ordered before the TMA loads that read them

@@ -94,7 +94,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
   CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], {}, row_bytes};
-  TraceWriter trace(p, 3, kTraceAfterStartGather);
+  TraceWriter trace(p, 3);
   for (int32_t b = start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
        b += p.num_comm) {
     const uint64_t t_block = ptx::globaltimer_ns();
@@ -119,11 +119,11 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
 // Gather warp `gw` of `num_gw` (../comm/local_gather.cuh) copies its units of the plan rows
 // after the start gather's blocks, in order: x and dy, the route weight; then adds its rows to
 // dy_ready[b] and x_ready[b].
-__device__ TraceWriter local_gather(const BackwardParams& p, const Geometry& g, const TaskCounts& counts, int64_t gw,
-                                    int64_t num_gw) {
+__device__ void local_gather(const BackwardParams& p, const Geometry& g, const TaskCounts& counts, int64_t gw,
+                             int64_t num_gw) {
   const int lane = threadIdx.x % 32;
   const int64_t row_vecs = p.hidden / 8;
-  return gather_units(p, start_block_count(p, g, counts), g.num_blocks, gw, num_gw, [&](int32_t b, int i0) {
+  gather_units(p, start_block_count(p, g, counts), g.num_blocks, gw, num_gw, [&](int32_t b, int i0) {
     for (int64_t row = int64_t{b} * kBlockM + i0; row < int64_t{b} * kBlockM + i0 + kGatherUnitRows; ++row) {
       const uint32_t rec = p.rows[row];
       uint4* xd = reinterpret_cast<uint4*>(p.x_rows + row * p.hidden);
@@ -176,27 +176,6 @@ __device__ __forceinline__ void dx_token(const BackwardParams& p, int64_t t) {
                               });
 }
 
-// ---- EP = 1: dx under the last wgrad tiles -------------------------------------------------------
-// The gather warps, once every dgrad gate/up tile (routed: each row block's count; shared: their
-// total) has finished, reduce dx while the last experts' wgrad tiles run (the end phase then
-// leaves it out): gather warp gw of num_gw takes tokens gw, gw + num_gw, ...  The same
-// dx_token, so the same bits.  The block's first gather warp records the reduction (trace role
-// combine, kind 252) after its gather.
-__device__ void dx_early(const BackwardParams& p, const Geometry& g, const TaskCounts& c, const gemm::WaitContext& wait,
-                         int64_t gw, int64_t num_gw, TraceWriter& trace) {
-  Wait w[1];
-  for (int32_t b = 0; b < g.num_blocks; ++b) {
-    w[0] = Wait{CounterArray::kDgradGateUpDone, b, c.n_dgrad_gate_up};
-    if (!wait_counters<kBackwardDirection>(p, w, 1, wait, WaitSite::kDxCounter)) return;
-  }
-  w[0] = Wait{CounterArray::kSharedDgradGateUpDone, 0, c.shared_blocks * c.n_shared_dgrad_gate_up};
-  if (!wait_counters<kBackwardDirection>(p, w, 1, wait, WaitSite::kDxCounter)) return;
-  const uint64_t t_begin = ptx::globaltimer_ns();
-  for (int64_t t = gw; t < p.num_tokens; t += num_gw) dx_token(p, t);
-  if (threadIdx.x % 32 == 0 && gw % kGatherWarps == 0)
-    trace.add(mokTraceCombine, t_begin, ptx::globaltimer_ns(), 252, -1, -1);
-}
-
 // ---- end: grid barrier, d topk_weights, (EP >= 2: end barrier), dx ----------------------------
 // Run by the consumer threads of every block; the first (128) arrives at the barriers.
 __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
@@ -233,13 +212,10 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * kConsumerThreads + tid; i < p.num_tokens * p.topk; i += stride)
       p.d_topk_weights[i] = own[i];
   }
-  // dx: warp w of block b takes tokens b·8 + w, then every 8·gridDim-th (EP = 1: the gather
-  // warps reduced it already, dx_early)
+  // dx: warp w of block b takes tokens b·8 + w, then every 8·gridDim-th
   const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
-  if (p.num_comm > 0)
-    for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens;
-         t += static_cast<int64_t>(gridDim.x) * 8)
-      dx_token(p, t);
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * 8 + warp; t < p.num_tokens; t += static_cast<int64_t>(gridDim.x) * 8)
+    dx_token(p, t);
   if (p.trace) {
     ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);
     if (threadIdx.x == kFirstConsumerThread) {
@@ -281,11 +257,9 @@ __device__ __forceinline__ bool BackwardDir::comm_gather(Shared& sh, const Param
   bwd::comm_gather(sh, p, s.g, wait);
   return true;
 }
-__device__ __forceinline__ void BackwardDir::gather_warps(const Params& p, const Setup& s, const gemm::WaitContext& wait,
+__device__ __forceinline__ void BackwardDir::gather_warps(const Params& p, const Setup& s, const gemm::WaitContext&,
                                                           int index) {
-  const int64_t gw = int64_t{blockIdx.x} * kGatherWarps + index, num_gw = int64_t{gridDim.x} * kGatherWarps;
-  TraceWriter trace = local_gather(p, s.g, s.counts, gw, num_gw);
-  dx_early(p, s.g, s.counts, wait, gw, num_gw, trace);
+  local_gather(p, s.g, s.counts, int64_t{blockIdx.x} * kGatherWarps + index, int64_t{gridDim.x} * kGatherWarps);
 }
 __device__ __forceinline__ void BackwardDir::finish(Shared&, const Params& p, const gemm::WaitContext& wait) {
   bwd::finish(p, wait);

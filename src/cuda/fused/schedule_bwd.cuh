@@ -144,8 +144,7 @@ enum class CounterArray : int32_t {
   kWgradDone = 6,        // [expert * num_macro + macro] wgrad tiles (both kinds) finished
   kSharedReplayDone = 7,     // [token block] shared replay tiles finished
   kSharedDgradDownDone = 8,  // [token block] shared dgrad-down tiles finished; [shared_blocks]: all of them
-  kSharedDgradGateUpDone = 9,  // [0] shared dgrad gate/up tiles finished (EP = 1's dx reduction waits on it)
-  kNumArrays = 10,
+  kNumArrays = 9,
 };
 // The counter layout: the header words (task claim, grid barrier), then each array in the order
 // above, as many words as what it is indexed by.  The host fills BackwardParams::counter_offset
@@ -161,7 +160,6 @@ MOK_HD int64_t counter_words(CounterArray a, const CounterSizes& s) {
     case CounterArray::kWgradDone: return s.expert_macros;
     case CounterArray::kSharedReplayDone:
     case CounterArray::kSharedDgradDownDone: return s.shared_blocks + 1;  // per token block, and the total
-    case CounterArray::kSharedDgradGateUpDone: return 1;                 // the total
     default: return s.max_blocks;  // per row block
   }
 }
@@ -176,7 +174,7 @@ MOK_HD int64_t counter_offset(CounterArray a, const CounterSizes& s) {
 // The arrays' names in timeout messages (cuda/fused/wait_sites.hpp), one per array
 inline constexpr const char* kCounterArrayNames[] = {
     "dy_ready",          "x_ready",    "replay_done",        "dgrad_down_done",       "dgrad_gate_up_done",
-    "expert_dgrad_done", "wgrad_done", "shared_replay_done", "shared_dgrad_down_done", "shared_dgrad_gate_up_done"};
+    "expert_dgrad_done", "wgrad_done", "shared_replay_done", "shared_dgrad_down_done"};
 using Wait = CounterWait<CounterArray>;
 inline constexpr int kMaxWaits = 3;
 

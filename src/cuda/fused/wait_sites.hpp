@@ -34,13 +34,10 @@ inline std::string describe_timeout(const int64_t* t) {
       s << "consumer: waiting for TMA to fill stage " << detail;
       break;
     case WaitSite::kTaskCounter:
-    case WaitSite::kGatherCounter:
-    case WaitSite::kDxCounter: {
+    case WaitSite::kGatherCounter: {
       const bool fwd = counter_wait_direction(detail) == kForwardDirection;
       const int32_t array = counter_wait_array(detail);
-      s << (site == WaitSite::kTaskCounter     ? "producer, before a task's loads"
-            : site == WaitSite::kGatherCounter ? "gather warp, before a row block's gather"
-                                               : "gather warp, before the dx reduction")
+      s << (site == WaitSite::kTaskCounter ? "producer, before a task's loads" : "gather warp, before a row block's gather")
         << ": waiting for " << (fwd ? "forward" : "backward") << " counter "
         << (fwd ? counter_array_name<CounterArray>(kCounterArrayNames, array)
                 : counter_array_name<bwd::CounterArray>(bwd::kCounterArrayNames, array))

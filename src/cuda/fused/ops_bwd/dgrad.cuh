@@ -141,12 +141,8 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
     out[0] = Wait{CounterArray::kSharedDgradDownDone, unit, c.n_shared_dgrad_down};
     return 1;
   }
-  // The total of its tiles: EP = 1's dx reduction (the gather warps) waits for all of them; at
-  // EP >= 2 the shared_dx rows are read after the grid barrier
-  MOK_HD static int signals(int32_t, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
-    out[0] = Signal{CounterArray::kSharedDgradGateUpDone, 0};
-    return 1;
-  }
+  // Nothing: its shared_dx rows are read after the grid barrier
+  MOK_HD static int signals(int32_t, int32_t, const Geometry&, const TaskCounts&, Signal*) { return 0; }
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const BackwardParams& p, const Geometry&, const TaskCounts&,
                                                      const Task&) {
