@@ -119,7 +119,7 @@ __device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geome
   const int warp = threadIdx.x / 32;
   CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
              {0, phase}, static_cast<uint32_t>(p.hidden) * 2};
-  TraceWriter trace(p, 3);
+  TraceWriter trace(p, 3, kTraceAfterStartGather);
   Wait waits[kMaxWaits];
   for (int32_t q = start_positions(p, g, counts) + static_cast<int32_t>(blockIdx.x); q < g.num_blocks; q += p.num_comm) {
     const int32_t b = g.block_at(q);

@@ -16,7 +16,7 @@ template <class Params, class Unit>
 __device__ __forceinline__ void gather_units(const Params& p, int32_t first, int32_t num_positions, int64_t gw,
                                              int64_t num_gw, Unit unit) {
   constexpr int kUnitsPerBlock = kBlockM / kGatherUnitRows;
-  TraceWriter trace(p, 3);
+  TraceWriter trace(p, 3, kTraceAfterStartGather);
   const uint64_t t_begin = ptx::globaltimer_ns();
   const int64_t units = int64_t{num_positions - first} * kUnitsPerBlock;
   for (int64_t u = gw; u < units; u += num_gw)

@@ -94,7 +94,7 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(&sh.stages);
   CommWarp w{staging + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], {}, row_bytes};
-  TraceWriter trace(p, 3);
+  TraceWriter trace(p, 3, kTraceAfterStartGather);
   for (int32_t b = start_block_count(p, g, sh.counts) + static_cast<int32_t>(blockIdx.x); b < g.num_blocks;
        b += p.num_comm) {
     const uint64_t t_block = ptx::globaltimer_ns();

@@ -180,12 +180,16 @@ __device__ __forceinline__ bool wait_counters(const Params& p, const CounterWait
 }
 
 // ---- timing ring ------------------------------------------------------------------------------
-// One writer per (block, recorder): 0 producer, 1 signaler, 2 combine thread, 3 comm.
+// One writer per (block, recorder): 0 producer, 1 signaler, 2 combine thread, 3 gathers.  A
+// recorder written in turns by several writers gives each its first event (`first`): the
+// gather recorder's event 0 is the start gather's, then the comm block's (EP >= 2) or the
+// first gather warp's (EP = 1) from kTraceAfterStartGather on.
+inline constexpr int32_t kTraceAfterStartGather = 1;
 struct TraceWriter {
   mokTraceEvent_t* base = nullptr;
   int32_t cap = 0, count = 0;
   template <class Params>
-  __device__ TraceWriter(const Params& p, int recorder) {
+  __device__ TraceWriter(const Params& p, int recorder, int32_t first = 0) : count(first) {
     if (p.trace) {
       base = p.trace + (static_cast<int64_t>(blockIdx.x) * MOK_TRACE_RECORDERS + recorder) * p.trace_cap;
       cap = p.trace_cap;
