@@ -87,7 +87,8 @@ __device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const 
 // the positions after the start gather's, in processing order, each once its ring slot's
 // previous occupant is consumed, then adds its rows to gather_ready[b].
 __device__ void local_gather(const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
-                             const gemm::WaitContext& wait, int32_t* gather_ready, int64_t gw, int64_t num_gw) {
+                             const gemm::WaitContext& wait, int64_t gw, int64_t num_gw) {
+  int32_t* const gather_ready = counter_of(p, CounterArray::kGatherReady, 0);
   const int lane = threadIdx.x % 32;
   const int64_t row_vecs = p.hidden / 8;
   Wait waits[kMaxWaits];

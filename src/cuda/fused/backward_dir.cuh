@@ -34,8 +34,6 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, Maps, bwd::Share
   __device__ __forceinline__ static bool comm_gather(Shared& sh, const Params& p, const Setup& s,
                                                      const gemm::WaitContext& wait, uint32_t phase);
   __device__ __forceinline__ static void finish(Shared& sh, const Params& p, const gemm::WaitContext& wait);
-  __device__ __forceinline__ static void gather_warps(const Params& p, const Setup& s, const gemm::WaitContext& wait,
-                                                      int index);
 
   // ---- the role loops (roles/): what DirBase does not ----
   // The geometry and tile counts every role of the block reads (set up at kernel entry)

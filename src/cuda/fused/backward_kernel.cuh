@@ -119,8 +119,8 @@ __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry&
 // Gather warp `gw` of `num_gw` (../comm/local_gather.cuh) copies its units of the plan rows
 // after the start gather's blocks, in order: x and dy, the route weight; then adds its rows to
 // dy_ready[b] and x_ready[b].
-__device__ void local_gather(const BackwardParams& p, const Geometry& g, const TaskCounts& counts, int64_t gw,
-                             int64_t num_gw) {
+__device__ void local_gather(const BackwardParams& p, const Geometry& g, const TaskCounts& counts,
+                             const gemm::WaitContext&, int64_t gw, int64_t num_gw) {
   const int lane = threadIdx.x % 32;
   const int64_t row_vecs = p.hidden / 8;
   gather_units(p, start_block_count(p, g, counts), g.num_blocks, gw, num_gw, [&](int32_t b, int i0) {
@@ -256,10 +256,6 @@ __device__ __forceinline__ bool BackwardDir::comm_gather(Shared& sh, const Param
   if (static_cast<int32_t>(blockIdx.x) >= p.num_comm) return false;
   bwd::comm_gather(sh, p, s.g, wait);
   return true;
-}
-__device__ __forceinline__ void BackwardDir::gather_warps(const Params& p, const Setup& s, const gemm::WaitContext&,
-                                                          int index) {
-  local_gather(p, s.g, s.counts, int64_t{blockIdx.x} * kGatherWarps + index, int64_t{gridDim.x} * kGatherWarps);
 }
 __device__ __forceinline__ void BackwardDir::finish(Shared&, const Params& p, const gemm::WaitContext& wait) {
   bwd::finish(p, wait);

@@ -64,6 +64,13 @@ struct DirBase : Types {
                                                      const Task& t) {
     return visit(t.kind, [&](auto op) { return decltype(op)::k_blocks(p, g, c, t); });
   }
+  // EP = 1's gather warp `index` of the block: its share of the rows after the start gather,
+  // the direction's local_gather (comm/gather.cuh, backward_kernel.cuh; found by its Params)
+  template <class SetupT>
+  __device__ __forceinline__ static void gather_warps(const Params& p, const SetupT& s, const gemm::WaitContext& wait,
+                                                      int index) {
+    local_gather(p, s.g, s.counts, wait, int64_t{blockIdx.x} * kGatherWarps + index, int64_t{gridDim.x} * kGatherWarps);
+  }
   // An op with kRingEpilogue reads stages after its K loop (its produce_epilogue loads them);
   // false on a timed-out wait
   __device__ __forceinline__ static bool epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,

@@ -36,7 +36,8 @@
 //   comm_gather(sh, p, s, wait, phase)   a comm block's gather of the rest (EP >= 2); false on
 //                                a compute block (nothing gathered)
 //   gather_warps(p, s, wait, index)   at EP = 1 (no comm blocks), gather warp `index` (0, 1) of
-//                                the block's producer warpgroup: its share of the rest
+//                                the block's producer warpgroup: its share of the rest (DirBase:
+//                                the direction's local_gather)
 //   finish(sh, p, wait)          the consumer threads' end phase (grid barrier, reductions)
 // The backward (fused/schedule_bwd.cuh, its ops) is the second direction.
 #pragma once
@@ -69,8 +70,6 @@ struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, Maps, FusedShared,
   __device__ __forceinline__ static bool comm_gather(Shared& sh, const Params& p, const Setup& s,
                                                      const gemm::WaitContext& wait, uint32_t phase);
   __device__ __forceinline__ static void finish(Shared& sh, const Params& p, const gemm::WaitContext& wait);
-  __device__ __forceinline__ static void gather_warps(const Params& p, const Setup& s, const gemm::WaitContext& wait,
-                                                      int index);
 
   // ---- the role loops (roles/): what DirBase does not ----
   __device__ __forceinline__ static Task decode(const Shared& sh, const Params&, int32_t task) {

@@ -70,11 +70,6 @@ __device__ __forceinline__ bool ForwardDir::comm_gather(Shared& sh, const Params
   fused::comm_gather(sh, p, s.g, wait, s.gather_ready, s.counts, phase);
   return true;
 }
-__device__ __forceinline__ void ForwardDir::gather_warps(const Params& p, const Setup& s, const gemm::WaitContext& wait,
-                                                         int index) {
-  local_gather(p, s.g, s.counts, wait, s.gather_ready, int64_t{blockIdx.x} * kGatherWarps + index,
-               int64_t{gridDim.x} * kGatherWarps);
-}
 __device__ __forceinline__ void ForwardDir::finish(Shared& sh, const Params& p, const gemm::WaitContext& wait) {
   finish_and_combine(sh, p, wait);
 }
