@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# session 18 device calls: STAGE=suite (gpu_check.sh) | time (variants, traces)
+# Session 18's device calls (issue 22).  STAGE=suite: tools/gpu_check.sh (every GPU test,
+# sanitizers).  STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests, the
+# backward and forward at the sustained clock on qwen3 and dsv3 (BWD_VARIANTS: sustained.py's
+# --variants for the backward), timing-ring traces of TRACE_SHAPES, and (NCU=1, if the call is
+# young enough: NCU_BEFORE_S) ncu's warp states and per-instruction stall samples of the qwen3
+# fused backward.  Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
@@ -40,22 +45,4 @@ case "${STAGE:-suite}" in
     fi ;;
   suite)
     OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
-  time)
-    for shape in qwen3 dsv3; do
-      timeout 150 python3 tools/sustained.py $shape --backward --variants st:MOK_GEMM_SCHEDULE=32 2>&1 |
-        tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused|Error|differs' ; echo "at $(el) s"
-      timeout 100 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/fwd.log" | tail -5; echo "at $(el) s"
-      timeout 150 python3 tools/sustained.py $shape --gemm \
-        --variants pp:MOK_GEMM_SCHEDULE=0,st:MOK_GEMM_SCHEDULE=24,coop:MOK_GEMM_SCHEDULE=16 2>&1 |
-        tee -a "$OUT/gemm.log" | tail -22; echo "at $(el) s"
-    done
-    for shape in qwen3 dsv3; do
-      for v in base st; do
-        [ $v = st ] && export MOK_GEMM_SCHEDULE=32
-        mkdir -p "$OUT/tr_${shape}_$v"
-        timeout 100 python3 tools/trace_forward.py $shape --backward --ring-all --warm 30 --out "$OUT/tr_${shape}_$v" \
-          > "$OUT/trace_${shape}_$v.log" 2>&1; unset MOK_GEMM_SCHEDULE
-      done
-    done
-    echo "traces at $(el) s" ;;
 esac
