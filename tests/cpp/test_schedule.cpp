@@ -335,7 +335,10 @@ bool run_model(ProtocolModel& m, int num_compute, int num_comm, uint64_t seed, s
       why);
 }
 
-TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
+// Random geometries, tile counts, rasters, grids and start gathers (none, or 1-3 minibatches of
+// every block) of the protocol model: fn(m, num_compute, what, rng), `what` naming the case
+template <typename Fn>
+void for_random_models(Fn fn) {
   std::mt19937_64 rng(fresh_protocol_seed());
   for (int iter = 0; iter < 300; ++iter) {
     const int32_t mini = 1 << (rng() % 3), ring = mini << (rng() % 3);
@@ -343,33 +346,34 @@ TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
     const TaskCounts c{1 + static_cast<int32_t>(rng() % 3), 1 + static_cast<int32_t>(rng() % 2),
                        static_cast<int32_t>(rng() % 2), 1, static_cast<int32_t>(rng() % 3)};
     ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
-    const int num_compute = 1 + static_cast<int>(rng() % 5), num_comm = 1 + static_cast<int>(rng() % 3);
-    // The start gather of every block: none, or 1-3 minibatches
+    const int num_compute = 1 + static_cast<int>(rng() % 5);
     const int32_t start = rng() % 3 == 0 ? 0 : mini * (1 + static_cast<int32_t>(rng() % 3));
     m.start_gather(start);
-    std::string why;
-    const uint64_t seed = rng();
-    ASSERT_TRUE(run_model(m, num_compute, num_comm, seed, &why))
-        << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
-        << ", comm " << num_comm << ", start " << start << ", seed " << seed << ")";
+    const std::string what = "blocks " + std::to_string(blocks) + ", ring " + std::to_string(ring) + ", mini " +
+                             std::to_string(mini) + ", compute " + std::to_string(num_compute) + ", start " +
+                             std::to_string(start);
+    fn(m, num_compute, what, rng);
   }
+}
+
+// EP >= 2: comm blocks gather, then compute
+TEST(FusedSchedule, ProtocolModelAlwaysFinishes) {
+  for_random_models([](ProtocolModel& m, int num_compute, const std::string& what, std::mt19937_64& rng) {
+    const int num_comm = 1 + static_cast<int>(rng() % 3);
+    const uint64_t seed = rng();
+    std::string why;
+    ASSERT_TRUE(run_model(m, num_compute, num_comm, seed, &why))
+        << why << " (" << what << ", comm " << num_comm << ", seed " << seed << ")";
+  });
 }
 
 // EP = 1: no comm blocks; every compute block's two gather warps share the rows in units
 TEST(FusedSchedule, ProtocolModelWithGatherWarpsAlwaysFinishes) {
-  std::mt19937_64 rng(fresh_protocol_seed());
-  for (int iter = 0; iter < 300; ++iter) {
-    const int32_t mini = 1 << (rng() % 3), ring = mini << (rng() % 3);
-    const int32_t blocks = static_cast<int32_t>(rng() % 24);
-    const TaskCounts c{1 + static_cast<int32_t>(rng() % 3), 1 + static_cast<int32_t>(rng() % 2),
-                       static_cast<int32_t>(rng() % 2), 1, static_cast<int32_t>(rng() % 3)};
-    ProtocolModel m(Geometry::make(blocks, ring, mini), c, 1 + static_cast<int32_t>(rng() % 3));
-    const int num_compute = 1 + static_cast<int>(rng() % 5), num_warps = num_compute * kGatherWarps;
-    const int32_t start = rng() % 3 == 0 ? 0 : mini * (1 + static_cast<int32_t>(rng() % 3));
-    m.start_gather(start);
+  for_random_models([](ProtocolModel& m, int num_compute, const std::string& what, std::mt19937_64& rng) {
+    const int num_warps = num_compute * kGatherWarps;
     std::vector<ProtocolModel::GatherWarp> warps(static_cast<size_t>(num_warps));
-    std::string why;
     const uint64_t seed = rng();
+    std::string why;
     ASSERT_TRUE(run_actors(
         m, num_compute, num_warps, seed,
         [&](int i, std::mt19937_64&) { return m.step(warps[static_cast<size_t>(i)], i, num_warps); },
@@ -379,9 +383,8 @@ TEST(FusedSchedule, ProtocolModelWithGatherWarpsAlwaysFinishes) {
           return true;
         },
         &why))
-        << why << " (blocks " << blocks << ", ring " << ring << ", mini " << mini << ", compute " << num_compute
-        << ", start " << start << ", seed " << seed << ")";
-  }
+        << why << " (" << what << ", seed " << seed << ")";
+  });
 }
 
 TEST(TileRaster, EveryTileOnceGroupsOfNBlocks) {
