@@ -200,36 +200,33 @@ __device__ __forceinline__ uint32_t h_pass_pair(const __nv_bfloat16* box, int r,
   return *reinterpret_cast<const uint32_t*>(row + ((n8 ^ (r & 7)) << 4) + 4 * t);
 }
 
-// The epilogue of one consumer's tile (T::kSlabs 64-row slabs in acc) with h from the stage
-// ring: the same values, roundings and partial-sum order as epilogue_dgrad_swiglu (header), in
-// passes of 64 channels; a 128-channel chunk's partial of a row sums its first pass's 8 n8 blocks,
-// then its second's.  consumer: the slab of a cooperative tile (kSlabs == 1); wg_barrier: the
-// named barrier of the consumer's warpgroup (128 threads).  False on a timed-out wait.
+// The epilogue of one consumer's 64 rows of a cooperative tile with h from the stage ring: the
+// same values, roundings and partial-sum order as epilogue_dgrad_swiglu (header), in passes of
+// 64 channels; a 128-channel chunk's partial of a row sums its first pass's 8 n8 blocks, then
+// its second's.  wg_barrier: the named barrier of the consumer's warpgroup (128 threads).  False
+// on a timed-out wait.
 // Every pass's stage is waited for first (the producer fetched them under the K loop), then
 // the passes are computed and released in order.
 template <class T, typename Weight>
-__device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[T::kSlabs][T::kAccRegs], int consumer,
+__device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[T::kAccRegs], int consumer,
                                                              StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                                              const WaitContext& wait, const SwiGLUBwdArgs& e,
                                                              int64_t row0, int64_t part_row0, int valid_rows,
                                                              int64_t ch0, Weight weight, uint32_t wg_barrier) {
   constexpr int kPasses = T::kBlockN / kHPassCols;
   constexpr int kPassBlocks = kHPassCols / 8;  // n8 blocks per pass: 8
+  static_assert(!T::kPingPong, "a cooperative tile: both warpgroups release every stage");
   static_assert(kPasses <= T::kStages, "a tile's h passes fit in the stage ring at once");
   const int t = threadIdx.x & 3;
   const bool leader = threadIdx.x % 128 == 0;
   const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = tiles_of(inter, kDtwChunk);
-  float part[T::kSlabs][2];  // running partials of the current 128-channel chunk, per slab and half
+  float part[2] = {0.0f, 0.0f};  // running partials of the current 128-channel chunk, per half
+  float w[2];
 #pragma unroll
-  for (int j = 0; j < T::kSlabs; ++j) part[j][0] = part[j][1] = 0.0f;
-  float w[T::kSlabs][2];
-#pragma unroll
-  for (int j = 0; j < T::kSlabs; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = fragment_row(T::kPingPong ? j : consumer, half);
-      w[j][half] = r < valid_rows ? weight(r) : 0.0f;
-    }
+  for (int half = 0; half < 2; ++half) {
+    const int r = fragment_row(consumer, half);
+    w[half] = r < valid_rows ? weight(r) : 0.0f;
+  }
   PipelineState<T::kStages> ahead = stage;
 #pragma unroll 1
   for (int q = 0; q < kPasses; ++q) {
@@ -244,35 +241,31 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
     const int64_t pass_cols = inter - col;     // its channels below I (<= 0: none; uniform)
     // da of fragment element (n8 block n8 of pass q, register pair half, element x), every
     // index static, the runtime pass picked with selects
-    auto da_of = [&](const float(&a)[T::kAccRegs], int half, int n8, int x) {
-      float v = a[n8 * 4 + half * 2 + x];
+    auto da_of = [&](int half, int n8, int x) {
+      float v = acc[n8 * 4 + half * 2 + x];
 #pragma unroll
-      for (int qq = 1; qq < kPasses; ++qq) v = q == qq ? a[(qq * kPassBlocks + n8) * 4 + half * 2 + x] : v;
+      for (int qq = 1; qq < kPasses; ++qq) v = q == qq ? acc[(qq * kPassBlocks + n8) * 4 + half * 2 + x] : v;
       return v;
     };
     if (pass_cols > 0) {
 #pragma unroll
-      for (int j = 0; j < T::kSlabs; ++j)
+      for (int half = 0; half < 2; ++half) {
+        const int r = fragment_row(consumer, half);
+        const bool valid = r < valid_rows;
+        const int64_t row = row0 + r;
+        __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
+        __nv_bfloat16* du_row = dg_row + inter;
+        __nv_bfloat16* wa_row = e.wa + row * inter + col;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = fragment_row(T::kPingPong ? j : consumer, half);
-          const bool valid = r < valid_rows;
-          const int64_t row = row0 + r;
-          __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
-          __nv_bfloat16* du_row = dg_row + inter;
-          __nv_bfloat16* wa_row = e.wa + row * inter + col;
-          float sum = part[j][half];
-#pragma unroll
-          for (int b = 0; b < kPassBlocks; b += 2)
-            sum = swiglu_bwd_block_pair(
-                e, b, [&](int n8, int x) { return da_of(acc[j], half, n8, x); },
-                [&](int n8) { return h_pass_pair(g_box, r, n8, t); }, [&](int n8) { return h_pass_pair(u_box, r, n8, t); },
-                w[j][half], sum, pass_cols, valid, dg_row, du_row, wa_row);
-          part[j][half] = sum;
-        }
+        for (int b = 0; b < kPassBlocks; b += 2)
+          part[half] = swiglu_bwd_block_pair(
+              e, b, [&](int n8, int x) { return da_of(half, n8, x); },
+              [&](int n8) { return h_pass_pair(g_box, r, n8, t); }, [&](int n8) { return h_pass_pair(u_box, r, n8, t); },
+              w[half], part[half], pass_cols, valid, dg_row, du_row, wa_row);
+      }
     }
-    // The stage is read: release it (both warpgroups of a cooperative tile release each stage).
-    // Every warp of the warpgroup read it, so all of them reach a barrier of the warpgroup before
+    // The stage is read: release it (both warpgroups of the tile release each stage). Every
+    // warp of the warpgroup read it, so all of them reach a barrier of the warpgroup before
     // its leader releases (unlike the K loop's wgmma reads, which the warpgroup's wgmma wait
     // covers); the fence orders the generic-proxy reads before the TMA that refills the stage.
     ptx::fence_proxy_async_smem();
@@ -284,18 +277,16 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
     const bool chunk_end = pass_cols > 0 && ((q & 1) == 1 || pass_cols <= kHPassCols);
     if (chunk_end) {
 #pragma unroll
-      for (int j = 0; j < T::kSlabs; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float sum = part[j][half];
-          sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-          sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-          const int r = fragment_row(T::kPingPong ? j : consumer, half);
-          const int64_t chunk_first = ch0 + (q & ~1) * kHPassCols;
-          if (e.dtw_partials != nullptr && r < valid_rows && t == 0 && chunk_first < inter)
-            e.dtw_partials[(part_row0 + r) * n_chunks + chunk_first / kDtwChunk] = sum;
-          part[j][half] = 0.0f;
-        }
+      for (int half = 0; half < 2; ++half) {
+        float sum = part[half];
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+        sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+        const int r = fragment_row(consumer, half);
+        const int64_t chunk_first = ch0 + (q & ~1) * kHPassCols;
+        if (e.dtw_partials != nullptr && r < valid_rows && t == 0 && chunk_first < inter)
+          e.dtw_partials[(part_row0 + r) * n_chunks + chunk_first / kDtwChunk] = sum;
+        part[half] = 0.0f;
+      }
     }
   }
   return true;

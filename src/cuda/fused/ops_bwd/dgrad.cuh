@@ -52,7 +52,7 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.max_rows - row0;
     const float* __restrict__ rw = p.row_weight + row0;
     return gemm::epilogue_dgrad_swiglu_staged<TileConfig>(
-        reinterpret_cast<const float(&)[1][kRegs]>(acc), consumer, r.s, r.stage, r.wait, e, row0, row0,
+        acc, consumer, r.s, r.stage, r.wait, e, row0, row0,
         left < kBlockM ? static_cast<int>(left) : kBlockM, int64_t{t.n_block} * kBlockN, [&](int q) { return rw[q]; },
         r.bar);
   }
@@ -98,7 +98,7 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
     const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.num_tokens - row0;
     return gemm::epilogue_dgrad_swiglu_staged<TileConfig>(
-        reinterpret_cast<const float(&)[1][kRegs]>(acc), consumer, r.s, r.stage, r.wait, e, row0, row0,
+        acc, consumer, r.s, r.stage, r.wait, e, row0, row0,
         left < kBlockM ? static_cast<int>(left) : kBlockM, int64_t{t.n_block} * kBlockN, [](int) { return 1.0f; },
         r.bar);
   }
