@@ -493,10 +493,11 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-  auto* const kernel = fb::fused_backward_kernel;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(fb::kSmemBytes)));
-  kernel<<<ws.grid, gemm::TileConfig::kThreads, fb::kSmemBytes, stream>>>(m, p);
+  using Pol = fused::PolicyBf16;
+  auto* const kernel = fb::fused_backward_kernel<Pol>;
+  constexpr size_t kSmem = fb::kSmemBytes<Pol>;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -512,7 +513,7 @@ void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_tables_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<fused::PolicyBf16>));
   gemm::load_backward_kernels();
   ep_load_kernels();
   load_plan_kernels();

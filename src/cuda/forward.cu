@@ -254,9 +254,11 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
     m.ws_down = m.w_down;
   }
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(fused::fused_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(fused::kFusedSmemBytes)));
-  fused::fused_forward_kernel<<<ws.grid, gemm::TileConfig::kThreads, fused::kFusedSmemBytes, stream>>>(m, p);
+  using Pol = fused::PolicyBf16;
+  auto* kernel = fused::fused_forward_kernel<Pol>;
+  constexpr size_t kSmem = fused::kFusedSmemBytes<Pol>;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace

@@ -49,7 +49,8 @@ __device__ __forceinline__ int32_t start_positions(const ForwardParams& p, const
 // comm blocks), each copied through the warp's staging row; then gather_ready of the blocks
 // the run touched.  Returns the warp's staging-barrier phase (one copy per real row), which
 // the comm gather continues from.
-__device__ uint32_t start_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
+template <class SharedT>
+__device__ uint32_t start_gather(SharedT& sh, const ForwardParams& p, const Geometry& g, const TaskCounts& counts,
                                  const gemm::WaitContext& wait, int32_t* gather_ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const plan::RowRun run = plan::row_run(int64_t{start_positions(p, g, counts)} * kBlockM,
@@ -115,7 +116,8 @@ __device__ void local_gather(const ForwardParams& p, const Geometry& g, const Ta
 
 // Comm block i: the processing positions after the start gather's, i, i + num_comm, ..., each
 // once its ring slot's previous occupant is consumed; the staging barrier continues at `phase`.
-__device__ void comm_gather(FusedShared& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
+template <class SharedT>
+__device__ void comm_gather(SharedT& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
                             int32_t* gather_ready, const TaskCounts& counts, uint32_t phase) {
   const int warp = threadIdx.x / 32;
   CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],

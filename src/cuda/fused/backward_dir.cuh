@@ -6,11 +6,31 @@
 #include "cuda/fused/backward_params.cuh"
 #include "cuda/fused/direction.cuh"
 #include "cuda/fused/ops_bwd/ops.cuh"
+#include "cuda/fused/policy.cuh"
 
 namespace mok::cuda::fused::bwd {
 
-struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, Maps, bwd::Shared, Geometry, TaskCounts, bwd::Task,
-                                       bwd::Load, CounterArray, kMaxSignals, kBackwardDirection>> {
+template <class Pol>
+struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>,
+                                       SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, bwd::Load,
+                                       CounterArray, kMaxSignals, kBackwardDirection, Pol>> {
+  using Base = DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>,
+                                SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, bwd::Load, CounterArray,
+                                kMaxSignals, kBackwardDirection, Pol>>;
+  using typename Base::Counts;
+  using typename Base::GeometryT;
+  using typename Base::Load;
+  using typename Base::MapsT;
+  using typename Base::Params;
+  using typename Base::Shared;
+  using typename Base::Stage;
+  using typename Base::Stages;
+  using typename Base::Task;
+  using typename Base::Tile;
+  using Base::kDone;
+  using Base::visit;
+  static_assert(kSmemBytes<Pol> <= 227 * 1024, "fused backward shared storage exceeds 227 KB");
+
   // Many short tiles (wgrad K = an expert's rows): the next task's claim and decode go under
   // this one's loads
   static constexpr bool kClaimAhead = true;
@@ -46,8 +66,8 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, Maps, bwd::Share
   // The tile's loads, k-block by k-block; after_first() once the first k-block is issued (or
   // at once for a task of no k-blocks).
   template <class AfterFirst>
-  __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
-                                                 const Load& l, const gemm::WaitContext& wait, AfterFirst&& after_first) {
+  __device__ __forceinline__ static bool produce(Stages& s, Stage& stage, const Load& l, const gemm::WaitContext& wait,
+                                                 AfterFirst&& after_first) {
     if (l.num_k_blocks == 0) {
       after_first();
       return true;
@@ -82,9 +102,8 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, Maps, bwd::Share
     });
   }
   // A task of no k-blocks (a wgrad tile of zeros) takes no stage; its epilogue does not read acc.
-  __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
-                                                 const Task& t, int32_t k_blocks, int consumer,
-                                                 float (&acc)[TileConfig::kAccRegs], const gemm::WaitContext& wait) {
+  __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task& t, int32_t k_blocks, int consumer,
+                                                 float (&acc)[Tile::kAccRegs], const gemm::WaitContext& wait) {
     // NOTES: through a shuffle, so that ptxas knows the K loop's length is warp-uniform (C7518)
     k_blocks = __shfl_sync(0xffffffffu, k_blocks, 0);
     if (k_blocks == 0) return true;
@@ -97,7 +116,8 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, Maps, bwd::Share
   }
 };
 
-__device__ __forceinline__ Task BackwardDir::decode(const Shared& sh, const Params& p, int32_t task) {
+template <class Pol>
+__device__ __forceinline__ auto BackwardDir<Pol>::decode(const Shared& sh, const Params& p, int32_t task) -> Task {
   const TaskTile tile = decode_task(sh.segments, sh.num_segments, task, sh.geo, sh.counts);
   Task t{tile.kind, tile.unit, tile.n, tile.macro, 0, 0, 0, 0};
   visit(t.kind, [&](auto op) { decltype(op)::prepare(p, t); });

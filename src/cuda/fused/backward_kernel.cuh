@@ -58,6 +58,7 @@ __device__ __forceinline__ int32_t start_block_count(const BackwardParams& p, co
 // blocks (8 SMs gather ~280 GB/s; the whole grid several TB/s).  Each warp copies its run
 // through its staging row, then releases dy_ready / x_ready of the blocks it touched.  Two
 // copies per row leave every staging barrier at phase parity 0 for the comm gather after.
+template <class Shared>
 __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const int32_t nb = start_block_count(p, g, sh.counts);
@@ -89,6 +90,7 @@ __device__ void start_gather(Shared& sh, const BackwardParams& p, const Geometry
 // ---- comm: the rows of every routed block after the start gather's, in order -----------------
 // Warp w copies rows w, w + 12, ... of each of its blocks through its staging row (bulk copies,
 // x then dy), zeros for padding rows, and the route weight; then releases dy_ready / x_ready.
+template <class Shared>
 __device__ void comm_gather(Shared& sh, const BackwardParams& p, const Geometry& g, const gemm::WaitContext& wait) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
   const uint32_t row_bytes = static_cast<uint32_t>(p.hidden) * 2;
@@ -228,8 +230,9 @@ __device__ void finish(const BackwardParams& p, const gemm::WaitContext& wait) {
 // ---- the kernel entry's hooks (megakernel.cuh) ------------------------------------------------
 // Each local expert's first row block, then the geometry, tile counts and task table in
 // shared memory, identical on every block
-__device__ __forceinline__ BackwardDir::Setup BackwardDir::setup(Shared& sh, const Params& p, GeometryStore&,
-                                                                 CountsStore&) {
+template <class Pol>
+__device__ __forceinline__ auto BackwardDir<Pol>::setup(Shared& sh, const Params& p, GeometryStore&, CountsStore&)
+    -> Setup {
   for (int i = threadIdx.x; i <= p.num_local; i += blockDim.x) sh.expert_blocks[i] = p.expert_offset[i] / kBlockM;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -246,24 +249,29 @@ __device__ __forceinline__ BackwardDir::Setup BackwardDir::setup(Shared& sh, con
 }
 // Every block gathers the first minibatch (MOK_BACKWARD_START_GATHER): two copies per row
 // leave the staging barriers at phase 0, where the comm gather starts
-__device__ __forceinline__ uint32_t BackwardDir::start_gather(Shared& sh, const Params& p, const Setup& s,
-                                                              const gemm::WaitContext& wait) {
+template <class Pol>
+__device__ __forceinline__ uint32_t BackwardDir<Pol>::start_gather(Shared& sh, const Params& p, const Setup& s,
+                                                                   const gemm::WaitContext& wait) {
   bwd::start_gather(sh, p, s.g, wait);
   return 0;
 }
-__device__ __forceinline__ bool BackwardDir::comm_gather(Shared& sh, const Params& p, const Setup& s,
-                                                         const gemm::WaitContext& wait, uint32_t) {
+template <class Pol>
+__device__ __forceinline__ bool BackwardDir<Pol>::comm_gather(Shared& sh, const Params& p, const Setup& s,
+                                                              const gemm::WaitContext& wait, uint32_t) {
   if (static_cast<int32_t>(blockIdx.x) >= p.num_comm) return false;
   bwd::comm_gather(sh, p, s.g, wait);
   return true;
 }
-__device__ __forceinline__ void BackwardDir::finish(Shared&, const Params& p, const gemm::WaitContext& wait) {
+template <class Pol>
+__device__ __forceinline__ void BackwardDir<Pol>::finish(Shared&, const Params& p, const gemm::WaitContext& wait) {
   bwd::finish(p, wait);
 }
 
-__global__ void __launch_bounds__(TileConfig::kThreads, 1)
-    fused_backward_kernel(const __grid_constant__ Maps maps, const BackwardParams p) {
-  run_megakernel<BackwardDir>(maps, p);
+// One instantiation per policy (policy.cuh); the host picks it per call (backward.cu)
+template <class Pol>
+__global__ void __launch_bounds__(Pol::Tile::kThreads, 1)
+    fused_backward_kernel(const __grid_constant__ MapsWith<typename Pol::ScaleMaps> maps, const BackwardParams p) {
+  run_megakernel<BackwardDir<Pol>>(maps, p);
 }
 
 }  // namespace mok::cuda::fused::bwd

@@ -84,7 +84,9 @@ struct BackwardParams {
 
 // Tensor maps: K-major ones have BLOCK_M-row boxes (A) or BLOCK_N/2-row boxes (B halves);
 // N-major B and MN-major wgrad operands boxes of BLOCK_K rows (K) by kBoxCols columns.
-struct Maps {
+// The operand maps, after a precision's scale maps (a base: none for bf16, policy.cuh)
+template <class ScaleMapsT = gemm::NoScales>
+struct MapsWith : ScaleMapsT {
   // routed
   CUtensorMap x_rows_k, w_gate_k, w_up_k;    // replay
   CUtensorMap dy_rows_k, w_down_n;           // dgrad down
@@ -96,9 +98,11 @@ struct Maps {
   // h and the shared h, 128-row x 64-channel boxes (the dgrad-down epilogues' passes)
   CUtensorMap h_k, sh_h_k;
 };
+using Maps = MapsWith<>;
 
-struct alignas(1024) Shared {
-  gemm::StageStorage stages;                // also the comm blocks' row staging
+template <class StagesT>
+struct alignas(1024) SharedT {
+  StagesT stages;                           // the policy's stage ring; also the comm blocks' row staging
   Segment segments[kMaxSegments];
   int32_t expert_blocks[kMaxExperts + 1];   // each local expert's first row block, then the end
   Geometry geo;                             // the call's (expert arrays: expert_blocks)
@@ -110,8 +114,8 @@ struct alignas(1024) Shared {
   int32_t num_segments;
   int32_t num_tasks;
 };
-inline constexpr size_t kSmemBytes = sizeof(Shared) + 1024;
-static_assert(kSmemBytes <= 227 * 1024, "fused backward shared storage exceeds 227 KB");
+template <class Policy>
+inline constexpr size_t kSmemBytes = sizeof(SharedT<typename Policy::Stages>) + 1024;
 
 __device__ __forceinline__ int32_t* counter_of(const BackwardParams& p, CounterArray a, int32_t index) {
   return p.counters + p.counter_offset[static_cast<int>(a)] + index;

@@ -11,11 +11,16 @@ namespace mok::cuda::fused {
 
 // A direction's types: its TaskKind, kernel parameters, tensor maps, shared storage, geometry,
 // tile counts, task and tile-load types, counter arrays (waits and signals over them, at most
-// kMaxSignals per tile), and which direction its timeout records name (kForwardDirection or
-// kBackwardDirection).
+// kMaxSignals per tile), which direction its timeout records name (kForwardDirection or
+// kBackwardDirection), and the policy it is instantiated with (policy.cuh: the precision, with
+// the tile, its stage ring and accumulator; the routed weights' orientation).
 template <class KindT, class ParamsT, class MapsT_, class SharedT, class GeometryT_, class CountsT, class TaskT,
-          class LoadT, class CounterArrayT, int kMaxSignalsV, int kDirectionV>
+          class LoadT, class CounterArrayT, int kMaxSignalsV, int kDirectionV, class PolicyT>
 struct DirTypes {
+  using Policy = PolicyT;
+  using Tile = typename PolicyT::Tile;
+  using Stages = typename PolicyT::Stages;
+  using Stage = typename PolicyT::Stage;
   using Kind = KindT;
   using Params = ParamsT;
   using MapsT = MapsT_;
@@ -73,9 +78,10 @@ struct DirBase : Types {
   }
   // An op with kRingEpilogue reads stages after its K loop (its produce_epilogue loads them);
   // false on a timed-out wait
-  __device__ __forceinline__ static bool epilogue(const float (&acc)[TileConfig::kAccRegs], int consumer,
+  template <class Ring>
+  __device__ __forceinline__ static bool epilogue(const float (&acc)[Types::Tile::kAccRegs], int consumer,
                                                   const Params& p, const GeometryT& g, const Counts& c,
-                                                  const Task& info, const EpilogueRing& ring) {
+                                                  const Task& info, const Ring& ring) {
     return visit(info.kind, [&acc, consumer, &p, &g, &c, info, &ring](auto op) -> bool {
       if constexpr (decltype(op)::kRingEpilogue) {
         return decltype(op)::epilogue_ring(acc, consumer, p, g, c, info, ring);
@@ -86,8 +92,7 @@ struct DirBase : Types {
     });
   }
   template <class MapsArg>
-  __device__ __forceinline__ static bool produce_epilogue(gemm::StageStorage& s,
-                                                          gemm::PipelineState<TileConfig::kStages>& stage,
+  __device__ __forceinline__ static bool produce_epilogue(typename Types::Stages& s, typename Types::Stage& stage,
                                                           const MapsArg& maps, const Params& p, const Task& info,
                                                           const gemm::WaitContext& wait) {
     return visit(info.kind, [&](auto op) -> bool {

@@ -45,13 +45,33 @@
 #include "cuda/fused/direction.cuh"
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/fused/ops/ops.cuh"
+#include "cuda/fused/policy.cuh"
 
 namespace mok::cuda::fused {
 
-struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, Maps, FusedShared, Geometry, TaskCounts, TaskInfo,
-                                      gemm::TileLoad, CounterArray, kMaxSignals, kForwardDirection>> {
+template <class Pol>
+struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>,
+                                      FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, gemm::TileLoad,
+                                      CounterArray, kMaxSignals, kForwardDirection, Pol>> {
+  using Base = DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>,
+                                FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, gemm::TileLoad,
+                                CounterArray, kMaxSignals, kForwardDirection, Pol>>;
+  using typename Base::Counts;
+  using typename Base::GeometryT;
+  using typename Base::Load;
+  using typename Base::MapsT;
+  using typename Base::Params;
+  using typename Base::Shared;
+  using typename Base::Stage;
+  using typename Base::Stages;
+  using typename Base::Task;
+  using typename Base::Tile;
+  using Base::kDone;
+  using Base::visit;
+  static_assert(kFusedSmemBytes<Pol> <= 227 * 1024, "fused shared storage exceeds 227 KB");
+
   static constexpr bool kClaimAhead = false;  // the producer claims a task after the last one's loads
-  static constexpr int kProducerRegs = TileConfig::kProducerRegs, kConsumerRegs = TileConfig::kConsumerRegs;
+  static constexpr int kProducerRegs = Tile::kProducerRegs, kConsumerRegs = Tile::kConsumerRegs;
 
   // ---- the kernel entry (forward_kernel.cuh) ----
   // The geometry and tile counts in the kernel's locals (registers); the gathers' counters and
@@ -82,13 +102,12 @@ struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, Maps, FusedShared,
     visit(info.kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, c, info); });
     return load;
   }
-  __device__ __forceinline__ static bool produce(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
-                                                 const Load& load, const gemm::WaitContext& wait) {
+  __device__ __forceinline__ static bool produce(Stages& s, Stage& stage, const Load& load,
+                                                 const gemm::WaitContext& wait) {
     return gemm::produce_tile(s, stage, load, wait);
   }
-  __device__ __forceinline__ static bool consume(gemm::StageStorage& s, gemm::PipelineState<TileConfig::kStages>& stage,
-                                                 const Task&, int32_t k_blocks, int consumer,
-                                                 float (&acc)[TileConfig::kAccRegs], const gemm::WaitContext& wait) {
+  __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task&, int32_t k_blocks, int consumer,
+                                                 float (&acc)[Tile::kAccRegs], const gemm::WaitContext& wait) {
     return gemm::consume_tile(s, stage, k_blocks, consumer, acc, wait);
   }
 };

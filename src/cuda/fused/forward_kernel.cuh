@@ -39,8 +39,9 @@ namespace mok::cuda::fused {
 // ---- the kernel entry's hooks (megakernel.cuh) ------------------------------------------------
 // Geometry and the task table, identical on every block; the geometry and tile counts stay in
 // the roles' registers
-__device__ __forceinline__ ForwardDir::Setup ForwardDir::setup(Shared& sh, const Params& p, Geometry& g,
-                                                               TaskCounts& counts) {
+template <class Pol>
+__device__ __forceinline__ auto ForwardDir<Pol>::setup(Shared& sh, const Params& p, Geometry& g, TaskCounts& counts)
+    -> Setup {
   int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
   const int32_t num_blocks = p.expert_offset[p.num_local] / kBlockM;
   g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
@@ -60,23 +61,28 @@ __device__ __forceinline__ ForwardDir::Setup ForwardDir::setup(Shared& sh, const
   return Setup{g, counts, gather_ready, comm};
 }
 // Every block gathers the first minibatch (MOK_FORWARD_START_GATHER): one copy per real row
-__device__ __forceinline__ uint32_t ForwardDir::start_gather(Shared& sh, const Params& p, const Setup& s,
-                                                             const gemm::WaitContext& wait) {
+template <class Pol>
+__device__ __forceinline__ uint32_t ForwardDir<Pol>::start_gather(Shared& sh, const Params& p, const Setup& s,
+                                                                  const gemm::WaitContext& wait) {
   return fused::start_gather(sh, p, s.g, s.counts, wait, s.gather_ready);
 }
-__device__ __forceinline__ bool ForwardDir::comm_gather(Shared& sh, const Params& p, const Setup& s,
-                                                        const gemm::WaitContext& wait, uint32_t phase) {
+template <class Pol>
+__device__ __forceinline__ bool ForwardDir<Pol>::comm_gather(Shared& sh, const Params& p, const Setup& s,
+                                                             const gemm::WaitContext& wait, uint32_t phase) {
   if (!s.comm) return false;
   fused::comm_gather(sh, p, s.g, wait, s.gather_ready, s.counts, phase);
   return true;
 }
-__device__ __forceinline__ void ForwardDir::finish(Shared& sh, const Params& p, const gemm::WaitContext& wait) {
+template <class Pol>
+__device__ __forceinline__ void ForwardDir<Pol>::finish(Shared& sh, const Params& p, const gemm::WaitContext& wait) {
   finish_and_combine(sh, p, wait);
 }
 
-__global__ void __launch_bounds__(TileConfig::kThreads, 1)
-    fused_forward_kernel(const __grid_constant__ Maps maps, const ForwardParams p) {
-  run_megakernel<ForwardDir>(maps, p);
+// One instantiation per policy (policy.cuh); the host picks it per call (forward.cu)
+template <class Pol>
+__global__ void __launch_bounds__(Pol::Tile::kThreads, 1)
+    fused_forward_kernel(const __grid_constant__ MapsWith<typename Pol::ScaleMaps> maps, const ForwardParams p) {
+  run_megakernel<ForwardDir<Pol>>(maps, p);
 }
 
 }  // namespace mok::cuda::fused

@@ -75,9 +75,12 @@ struct ForwardParams {
   int64_t* timeout_record;
 };
 
-struct Maps {
+// The operand maps, after a precision's scale maps (a base: none for bf16, policy.cuh)
+template <class ScaleMapsT = gemm::NoScales>
+struct MapsWith : ScaleMapsT {
   CUtensorMap ring, w_gate, w_up, act, w_down, x, ws_gate, ws_up, shared_act, ws_down;
 };
+using Maps = MapsWith<>;
 
 // The hand-offs between a fused kernel's roles, two slots each (gemm::Pipeline):
 //   tasks  producer -> consumers + signaler: the task in tasks[slot] (full: the producer's
@@ -89,8 +92,9 @@ struct RoleRings {
   gemm::Pipeline<2> done;
 };
 
-struct alignas(1024) FusedShared {
-  gemm::StageStorage stages;                // also the comm blocks' row staging
+template <class StagesT>
+struct alignas(1024) FusedSharedT {
+  StagesT stages;                           // the policy's stage ring; also the comm blocks' row staging
   Segment segments[kMaxSegments];
   TaskInfo tasks[2];                        // producer -> consumers + signaler task handoff
   RoleRings rings;                          // the hand-offs between the roles
@@ -99,8 +103,8 @@ struct alignas(1024) FusedShared {
   int32_t num_tasks;
   int32_t n_group;
 };
-inline constexpr size_t kFusedSmemBytes = sizeof(FusedShared) + 1024;
-static_assert(kFusedSmemBytes <= 227 * 1024, "fused shared storage exceeds 227 KB");
+template <class Policy>
+inline constexpr size_t kFusedSmemBytes = sizeof(FusedSharedT<typename Policy::Stages>) + 1024;
 
 // The role hand-off barriers of a fused kernel's shared storage (both directions' Shared have
 // them): the stage ring's, producer -> consumers + signaler task hand-off, consumers ->
@@ -151,9 +155,11 @@ __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, CounterAr
 
 // What an epilogue that reads stages after the K loop needs (ops' kRingEpilogue):
 // the stage ring and the consumer's place in it, the deadline, its warpgroup's named barrier.
+template <class StagesT>
 struct EpilogueRing {
-  gemm::StageStorage& s;
-  gemm::PipelineState<TileConfig::kStages>& stage;
+  using Tile = typename StagesT::Tile;
+  StagesT& s;
+  gemm::PipelineState<StagesT::Tile::kStages>& stage;
   const gemm::WaitContext& wait;
   uint32_t bar;
 };
@@ -202,7 +208,8 @@ struct TraceWriter {
 };
 
 // ---- task decode ------------------------------------------------------------------------------
-__device__ __forceinline__ TaskInfo decode_task(const FusedShared& sh, int32_t task) {
+template <class SharedT>
+__device__ __forceinline__ TaskInfo decode_task(const SharedT& sh, int32_t task) {
   const TaskTile t = fused::decode_task(sh.segments, sh.num_segments, sh.n_group, task);
   return TaskInfo{t.kind, t.block, t.n_block, 0};
 }

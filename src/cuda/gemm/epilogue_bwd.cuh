@@ -177,8 +177,8 @@ inline constexpr int kHPassCols = 64;
 inline constexpr uint32_t kHPassBytes = 2u * 128 * kHPassCols * 2;  // g and u boxes, 128 rows
 
 // Producer: the h passes of a tile (after its k-blocks); false on a timed-out wait.
-template <class T>
-__device__ __forceinline__ bool produce_swiglu_h(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+template <class T, class P>
+__device__ __forceinline__ bool produce_swiglu_h(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                                  const CUtensorMap* map_h, int32_t row0, int32_t ch0, int32_t inter,
                                                  const WaitContext& wait) {
   static_assert(T::kBlockM == 128 && T::kBlockN % kHPassCols == 0, "an h pass is 128 rows x 64 channels");
@@ -207,9 +207,9 @@ __device__ __forceinline__ uint32_t h_pass_pair(const __nv_bfloat16* box, int r,
 // on a timed-out wait.
 // Every pass's stage is waited for first (the producer fetched them under the K loop), then
 // the passes are computed and released in order.
-template <class T, typename Weight>
+template <class T, class P, typename Weight>
 __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[T::kAccRegs], int consumer,
-                                                             StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+                                                             StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                                              const WaitContext& wait, const SwiGLUBwdArgs& e,
                                                              int64_t row0, int64_t part_row0, int valid_rows,
                                                              int64_t ch0, Weight weight, uint32_t wg_barrier) {

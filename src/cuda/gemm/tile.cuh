@@ -31,21 +31,110 @@
 
 namespace mok::gemm {
 
-// The operand element of a tile shape's bytes.
-template <int kBytes>
-struct OperandElem {
-  using type = __nv_bfloat16;
+inline constexpr int kNChunkElems = 64 * TileConfig::kBlockK;  // one 64 N x 64 K box (N- or MN-major): 8 KB
+static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes &&
+                  (TileConfigN128::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfigN128::kBHalfBytes,
+              "an N-major B stage is kBlockN/64 boxes of 64 x 64 and as large as the K-major one");
+
+// The MMA step of the engine: what a consumer warpgroup issues on one stage (one k-block) for
+// its 64 rows, by operand orientation (gemm::Operands, config.hpp); consume_tile runs the
+// pipeline around it.  A policy per operand type, the Mma of a precision (below):
+//   MmaBf16   bf16 x bf16 -> fp32, every orientation (the wgmma transpose bits)
+//   MmaE4m3   e4m3 x e4m3 -> fp32, K-major only (Hopper's fp8 wgmma has no transpose bits: an
+//             fp8 dgrad or wgrad reads transposed fp8 copies).  No scales: the block-scaled
+//             recipes (a scale per 128 of K, promoted into the fp32 sum once per k-block) add
+//             them around this step.
+struct MmaBf16 {
+  template <Operands kOps>
+  static constexpr bool kSupports = true;
+  template <Operands kOps, class T, class S>
+  __device__ __forceinline__ static void issue(float (&acc)[T::kAccRegs], S& s, int index,
+                                               int consumer, int kb) {
+    using C = T;
+    if constexpr (kOps == Operands::kKMajor) {
+      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
+      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[index]);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::kBlockK / 16; ++k)
+        ptx::mma_bf16<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+    } else if constexpr (kOps == Operands::kBNMajor) {
+      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
+      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[index], kNChunkElems * 2);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::kBlockK / 16; ++k)
+        ptx::mma_bf16_tb<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 128 * k, (kb | k) != 0);
+    } else {
+      // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row
+      // chunks) is never used; B's boxes are 8 KB apart.
+      const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[index] + consumer * kNChunkElems, kNChunkElems * 2);
+      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[index], kNChunkElems * 2);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < C::kBlockK / 16; ++k)
+        ptx::mma_bf16_tatb<C::kBlockN>(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
+    }
+  }
 };
-template <>
-struct OperandElem<1> {
-  using type = __nv_fp8_e4m3;
+struct MmaE4m3 {
+  template <Operands kOps>
+  static constexpr bool kSupports = kOps == Operands::kKMajor;
+  template <Operands kOps, class T, class S>
+  __device__ __forceinline__ static void issue(float (&acc)[T::kAccRegs], S& s, int index,
+                                               int consumer, int kb) {
+    using C = T;
+    static_assert(kSupports<kOps>, "fp8 wgmma reads K-major operands only");
+    static_assert(C::kElemBytes == 1, "e4m3 operands are one byte");
+    // One 128-byte row holds 128 e4m3: a k32 step is 32 bytes along K, +2 in the descriptor
+    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
+    const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[index]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < C::kBlockK / 32; ++k)
+      ptx::mma_e4m3<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
+  }
 };
 
-// The stage ring of one tile shape T (config.hpp).
+// The precisions of the engine: what a tile's operands are and how a consumer multiplies them
+// (the fused kernels are instantiated with one: fused/policy.cuh).
+//   kElemBytes, Elem   the operand element, in shared memory and in the tensor maps
+//   Mma                the MMA step of one stage (MmaBf16, MmaE4m3 above)
+//   StageScales<T>     what a stage of tile shape T holds besides its operands: a block-scaled
+//                      precision's scales of the stage's k-block (NoScales: none)
+//   ScaleMaps          the tensor maps of those scales, beside a kernel's operand maps (NoScales)
+// PrecisionE4m3 is the unscaled seam of the fp8 recipes (the standalone e4m3 launches); a
+// block-scaled one fills StageScales and ScaleMaps and promotes the k-block's sum around Mma.
+struct NoScales {};
+struct PrecisionBf16 {
+  static constexpr int kElemBytes = 2;
+  using Elem = __nv_bfloat16;
+  using Mma = MmaBf16;
+  template <class T>
+  using StageScales = NoScales;
+  using ScaleMaps = NoScales;
+};
+struct PrecisionE4m3 {
+  static constexpr int kElemBytes = 1;
+  using Elem = __nv_fp8_e4m3;
+  using Mma = MmaE4m3;
+  template <class T>
+  using StageScales = NoScales;
+  using ScaleMaps = NoScales;
+};
+// The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
-struct StageStorageT {
+using PrecisionOf = std::conditional_t<T::kElemBytes == 1, PrecisionE4m3, PrecisionBf16>;
+
+// The stage ring of one tile shape T (config.hpp) in precision Prec (below: the operands' element,
+// and what a stage holds besides them, its StageScales: a base, empty for bf16, so that the
+// operands' offsets do not move).
+template <class T, class Prec = PrecisionOf<T>>
+struct StageStorageT : Prec::template StageScales<T> {
   using Tile = T;
-  using Elem = typename OperandElem<T::kElemBytes>::type;
+  using Precision = Prec;
+  using Elem = typename Prec::Elem;
+  static_assert(Prec::kElemBytes == T::kElemBytes, "a tile shape's operand bytes are its precision's");
   alignas(1024) Elem a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
   alignas(1024) Elem b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
   Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
@@ -80,8 +169,8 @@ struct TileLoad {
 
 // The producer's loop: for each k-block, wait for an empty stage, arm its full barrier with
 // the stage's bytes and issue `load(kb, stage_index, full)`.  False on a timed-out wait.
-template <class T, typename Load>
-__device__ __forceinline__ bool produce_stages(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+template <class T, class P, typename Load>
+__device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                                int num_k_blocks, const WaitContext& wait, Load load) {
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     // Wait for empty slot
@@ -95,8 +184,8 @@ __device__ __forceinline__ bool produce_stages(StageStorageT<T>& s, PipelineStat
 }
 
 // Producer of a forward tile: activations and both weight halves per stage.
-template <class T>
-__device__ __forceinline__ bool produce_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+template <class T, class P>
+__device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                              const TileLoad& t, const WaitContext& wait) {
   using C = T;
   return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
@@ -120,14 +209,10 @@ struct TileLoadNMajor {
   int32_t k_split_blocks;
   int32_t num_k_blocks;
 };
-inline constexpr int kNChunkElems = 64 * TileConfig::kBlockK;  // one 64 N x 64 K box: 8 KB
-static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes &&
-                  (TileConfigN128::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfigN128::kBHalfBytes,
-              "an N-major B stage is kBlockN/64 boxes of 64 x 64 and as large as the K-major one");
 
 // Producer of a dgrad tile: the A tile and the four N boxes of B at the k-block's K rows.
-template <class T>
-__device__ __forceinline__ bool produce_tile_nmajor(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+template <class T, class P>
+__device__ __forceinline__ bool produce_tile_nmajor(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                                     const TileLoadNMajor& t, const WaitContext& wait) {
   using C = T;
   return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
@@ -140,70 +225,6 @@ __device__ __forceinline__ bool produce_tile_nmajor(StageStorageT<T>& s, Pipelin
   });
 }
 
-// Operand orientations of the engine: gemm::Operands (config.hpp).
-
-// The MMA step of the engine: what a consumer warpgroup issues on one stage (one k-block) for
-// its 64 rows, by operand orientation; consume_tile runs the pipeline around it.  A policy per
-// operand type, chosen by the tile shape's operand bytes (MmaOf):
-//   MmaBf16   bf16 x bf16 -> fp32, every orientation (the wgmma transpose bits)
-//   MmaE4m3   e4m3 x e4m3 -> fp32, K-major only (Hopper's fp8 wgmma has no transpose bits: an
-//             fp8 dgrad or wgrad reads transposed fp8 copies).  No scales: the block-scaled
-//             recipes (a scale per 128 of K, promoted into the fp32 sum once per k-block) add
-//             them around this step.
-struct MmaBf16 {
-  template <Operands kOps>
-  static constexpr bool kSupports = true;
-  template <Operands kOps, class T>
-  __device__ __forceinline__ static void issue(float (&acc)[T::kAccRegs], StageStorageT<T>& s, int index,
-                                               int consumer, int kb) {
-    using C = T;
-    if constexpr (kOps == Operands::kKMajor) {
-      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
-      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[index]);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_bf16<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
-    } else if constexpr (kOps == Operands::kBNMajor) {
-      const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
-      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[index], kNChunkElems * 2);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_bf16_tb<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 128 * k, (kb | k) != 0);
-    } else {
-      // NOTES: A's box is exactly this warpgroup's 64 rows, so its LBO (between 64-row
-      // chunks) is never used; B's boxes are 8 KB apart.
-      const uint64_t desc_a = ptx::desc_mnmajor_sw128(s.a[index] + consumer * kNChunkElems, kNChunkElems * 2);
-      const uint64_t desc_b = ptx::desc_mnmajor_sw128(s.b[index], kNChunkElems * 2);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < C::kBlockK / 16; ++k)
-        ptx::mma_bf16_tatb<C::kBlockN>(acc, desc_a + 128 * k, desc_b + 128 * k, (kb | k) != 0);
-    }
-  }
-};
-struct MmaE4m3 {
-  template <Operands kOps>
-  static constexpr bool kSupports = kOps == Operands::kKMajor;
-  template <Operands kOps, class T>
-  __device__ __forceinline__ static void issue(float (&acc)[T::kAccRegs], StageStorageT<T>& s, int index,
-                                               int consumer, int kb) {
-    using C = T;
-    static_assert(kSupports<kOps>, "fp8 wgmma reads K-major operands only");
-    static_assert(C::kElemBytes == 1, "e4m3 operands are one byte");
-    // One 128-byte row holds 128 e4m3: a k32 step is 32 bytes along K, +2 in the descriptor
-    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[index] + consumer * 64 * C::kBlockK);
-    const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[index]);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < C::kBlockK / 32; ++k)
-      ptx::mma_e4m3<C::kBlockN>(acc, desc_a + 2 * k, desc_b + 2 * k, (kb | k) != 0);
-  }
-};
-template <class T>
-using MmaOf = std::conditional_t<T::kElemBytes == 1, MmaE4m3, MmaBf16>;
-
 // Consumer warpgroup `consumer`: acc = A[rows of this warpgroup] · B over all k-blocks (at
 // least one), the operands in the stage as `kOps` says, each k-block issued by the MMA policy.
 // Cooperative tiles: the warpgroup's 64 rows (consumer selects them).  Ping-pong tiles: every
@@ -212,8 +233,8 @@ using MmaOf = std::conditional_t<T::kElemBytes == 1, MmaE4m3, MmaBf16>;
 struct NoHook {
   __device__ __forceinline__ void operator()() const {}
 };
-template <Operands kOps = Operands::kKMajor, class T, class Mma = MmaOf<T>, class AfterWaits = NoHook>
-__device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+template <Operands kOps = Operands::kKMajor, class T, class P, class AfterWaits = NoHook>
+__device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[T::kSlabs][T::kAccRegs],
                                              const WaitContext& wait, AfterWaits after_waits = {}) {
   const bool leader = threadIdx.x % 128 == 0;
@@ -222,7 +243,7 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
     // Wait for the stage, then issue its MMAs
     if (!s.pipe.consumer_wait(stage, wait)) return false;
 #pragma unroll
-    for (int j = 0; j < T::kSlabs; ++j) Mma::template issue<kOps, T>(acc[j], s, stage.index, T::kPingPong ? j : consumer, kb);
+    for (int j = 0; j < T::kSlabs; ++j) P::Mma::template issue<kOps, T>(acc[j], s, stage.index, T::kPingPong ? j : consumer, kb);
     ptx::wgmma_commit();
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
     // inject a wait (C7517) and serialise the MMAs.
@@ -242,12 +263,12 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<
   return true;
 }
 // A cooperative tile's one slab
-template <Operands kOps = Operands::kKMajor, class T, class Mma = MmaOf<T>>
-__device__ __forceinline__ bool consume_tile(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
+template <Operands kOps = Operands::kKMajor, class T, class P>
+__device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                              int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
                                              const WaitContext& wait) {
   static_assert(T::kSlabs == 1, "a ping-pong tile has a slab per 64 rows");
-  return consume_tile<kOps, T, Mma>(s, stage, num_k_blocks, consumer, reinterpret_cast<float(&)[1][T::kAccRegs]>(acc),
+  return consume_tile<kOps>(s, stage, num_k_blocks, consumer, reinterpret_cast<float(&)[1][T::kAccRegs]>(acc),
                                     wait);
 }
 

@@ -17,7 +17,8 @@ struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone> {
                                                      const TaskInfo&) {
     return p.inter / kBlockK;
   }
-  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(t.block),
                           p.block_expert[t.block] * p.down_pitch + t.n_block * kBlockN, kHalfN, k_blocks(p, g, c, t)};

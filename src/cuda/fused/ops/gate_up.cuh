@@ -19,7 +19,8 @@ struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone> {
                                                      const TaskInfo&) {
     return p.hidden / kBlockK;
   }
-  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(t.block),
                           p.block_expert[t.block] * p.gate_up_pitch + t.n_block * kHalfN, 0, k_blocks(p, g, c, t)};

@@ -17,7 +17,8 @@ struct SharedDown : OpBase<TaskKind::kSharedDown, CounterArray::kNone> {
                                                      const TaskInfo&) {
     return p.shared_inter / kBlockK;
   }
-  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM, t.n_block * kBlockN,
                           kHalfN, k_blocks(p, g, c, t)};

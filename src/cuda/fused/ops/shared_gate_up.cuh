@@ -13,7 +13,8 @@ struct SharedGateUp : OpBase<TaskKind::kSharedGateUp, CounterArray::kSharedGateU
                                                      const TaskInfo&) {
     return p.hidden / kBlockK;
   }
-  __device__ __forceinline__ static gemm::TileLoad load(const Maps& maps, const ForwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * kBlockM, t.n_block * kHalfN, 0,
                           k_blocks(p, g, c, t)};

@@ -31,27 +31,27 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
     return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * kBlockM, e * p.down_pitch,
                 t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
   // The tile's h passes after its k-blocks, and the SwiGLU-backward epilogue that reads them
-  __device__ __forceinline__ static bool produce_epilogue(gemm::StageStorage& s,
-                                                          gemm::PipelineState<TileConfig::kStages>& stage,
-                                                          const Maps& m, const BackwardParams& p, const Task& t,
+  template <class Stages, class Stage, class MapsArg>
+  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m, const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
     return gemm::produce_swiglu_h(s, stage, &m.h_k, t.block * kBlockM, t.n_block * kBlockN, p.inter, wait);
   }
-  template <int kRegs>
+  template <int kRegs, class Ring>
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry&, const TaskCounts&, const Task& t,
-                                                       const EpilogueRing& r) {
+                                                       const Ring& r) {
     const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.max_rows - row0;
     const float* __restrict__ rw = p.row_weight + row0;
-    return gemm::epilogue_dgrad_swiglu_staged<TileConfig>(
+    return gemm::epilogue_dgrad_swiglu_staged<typename Ring::Tile>(
         acc, consumer, r.s, r.stage, r.wait, e, row0, row0,
         left < kBlockM ? static_cast<int>(left) : kBlockM, int64_t{t.n_block} * kBlockN, [&](int q) { return rw[q]; },
         r.bar);
@@ -78,26 +78,26 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     return Load{static_cast<int32_t>(kOps), &m.dy_k, &m.ws_down_n, &m.ws_down_n, t.block * kBlockM, 0,
                 t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
   // As DgradDown's, over the shared h
-  __device__ __forceinline__ static bool produce_epilogue(gemm::StageStorage& s,
-                                                          gemm::PipelineState<TileConfig::kStages>& stage,
-                                                          const Maps& m, const BackwardParams& p, const Task& t,
+  template <class Stages, class Stage, class MapsArg>
+  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m, const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
     return gemm::produce_swiglu_h(s, stage, &m.sh_h_k, t.block * kBlockM, t.n_block * kBlockN, p.shared_inter,
                                   wait);
   }
-  template <int kRegs>
+  template <int kRegs, class Ring>
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry&, const TaskCounts&, const Task& t,
-                                                       const EpilogueRing& r) {
+                                                       const Ring& r) {
     const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.num_tokens - row0;
-    return gemm::epilogue_dgrad_swiglu_staged<TileConfig>(
+    return gemm::epilogue_dgrad_swiglu_staged<typename Ring::Tile>(
         acc, consumer, r.s, r.stage, r.wait, e, row0, row0,
         left < kBlockM ? static_cast<int>(left) : kBlockM, int64_t{t.n_block} * kBlockN, [](int) { return 1.0f; },
         r.bar);
@@ -120,7 +120,8 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
                                                      const Task&) {
     return 2 * p.inter / kBlockK;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
     return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * kBlockM, e * p.gate_up_pitch,
@@ -148,7 +149,8 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
                                                      const Task&) {
     return 2 * p.shared_inter / kBlockK;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     return Load{static_cast<int32_t>(kOps), &m.sh_dh_k, &m.ws_gate_n, &m.ws_up_n, t.block * kBlockM, 0,
                 t.n_block * kBlockN, p.shared_inter / kBlockK, k_blocks(p, g, c, t), 0};

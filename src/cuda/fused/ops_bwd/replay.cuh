@@ -21,7 +21,8 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     const int32_t e = g.expert_of(t.block);
     return Load{static_cast<int32_t>(kOps), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * kBlockM,
@@ -48,7 +49,8 @@ struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry& g,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     return Load{static_cast<int32_t>(kOps), &m.x_k, &m.ws_gate_k, &m.ws_up_k, t.block * kBlockM, t.n_block * kHalfN,
                 0, 0, k_blocks(p, g, c, t), 0};

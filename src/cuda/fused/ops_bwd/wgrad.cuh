@@ -80,7 +80,8 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
                                                      const Task& t) {
     return t.k_blocks;
   }
-  __device__ __forceinline__ static Load load(const Maps& m, const BackwardParams& p, const Geometry&,
+  template <class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry&,
                                               const TaskCounts&, const Task& t) {
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);

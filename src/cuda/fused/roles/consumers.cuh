@@ -11,9 +11,8 @@ template <class Dir>
 __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const typename Dir::Params& p,
                                               const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
                                               int consumer, const gemm::WaitContext& wait) {
-  using C = TileConfig;
   const bool leader = threadIdx.x % kWarpgroupThreads == 0;
-  gemm::PipelineState<C::kStages> stage;
+  typename Dir::Stage stage;
   gemm::PipelineState<2> handoff, done_state;
   const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
   // NOTES: each warpgroup takes tasks and hands its half of a tile on by itself (the hand-off
@@ -22,7 +21,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
   // named barrier of 128 threads.
   const uint32_t bar_id = static_cast<uint32_t>(NamedBarrier::kConsumer0) + consumer;
   constexpr uint32_t bar_threads = kWarpgroupThreads;
-  float acc[C::kAccRegs];
+  float acc[Dir::Tile::kAccRegs];
   for (;;) {
     // Take the next task from the producer
     if (!sh.rings.tasks.consumer_wait(handoff, wait, WaitSite::kTaskSlotFull, consumer)) break;
@@ -41,7 +40,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     // (an epilogue that reads stages takes the stage ring; NOTES: its result through a shuffle,
     // so that ptxas knows the branch is warp-uniform: C7518 otherwise)
     const bool epilogue_ok =
-        Dir::epilogue(acc, consumer, p, g, counts, info, EpilogueRing{sh.stages, stage, wait, bar_id});
+        Dir::epilogue(acc, consumer, p, g, counts, info, EpilogueRing<typename Dir::Stages>{sh.stages, stage, wait, bar_id});
     if (!__shfl_sync(0xffffffffu, epilogue_ok, 0)) break;
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();

@@ -11,7 +11,8 @@ namespace mok::cuda::fused {
 // The first consumer thread (128) arrives at (and waits on) the grid barrier; the named barrier
 // then holds the other 255 combine threads until it has seen every block arrive.  Callers have
 // ordered the block's own writes before that thread (a block or consumer barrier).
-__device__ void finish_and_combine(FusedShared& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
+template <class SharedT>
+__device__ void finish_and_combine(SharedT& sh, const ForwardParams& p, const gemm::WaitContext& wait) {
   int32_t* blocks_done = &p.counters[static_cast<int>(Counter::kBlocksDone)];
   TraceWriter trace(p, 2);
   const uint64_t t_arrive = ptx::globaltimer_ns();

@@ -11,9 +11,8 @@ template <class Dir>
 __device__ void produce_tasks(typename Dir::Shared& sh, const typename Dir::MapsT& maps, const typename Dir::Params& p,
                               const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
                               const gemm::WaitContext& wait) {
-  using C = TileConfig;
   using Task = typename Dir::Task;
-  gemm::PipelineState<C::kStages> stage;
+  typename Dir::Stage stage;
   gemm::PipelineState<2> handoff;
   TraceWriter trace(p, 0);
   if constexpr (Dir::kClaimAhead) {
