@@ -1,6 +1,7 @@
 // The fused backward as the second direction of the task engine (forward_dir.cuh lists what a
 // direction provides): its task list (schedule_bwd.cuh), its ops (ops_bwd/), and the three
-// operand orientations of its tiles (K-major replay, N-major dgrad, MN-major wgrad).
+// operand orientations of its tiles (with row-major weights K-major replay, N-major dgrad; the
+// transposed policy swaps those two; MN-major wgrad).
 #pragma once
 
 #include "cuda/fused/backward_params.cuh"
@@ -12,10 +13,10 @@ namespace mok::cuda::fused::bwd {
 
 template <class Pol>
 struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                       SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, bwd::Load,
+                                       SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, Load,
                                        CounterArray, kMaxSignals, kBackwardDirection, Pol>> {
   using Base = DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, bwd::Load, CounterArray,
+                                SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, Load, CounterArray,
                                 kMaxSignals, kBackwardDirection, Pol>>;
   using typename Base::Counts;
   using typename Base::GeometryT;
@@ -61,45 +62,13 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typenam
   __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0, 0, 0, 0, 0}; }
   __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
                                               const Task& info) {
-    return visit(info.kind, [&, info](auto op) { return decltype(op)::load(maps, p, g, c, info); });
+    return visit(info.kind, [&, info](auto op) { return decltype(op)::template load<Pol>(maps, p, g, c, info); });
   }
-  // The tile's loads, k-block by k-block; after_first() once the first k-block is issued (or
-  // at once for a task of no k-blocks).
+  // The tile's loads (fused::produce_load); after_first() once the first k-block is issued
   template <class AfterFirst>
   __device__ __forceinline__ static bool produce(Stages& s, Stage& stage, const Load& l, const gemm::WaitContext& wait,
                                                  AfterFirst&& after_first) {
-    if (l.num_k_blocks == 0) {
-      after_first();
-      return true;
-    }
-    const int32_t ops = l.ops;
-    return gemm::produce_stages(s, stage, l.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
-      if (ops == static_cast<int32_t>(gemm::Operands::kKMajor)) {
-        // A rows a_row.., B halves b0 rows b_row.. and b1 rows b_row + b_aux..
-        ptx::tma_load_2d(s.a[i], l.a, full, kb * kBlockK, l.a_row);
-        ptx::tma_load_2d(s.b[i], l.b0, full, kb * kBlockK, l.b_row);
-        ptx::tma_load_2d(s.b[i] + kHalfN * kBlockK, l.b1, full, kb * kBlockK, l.b_row + l.b_aux);
-      } else if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor)) {
-        // A rows a_row..; B as stored: K rows of b0 (k-blocks < k_split) then b1, columns b_aux..
-        ptx::tma_load_2d(s.a[i], l.a, full, kb * kBlockK, l.a_row);
-        const bool second = kb >= l.k_split;
-        const CUtensorMap* map = second ? l.b1 : l.b0;
-        const int32_t k_row = l.b_row + (second ? kb - l.k_split : kb) * kBlockK;
-#pragma unroll
-        for (int c = 0; c < kBlockN / kBoxCols; ++c)
-          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, map, full, l.b_aux + c * kBoxCols, k_row);
-      } else {
-        // Both operands MN-major: K = rows a_row + BLOCK_K·kb of both maps
-        const int32_t row = l.a_row + kb * kBlockK;
-#pragma unroll
-        for (int c = 0; c < kBlockM / kBoxCols; ++c)
-          ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * kBoxCols, row);
-#pragma unroll
-        for (int c = 0; c < kBlockN / kBoxCols; ++c)
-          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * kBoxCols, row);
-      }
-      if (kb == 0) after_first();
-    });
+    return produce_load(s, stage, l, wait, after_first);
   }
   // A task of no k-blocks (a wgrad tile of zeros) takes no stage; its epilogue does not read acc.
   __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task& t, int32_t k_blocks, int consumer,
@@ -107,7 +76,8 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typenam
     // NOTES: through a shuffle, so that ptxas knows the K loop's length is warp-uniform (C7518)
     k_blocks = __shfl_sync(0xffffffffu, k_blocks, 0);
     if (k_blocks == 0) return true;
-    const int32_t ops = visit(t.kind, [](auto op) { return static_cast<int32_t>(decltype(op)::kOps); });
+    const int32_t ops =
+        visit(t.kind, [](auto op) { return static_cast<int32_t>(decltype(op)::template kOpsFor<Pol::kTransposed>); });
     if (ops == static_cast<int32_t>(gemm::Operands::kKMajor))
       return gemm::consume_tile<gemm::Operands::kKMajor>(s, stage, k_blocks, consumer, acc, wait);
     if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor))

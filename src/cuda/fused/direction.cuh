@@ -84,9 +84,9 @@ struct DirBase : Types {
                                                   const Task& info, const Ring& ring) {
     return visit(info.kind, [&acc, consumer, &p, &g, &c, info, &ring](auto op) -> bool {
       if constexpr (decltype(op)::kRingEpilogue) {
-        return decltype(op)::epilogue_ring(acc, consumer, p, g, c, info, ring);
+        return decltype(op)::template epilogue_ring<typename Types::Policy>(acc, consumer, p, g, c, info, ring);
       } else {
-        decltype(op)::epilogue(acc, consumer, p, g, c, info);
+        decltype(op)::template epilogue<typename Types::Policy>(acc, consumer, p, g, c, info);
         return true;
       }
     });
@@ -96,7 +96,8 @@ struct DirBase : Types {
                                                           const MapsArg& maps, const Params& p, const Task& info,
                                                           const gemm::WaitContext& wait) {
     return visit(info.kind, [&](auto op) -> bool {
-      if constexpr (decltype(op)::kRingEpilogue) return decltype(op)::produce_epilogue(s, stage, maps, p, info, wait);
+      if constexpr (decltype(op)::kRingEpilogue)
+        return decltype(op)::template produce_epilogue<typename Types::Policy>(s, stage, maps, p, info, wait);
       else return true;
     });
   }

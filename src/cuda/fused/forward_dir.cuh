@@ -51,10 +51,10 @@ namespace mok::cuda::fused {
 
 template <class Pol>
 struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                      FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, gemm::TileLoad,
+                                      FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, Load,
                                       CounterArray, kMaxSignals, kForwardDirection, Pol>> {
   using Base = DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, gemm::TileLoad,
+                                FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, Load,
                                 CounterArray, kMaxSignals, kForwardDirection, Pol>>;
   using typename Base::Counts;
   using typename Base::GeometryT;
@@ -99,15 +99,30 @@ struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename 
   __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
                                               const Task& info) {
     Load load{};
-    visit(info.kind, [&, info](auto op) { load = decltype(op)::load(maps, p, g, c, info); });
+    visit(info.kind, [&, info](auto op) { load = decltype(op)::template load<Pol>(maps, p, g, c, info); });
     return load;
   }
   __device__ __forceinline__ static bool produce(Stages& s, Stage& stage, const Load& load,
                                                  const gemm::WaitContext& wait) {
-    return gemm::produce_tile(s, stage, load, wait);
+    // NOTES: row-major weights: every op K-major, its halves apart (the plain tile loop; through
+    // produce_load the forward kept the Load's other fields on the stack: 16 bytes more spills)
+    if constexpr (!Pol::kTransposed)
+      return gemm::produce_tile(s, stage, gemm::TileLoad{load.a, load.b0, load.b1, load.a_row, load.b_row, load.b_aux,
+                                                         load.num_k_blocks},
+                                wait);
+    else
+      return produce_load(s, stage, load, wait, [] {});
   }
-  __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task&, int32_t k_blocks, int consumer,
-                                                 float (&acc)[Tile::kAccRegs], const gemm::WaitContext& wait) {
+  // Every op K-major, but the routed ones with transposed weights (N-major)
+  __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task& t, int32_t k_blocks,
+                                                 int consumer, float (&acc)[Tile::kAccRegs],
+                                                 const gemm::WaitContext& wait) {
+    if constexpr (Pol::kTransposed) {
+      const bool n_major = visit(t.kind, [](auto op) {
+        return decltype(op)::template kOpsFor<true> == gemm::Operands::kBNMajor;
+      });
+      if (n_major) return gemm::consume_tile<gemm::Operands::kBNMajor>(s, stage, k_blocks, consumer, acc, wait);
+    }
     return gemm::consume_tile(s, stage, k_blocks, consumer, acc, wait);
   }
 };

@@ -22,6 +22,11 @@
 // by one block, so the fp32 read-add-write of `acc` and `main_grad` needs no atomics and is
 // deterministic.
 //
+// With split_n (the fused backward's transposed weights: their gradients are stored [E, H, 2I],
+// computed as x_rowsᵀ · [dg | du]), out_split splits the output columns instead: columns
+// [0, out_split) go to out / main_grad, the rest to out1 / main_grad1, each part tiled on its
+// own; the device functions take it as their kSplitN.
+//
 // Per expert (optional arrays, for a macrobatch loop whose experts are at different steps):
 // expert_mode[e] < 0 skips the expert's tiles (nothing read or written), else its bits say
 // what the tile does (kWgradAccumulate: total = acc + sum; kWgradStoreAcc: acc = total;
@@ -62,20 +67,28 @@ struct WgradParams {
   // The outputs in place (elements): row r of expert e's matrix of out / out1 at e·out_es +
   // r·out_rs, of main_grad / main_grad1 at e·mg_es + r·mg_rs (wgrad_layout: contiguous ones)
   int64_t out_es, out_rs, mg_es, mg_rs;
+  // split_n: out_split splits the columns (No) into parts of n_part, n_part_blocks tiles each
+  int32_t split_n;
+  int32_t n_part_blocks;
+  int64_t n_part;
 };
 
 // Fills p's tiling from mo, no and out_split, and the strides left 0 with the contiguous ones
 // ([E, rows, No] per output, rows = out_split or Mo); split outputs of contiguous tensors need
 // halves of one size.
 inline void wgrad_layout(WgradParams& p) {
-  const int64_t rows = p.out_split > 0 ? p.out_split : p.mo;
+  const int parts = p.out_split > 0 ? 2 : 1;
+  const int64_t part = p.out_split > 0 ? p.out_split : (p.split_n ? p.no : p.mo);
+  const int64_t rows = p.split_n ? p.mo : part, cols = p.split_n ? part : p.no;  // of one output
   p.m_part = rows;
   p.m_part_blocks = tiles_of(rows, TileConfig::kBlockM);
-  p.num_m_blocks = (p.out_split > 0 ? 2 : 1) * p.m_part_blocks;
-  p.num_n_blocks = tiles_of(p.no, TileConfig::kBlockN);
-  if (p.out_rs == 0) p.out_rs = p.no;
+  p.num_m_blocks = (p.split_n ? 1 : parts) * p.m_part_blocks;
+  p.n_part = cols;
+  p.n_part_blocks = tiles_of(cols, TileConfig::kBlockN);
+  p.num_n_blocks = (p.split_n ? parts : 1) * p.n_part_blocks;
+  if (p.out_rs == 0) p.out_rs = cols;
   if (p.out_es == 0) p.out_es = rows * p.out_rs;
-  if (p.mg_rs == 0) p.mg_rs = p.no;
+  if (p.mg_rs == 0) p.mg_rs = cols;
   if (p.mg_es == 0) p.mg_es = rows * p.mg_rs;
 }
 
@@ -84,14 +97,29 @@ struct WgradTile {
   int32_t expert, m_block, n_block, num_k_blocks, row0, mode;
 };
 
-// The first output row (of all Mo) of m-block m, and how many of its 128 rows exist.
+// The first output row (of all Mo) of m-block m, and how many of its 128 rows exist; the first
+// column (of all No) of n-block n, and how many of its 256 columns exist (kSplitN: split_n's
+// parts; without it the columns are one part).
+template <bool kSplitN = false>
 __device__ __forceinline__ int64_t wgrad_row0(const WgradParams& p, int32_t m) {
+  if constexpr (kSplitN) return int64_t{m} * TileConfig::kBlockM;
   const int32_t part = m / p.m_part_blocks;
   return part * p.m_part + int64_t{m - part * p.m_part_blocks} * TileConfig::kBlockM;
 }
+template <bool kSplitN = false>
 __device__ __forceinline__ int32_t wgrad_valid_rows(const WgradParams& p, int32_t m) {
-  const int64_t left = (m / p.m_part_blocks + 1) * p.m_part - wgrad_row0(p, m);
+  const int64_t left = (kSplitN ? p.mo : (m / p.m_part_blocks + 1) * p.m_part) - wgrad_row0<kSplitN>(p, m);
   return left < TileConfig::kBlockM ? static_cast<int32_t>(left) : TileConfig::kBlockM;
+}
+template <bool kSplitN = false>
+__device__ __forceinline__ int64_t wgrad_col0(const WgradParams& p, int32_t n) {
+  if constexpr (!kSplitN) return int64_t{n} * TileConfig::kBlockN;
+  const int32_t part = n / p.n_part_blocks;
+  return part * p.n_part + int64_t{n - part * p.n_part_blocks} * TileConfig::kBlockN;
+}
+template <bool kSplitN = false>
+__device__ __forceinline__ int64_t wgrad_valid_cols(const WgradParams& p, int32_t n) {
+  return (kSplitN ? (n / p.n_part_blocks + 1) * p.n_part : p.no) - wgrad_col0<kSplitN>(p, n);
 }
 
 // The call's first expert and its tile count (experts [first, first + n) of expert_range).
@@ -153,22 +181,25 @@ struct WgradTarget {
   bool accumulate, store_acc;
   int64_t slot;             // expert index in acc
   int64_t row_base;         // subtracted from the tile's rows in the output
+  int64_t col_base;         // and from its columns (split_n's second part)
   __nv_bfloat16* out;       // null: no bf16 output for this tile
   float* main_grad;         // null: none
 };
 // The target of a tile of the per-expert tables' kind (its mode's bits, fp32 slot `slot`).
+template <bool kSplitN = false>
 __device__ __forceinline__ WgradTarget wgrad_target_at(const WgradParams& p, const WgradTile& t, int64_t slot) {
   const bool final_ = (t.mode & kWgradFinal) != 0;
-  // All of a tile's rows are in one part (wgrad_layout)
-  const bool second = p.out_split > 0 && t.m_block >= p.m_part_blocks;
-  return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0, slot,
-                     second ? p.out_split : 0, final_ ? (second ? p.out1 : p.out) : nullptr,
+  // All of a tile's rows (kSplitN: columns) are in one part (wgrad_layout)
+  const bool second = p.out_split > 0 && (kSplitN ? t.n_block >= p.n_part_blocks : t.m_block >= p.m_part_blocks);
+  const int64_t base = second ? p.out_split : 0;
+  return WgradTarget{(t.mode & kWgradAccumulate) != 0, (t.mode & kWgradStoreAcc) != 0, slot, kSplitN ? 0 : base,
+                     kSplitN ? base : 0, final_ ? (second ? p.out1 : p.out) : nullptr,
                      final_ ? (second ? p.main_grad1 : p.main_grad) : nullptr};
 }
 template <bool kTables>
 __device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const WgradTile& t) {
   if constexpr (!kTables) {
-    return WgradTarget{p.accumulate != 0, p.store_acc != 0, t.expert, 0, p.out, p.main_grad};
+    return WgradTarget{p.accumulate != 0, p.store_acc != 0, t.expert, 0, 0, p.out, p.main_grad};
   } else {
     return wgrad_target_at(p, t, p.acc_slot ? p.acc_slot[t.expert] : t.expert);
   }
@@ -178,17 +209,18 @@ __device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const 
 // or out takes a loop of bf16 stores alone (the standalone launches: 2-5 % faster kinds, docs/
 // perf.md session 14); the fused backward compiles without it (its wgrad tiles through the
 // fast path made the whole kernel 1-2 % slower, measured 8 of 8 times, not understood).
-template <bool kZero, bool kTables, bool kFast = true>
+template <bool kZero, bool kTables, bool kFast = true, bool kSplitN = false>
 __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig::kAccRegs], int consumer,
                                                   const WgradParams& p, const WgradTile& t, const WgradTarget& w) {
   using C = TileConfig;
   const bool accumulate = w.accumulate, store_acc = w.store_acc;
   __nv_bfloat16* const out = w.out;
   float* const main_grad = w.main_grad;
-  const int64_t tile_row0 = wgrad_row0(p, t.m_block);
-  const int32_t valid_rows = wgrad_valid_rows(p, t.m_block);
-  const int64_t col0 = int64_t{t.n_block} * C::kBlockN;
-  const int64_t cols = p.no - col0;  // the tile's columns below No
+  const int64_t tile_row0 = wgrad_row0<kSplitN>(p, t.m_block);
+  const int32_t valid_rows = wgrad_valid_rows<kSplitN>(p, t.m_block);
+  const int64_t col0 = wgrad_col0<kSplitN>(p, t.n_block);
+  const int64_t cols = wgrad_valid_cols<kSplitN>(p, t.n_block);  // the tile's columns in its part
+  const int64_t out_col0 = col0 - w.col_base;  // in its output
   if (kFast && !accumulate && !store_acc && !main_grad) {
     // The common tile (a final piece without fp32 in or out): bf16(sum) alone, without the
     // generic loop's per-element predicates (the same bits: total = the sum then too)
@@ -197,7 +229,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     for (int half = 0; half < 2; ++half) {
       const int r = fragment_row(consumer, half);
       const int64_t row = tile_row0 + r;
-      const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + col0;
+      const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + out_col0;
       store_row<C::kBlockN / 8>(out + out_row_off, r < valid_rows, cols, [&](int n8) {
         return kZero ? 0u : pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
       });
@@ -210,7 +242,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     const bool row_ok = r < valid_rows;
     const int64_t row = tile_row0 + r;
     const int64_t acc_row_off = (w.slot * p.mo + row) * p.no + col0;
-    const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + col0;
+    const int64_t out_row_off = int64_t{t.expert} * p.out_es + (row - w.row_base) * p.out_rs + out_col0;
     const int64_t lane_col = (threadIdx.x % 4) * 2;  // this thread's first column
     const float* prior_row = accumulate ? p.acc + acc_row_off + lane_col : nullptr;
     // NOTES: rows and columns past the output are neither read nor written (acc has no slack)
@@ -234,7 +266,7 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
     if (store_acc || main_grad) {
       float* acc_row = p.acc ? p.acc + acc_row_off + lane_col : nullptr;
       float* mg_row =
-          main_grad ? main_grad + int64_t{t.expert} * p.mg_es + (row - w.row_base) * p.mg_rs + col0 + lane_col : nullptr;
+          main_grad ? main_grad + int64_t{t.expert} * p.mg_es + (row - w.row_base) * p.mg_rs + out_col0 + lane_col : nullptr;
 #pragma unroll
       for (int n8 = 0; n8 < C::kBlockN / 8; ++n8) {
         if (!in(n8)) continue;

@@ -7,6 +7,9 @@
 namespace mok::cuda::fused::ops {
 
 struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone> {
+  // Transposed weights ([E, H, 2I] / [E, I, H]: N contiguous) are read as stored, N-major
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kBNMajor : gemm::Operands::kKMajor;
   // Every gate/up tile of its block (its act rows complete)
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kGateUpDone, unit, c.n_gate_up};
@@ -17,13 +20,16 @@ struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone> {
                                                      const TaskInfo&) {
     return p.inter / kBlockK;
   }
-  template <class MapsArg>
-  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
+  template <class Pol, class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
-    return gemm::TileLoad{&maps.act, &maps.w_down, &maps.w_down, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.down_pitch + t.n_block * kBlockN, kHalfN, k_blocks(p, g, c, t)};
+    // Two neighbouring halves of w_down's rows, or (transposed) its columns in one K range
+    const int32_t e_row = p.block_expert[t.block] * p.down_pitch, n0 = t.n_block * kBlockN, kb = k_blocks(p, g, c, t);
+    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &maps.act, &maps.w_down, &maps.w_down,
+                g.ring_row(t.block), Pol::kTransposed ? e_row : e_row + n0, Pol::kTransposed ? n0 : kHalfN,
+                Pol::kTransposed ? kb : kHalvesApart, kb, 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,

@@ -6,6 +6,9 @@
 namespace mok::cuda::fused::ops {
 
 struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone> {
+  // Transposed weights ([E, H, 2I] / [E, I, H]: N contiguous) are read as stored, N-major
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kBNMajor : gemm::Operands::kKMajor;
   // Its rows gathered; the act rows it overwrites consumed by the previous occupant's down tiles
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kGatherReady, unit, kBlockM};
@@ -19,13 +22,16 @@ struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone> {
                                                      const TaskInfo&) {
     return p.hidden / kBlockK;
   }
-  template <class MapsArg>
-  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
+  template <class Pol, class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
-    return gemm::TileLoad{&maps.ring, &maps.w_gate, &maps.w_up, g.ring_row(t.block),
-                          p.block_expert[t.block] * p.gate_up_pitch + t.n_block * kHalfN, 0, k_blocks(p, g, c, t)};
+    // The gate and up halves: rows of w_gate and w_up, or (transposed) their columns
+    const int32_t e_row = p.block_expert[t.block] * p.gate_up_pitch, ch = t.n_block * kHalfN;
+    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &maps.ring, &maps.w_gate, &maps.w_up,
+                g.ring_row(t.block), Pol::kTransposed ? e_row : e_row + ch, Pol::kTransposed ? ch : 0, kHalvesApart,
+                k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry& g, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(t.block), int64_t{p.ring_blocks} * kBlockM,

@@ -4,17 +4,19 @@
 // (ops_bwd/op.cuh), with the forward's types:
 //
 //   kKind, kOps                      its TaskKind and operand orientation (OpBase: K-major)
+//   kOpsFor<kTransposed>             its orientation under the policy's routed weights (OpBase: kOps)
 //   waits(unit, macro, g, c, out)    what a tile of row block `unit` waits on before its loads;
 //                                    returns the count (host and device: the producer, and the
 //                                    host protocol model of tests/cpp/test_schedule.cpp); macro: 0
 //   signals(unit, macro, g, c, out)  the counters a finished tile adds 1 to (host and device)
 //   k_blocks(p, g, c, t)             its K loop, in k-blocks of BLOCK_K: the producer's loads and
 //                                    the consumers' MMAs
-//   load(maps, p, g, c, t)           the tile's operands (gemm::TileLoad) for the producer
+//   load<Pol>(maps, p, g, c, t)      the tile's operands (fused::Load, ../load.cuh) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
 //   kRingEpilogue                    false: no forward epilogue reads stages (ops_bwd/op.cuh)
-// t is the task (row block, N block).  The device members exist only in CUDA code: the host
-// test sees the schedule side alone.
+// t is the task (row block, N block).  The device members exist only in CUDA code (the host
+// test sees the schedule side alone) and take the kernel's policy (../policy.cuh) as their first
+// template argument.
 #pragma once
 
 #include "cuda/fused/schedule.cuh"
@@ -22,6 +24,7 @@
 #if defined(__CUDACC__)
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/forward_params.cuh"
+#include "cuda/fused/load.cuh"
 #include "cuda/gemm/tile.cuh"
 #endif
 
@@ -32,6 +35,9 @@ template <TaskKind kKindV, CounterArray kSignalsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
+  // The orientation under a policy's routed weights (policy.cuh): the routed ops' own
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kOps;
   static constexpr bool kRingEpilogue = false;
   MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
     if constexpr (kSignalsV == CounterArray::kNone) {

@@ -17,13 +17,13 @@ struct SharedDown : OpBase<TaskKind::kSharedDown, CounterArray::kNone> {
                                                      const TaskInfo&) {
     return p.shared_inter / kBlockK;
   }
-  template <class MapsArg>
-  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
+  template <class Pol, class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
-    return gemm::TileLoad{&maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM, t.n_block * kBlockN,
-                          kHalfN, k_blocks(p, g, c, t)};
+    return Load{static_cast<int32_t>(kOps), &maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM,
+                t.n_block * kBlockN, kHalfN, kHalvesApart, k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskCounts&, const TaskInfo& t) {
     store_token_tile(acc, consumer, p.shared_out, p.hidden, p.num_tokens, t.block, t.n_block);

@@ -13,13 +13,13 @@ struct SharedGateUp : OpBase<TaskKind::kSharedGateUp, CounterArray::kSharedGateU
                                                      const TaskInfo&) {
     return p.hidden / kBlockK;
   }
-  template <class MapsArg>
-  __device__ __forceinline__ static gemm::TileLoad load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
+  template <class Pol, class MapsArg>
+  __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
-    return gemm::TileLoad{&maps.x, &maps.ws_gate, &maps.ws_up, t.block * kBlockM, t.n_block * kHalfN, 0,
-                          k_blocks(p, g, c, t)};
+    return Load{static_cast<int32_t>(kOps), &maps.x, &maps.ws_gate, &maps.ws_up, t.block * kBlockM, t.n_block * kHalfN,
+                0, kHalvesApart, k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.shared_act, p.shared_inter, int64_t{t.block} * kBlockM, p.num_tokens,

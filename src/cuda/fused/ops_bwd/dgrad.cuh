@@ -12,6 +12,9 @@
 namespace mok::cuda::fused::bwd::ops {
 
 struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
+  // Transposed weights ([E, I, H] / [E, H, 2I]: K contiguous) are read as stored, K-major
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kKMajor : gemm::Operands::kBNMajor;
   static constexpr bool kRingEpilogue = true;  // h through the stage ring (gemm/epilogue_bwd.cuh)
   // Its block's dy rows gathered, and its h replayed where the forward did not keep it
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
@@ -31,20 +34,22 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  template <class MapsArg>
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
-    const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.dy_rows_k, &m.w_down_n, &m.w_down_n, t.block * kBlockM, e * p.down_pitch,
-                t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
+    // W_down[e] as stored: K rows, or (transposed) two neighbouring halves of its N rows
+    const int32_t e_row = g.expert_of(t.block) * p.down_pitch, n0 = t.n_block * kBlockN, kb = k_blocks(p, g, c, t);
+    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &m.dy_rows_k, &m.w_down_n, &m.w_down_n,
+                t.block * kBlockM, Pol::kTransposed ? e_row + n0 : e_row, Pol::kTransposed ? kHalfN : n0,
+                Pol::kTransposed ? kHalvesApart : kb, kb, 0};
   }
   // The tile's h passes after its k-blocks, and the SwiGLU-backward epilogue that reads them
-  template <class Stages, class Stage, class MapsArg>
+  template <class Pol, class Stages, class Stage, class MapsArg>
   __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m, const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
     return gemm::produce_swiglu_h(s, stage, &m.h_k, t.block * kBlockM, t.n_block * kBlockN, p.inter, wait);
   }
-  template <int kRegs, class Ring>
+  template <class Pol, int kRegs, class Ring>
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry&, const TaskCounts&, const Task& t,
                                                        const Ring& r) {
@@ -78,20 +83,20 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  template <class MapsArg>
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     return Load{static_cast<int32_t>(kOps), &m.dy_k, &m.ws_down_n, &m.ws_down_n, t.block * kBlockM, 0,
                 t.n_block * kBlockN, p.hidden / kBlockK, k_blocks(p, g, c, t), 0};
   }
   // As DgradDown's, over the shared h
-  template <class Stages, class Stage, class MapsArg>
+  template <class Pol, class Stages, class Stage, class MapsArg>
   __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m, const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
     return gemm::produce_swiglu_h(s, stage, &m.sh_h_k, t.block * kBlockM, t.n_block * kBlockN, p.shared_inter,
                                   wait);
   }
-  template <int kRegs, class Ring>
+  template <class Pol, int kRegs, class Ring>
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry&, const TaskCounts&, const Task& t,
                                                        const Ring& r) {
@@ -106,6 +111,9 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
 };
 
 struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
+  // Transposed weights ([E, I, H] / [E, H, 2I]: K contiguous) are read as stored, K-major
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kKMajor : gemm::Operands::kBNMajor;
   // Every dgrad-down tile of its block (its dg | du rows complete)
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kDgradDownDone, unit, c.n_dgrad_down};
@@ -120,14 +128,17 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
                                                      const Task&) {
     return 2 * p.inter / kBlockK;
   }
-  template <class MapsArg>
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
-    const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * kBlockM, e * p.gate_up_pitch,
-                t.n_block * kBlockN, p.inter / kBlockK, k_blocks(p, g, c, t), 0};
+    // K = [g | u]: W_gate[e]'s K rows, then W_up[e]'s (as stored), or (transposed) two
+    // neighbouring halves of their N rows, K from W_gate then from W_up
+    const int32_t e_row = g.expert_of(t.block) * p.gate_up_pitch, n0 = t.n_block * kBlockN;
+    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &m.dh_k, &m.w_gate_n, &m.w_up_n, t.block * kBlockM,
+                Pol::kTransposed ? e_row + n0 : e_row, Pol::kTransposed ? kHalfN : n0, p.inter / kBlockK,
+                k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_scatter(
@@ -149,13 +160,13 @@ struct SharedDgradGateUp : OpBase<TaskKind::kSharedDgradGateUp, gemm::Operands::
                                                      const Task&) {
     return 2 * p.shared_inter / kBlockK;
   }
-  template <class MapsArg>
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     return Load{static_cast<int32_t>(kOps), &m.sh_dh_k, &m.ws_gate_n, &m.ws_up_n, t.block * kBlockM, 0,
                 t.n_block * kBlockN, p.shared_inter / kBlockK, k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     store_token_tile(acc, consumer, p.shared_dx, p.hidden, p.num_tokens, t.block, t.n_block);

@@ -3,8 +3,8 @@
 // every op through that list.
 //
 //   kKind                        the TaskKind it runs
-//   kOps                         its operand orientation (gemm::Operands): the producer's loads
-//                                and the consumers' MMA step
+//   kOps                         its operand orientation (gemm::Operands) with row-major weights:
+//                                the producer's loads and the consumers' MMA step
 //   waits(unit, macro, g, c, out)    what a tile waits on before its loads (host and device:
 //                                the producer, and the host protocol model of
 //                                tests/cpp/test_schedule_bwd.cpp); returns the count
@@ -13,7 +13,9 @@
 //                                (wgrad: its piece), in the producer's decode
 //   k_blocks(p, g, c, t)         its K loop, in k-blocks of BLOCK_K (wgrad: the rows of the task's
 //                                piece, 0 for a tile of zeros)
-//   load(maps, p, g, c, t)       the tile's operands (Load) for the producer
+//   kOpsFor<kTransposed>         its orientation under the policy's routed weights (the routed
+//                                ops that read weights: the other one when they are transposed)
+//   load<Pol>(maps, p, g, c, t)  the tile's operands (fused::Load, ../load.cuh) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
 //   kRingEpilogue                false (OpBase), or true for an op whose epilogue reads more
 //                                stages after its K loop (the dgrad-down ops' h), which it declares
@@ -21,7 +23,8 @@
 //     produce_epilogue(s, stage, maps, p, t, wait)   the producer's loads of those stages
 //     epilogue_ring(acc, consumer, p, g, c, t, ring)  the epilogue that reads and releases them
 //                                (ring: EpilogueRing, forward_params.cuh); false on a timed-out wait
-// The device members exist only in CUDA code: the host test sees the descriptions alone.
+// The device members exist only in CUDA code (the host test sees the descriptions alone) and
+// take the kernel's policy (../policy.cuh) as their first template argument.
 #pragma once
 
 #include "cuda/fused/schedule_bwd.cuh"
@@ -30,26 +33,11 @@
 #if defined(__CUDACC__)
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/backward_params.cuh"
+#include "cuda/fused/load.cuh"
 #endif
 
 namespace mok::cuda::fused::bwd {
 
-#if defined(__CUDACC__)
-// Where one tile's operands come from, for any orientation:
-//   kKMajor   a rows a_row.., b0 / b1 rows b_row.. and b_row + b_aux (the gate and up halves)
-//   kBNMajor  a rows a_row..; B as stored: K rows b_row.. of b0 (k-blocks < k_split) then of
-//             b1, columns b_aux..
-//   kMNMajor  rows a_row + BLOCK_K·kb of a (columns a_col.., BLOCK_M / kBoxCols boxes) and of
-//             b0 (columns b_aux.., BLOCK_N / kBoxCols boxes): the wgrad operands, K = rows
-struct Load {
-  int32_t ops;  // gemm::Operands
-  const CUtensorMap* a;
-  const CUtensorMap* b0;
-  const CUtensorMap* b1;
-  int32_t a_row, b_row, b_aux, k_split, num_k_blocks, a_col;
-};
-
-#endif
 
 namespace ops {
 // What every op shares: its kind and orientation, and nothing to prepare (the wgrad ops find
@@ -58,6 +46,9 @@ template <TaskKind kKindV, gemm::Operands kOpsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = kOpsV;
+  // The orientation under a policy's routed weights (policy.cuh): the routed ops' own
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kOps;
   static constexpr bool kRingEpilogue = false;  // the epilogue reads no stage (dgrad.cuh's do)
 #if defined(__CUDACC__)
   __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}

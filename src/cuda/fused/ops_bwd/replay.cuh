@@ -7,6 +7,9 @@
 namespace mok::cuda::fused::bwd::ops {
 
 struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
+  // Transposed weights ([E, H, 2I]: N contiguous) are read as stored, N-major
+  template <bool kTransposed>
+  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kBNMajor : gemm::Operands::kKMajor;
   // Its block's x rows gathered
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Wait* out) {
     out[0] = Wait{CounterArray::kXReady, unit, kBlockM};
@@ -21,14 +24,15 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  template <class MapsArg>
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
-    const int32_t e = g.expert_of(t.block);
-    return Load{static_cast<int32_t>(kOps), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * kBlockM,
-                e * p.gate_up_pitch + t.n_block * kHalfN, 0, 0, k_blocks(p, g, c, t), 0};
+    // The gate and up halves: rows of w_gate and w_up, or (transposed) their columns
+    const int32_t e_row = g.expert_of(t.block) * p.gate_up_pitch, ch = t.n_block * kHalfN;
+    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * kBlockM,
+                Pol::kTransposed ? e_row : e_row + ch, Pol::kTransposed ? ch : 0, kHalvesApart, k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_gate_up_preact(acc, consumer, p.h, 2 * int64_t{p.inter}, int64_t{t.block} * kBlockM, p.max_rows,
@@ -49,13 +53,13 @@ struct SharedReplay : OpBase<TaskKind::kSharedReplay, gemm::Operands::kKMajor> {
                                                      const Task&) {
     return p.hidden / kBlockK;
   }
-  template <class MapsArg>
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry& g,
                                               const TaskCounts& c, const Task& t) {
     return Load{static_cast<int32_t>(kOps), &m.x_k, &m.ws_gate_k, &m.ws_up_k, t.block * kBlockM, t.n_block * kHalfN,
-                0, 0, k_blocks(p, g, c, t), 0};
+                0, kHalvesApart, k_blocks(p, g, c, t), 0};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
     gemm::epilogue_gate_up_preact(acc, consumer, p.sh_h, 2 * int64_t{p.shared_inter}, int64_t{t.block} * kBlockM,

@@ -80,25 +80,38 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
                                                      const Task& t) {
     return t.k_blocks;
   }
-  template <class MapsArg>
+  // Transposed routed weights: their gradients are stored transposed too, [I, H] and [H, 2I]
+  // per expert, computed with the operands swapped (wa_rowsᵀ · dy_rows, x_rowsᵀ · [dg | du]);
+  // gate/up's two parts are then column ranges (gemm::WgradParams::split_n)
+  template <bool kTransposed>
+  static constexpr bool kSwapped = kTransposed && !kShared;
+  template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& m, const BackwardParams& p, const Geometry&,
                                               const TaskCounts&, const Task& t) {
+    constexpr bool kSwap = kSwapped<Pol::kTransposed>;
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
     const CUtensorMap* a = kShared ? (kDown ? &m.dy_mn : &m.sh_dh_mn) : (kDown ? &m.dy_rows_mn : &m.dh_mn);
     const CUtensorMap* b = kShared ? (kDown ? &m.sh_a_mn : &m.x_mn) : (kDown ? &m.wa_mn : &m.x_rows_mn);
-    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0, w.n_block * kBlockN, 0,
-                w.num_k_blocks, static_cast<int32_t>(gemm::wgrad_row0(wp, w.m_block))};
+    if (kSwap) {
+      const CUtensorMap* const first = a;
+      a = b;
+      b = first;
+    }
+    return Load{static_cast<int32_t>(gemm::Operands::kMNMajor), a, b, b, w.row0, 0,
+                static_cast<int32_t>(gemm::wgrad_col0<kSwap && !kDown>(wp, w.n_block)), 0, w.num_k_blocks,
+                static_cast<int32_t>(gemm::wgrad_row0<kSwap && !kDown>(wp, w.m_block))};
   }
-  template <int kRegs>
+  template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                   const Geometry&, const TaskCounts&, const Task& t) {
+    constexpr bool kSplitN = kSwapped<Pol::kTransposed> && !kDown;
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
-    const gemm::WgradTarget to = gemm::wgrad_target_at(wp, w, t.slot);
+    const gemm::WgradTarget to = gemm::wgrad_target_at<kSplitN>(wp, w, t.slot);
     // Without the standalone launches' bf16-only path (kFast = false: faster here, wgrad.cuh)
-    if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true, false>(acc, consumer, wp, w, to);
-    else gemm::epilogue_wgrad_to<false, true, false>(acc, consumer, wp, w, to);
+    if (w.num_k_blocks == 0) gemm::epilogue_wgrad_to<true, true, false, kSplitN>(acc, consumer, wp, w, to);
+    else gemm::epilogue_wgrad_to<false, true, false, kSplitN>(acc, consumer, wp, w, to);
   }
 #endif
 };
