@@ -38,19 +38,41 @@ void to_float(const bf16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
-// One expert's weights: gate/up [I, H], down [H, I], rows *_ld elements apart.
+// One expert's weights as row-major matrices: gate/up [I, H], down [H, I], rows *_ld elements
+// apart (column-major weights are read through row-major copies in `packed`).
 struct Expert {
   const bf16_t* gate;
   const bf16_t* up;
   const bf16_t* down;
   int64_t inter;
   int64_t gate_ld, up_ld, down_ld;
+  std::vector<bf16_t> packed[3];
+  // gate/up/down may point into packed: a move keeps its buffers, a copy would not
+  Expert() = default;
+  Expert(Expert&&) = default;
+  Expert(const Expert&) = delete;
 };
 
 // Expert e of a stack of [rows, cols] matrices at `base` with strides s.
 template <typename T>
 T* matrix_of(T* base, const MatrixStrides& s, int64_t e, int64_t rows, int64_t cols) {
   return base ? base + e * s.expert_or(rows, cols) : nullptr;
+}
+
+// The rows of one [rows, cols] weight, each contiguous, *ld elements apart: the weight itself
+// when it is row-major, else its row-major copy in `copy`.  Every dot product then reads the
+// same values in the same order: a column-major weight gives the bits of its row-major copy.
+const bf16_t* rows_of(const bf16_t* m, const MatrixStrides& s, int64_t rows, int64_t cols, std::vector<bf16_t>& copy,
+                      int64_t* ld) {
+  if (m == nullptr || !s.col_major()) {
+    *ld = s.row_or(cols);
+    return m;
+  }
+  copy.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) copy[static_cast<size_t>(r * cols + c)] = m[s.at(r, c, cols)];
+  *ld = cols;
+  return copy.data();
 }
 
 // Expert e's weights (routed: e of the stacks; shared: the matrices themselves, e = 0).
@@ -60,13 +82,12 @@ Expert expert_of(const RankInputs& rk, const LayerDims& d, int64_t e, bool share
   const MatrixStrides& sg = shared ? s.ws_gate : s.w_gate;
   const MatrixStrides& su = shared ? s.ws_up : s.w_up;
   const MatrixStrides& sd = shared ? s.ws_down : s.w_down;
-  return Expert{matrix_of(shared ? rk.ws_gate : rk.w_gate, sg, e, I, H),
-                matrix_of(shared ? rk.ws_up : rk.w_up, su, e, I, H),
-                matrix_of(shared ? rk.ws_down : rk.w_down, sd, e, H, I),
-                I,
-                sg.row_or(H),
-                su.row_or(H),
-                sd.row_or(I)};
+  Expert ex;
+  ex.inter = I;
+  ex.gate = rows_of(matrix_of(shared ? rk.ws_gate : rk.w_gate, sg, e, I, H), sg, I, H, ex.packed[0], &ex.gate_ld);
+  ex.up = rows_of(matrix_of(shared ? rk.ws_up : rk.w_up, su, e, I, H), su, I, H, ex.packed[1], &ex.up_ld);
+  ex.down = rows_of(matrix_of(shared ? rk.ws_down : rk.w_down, sd, e, H, I), sd, H, I, ex.packed[2], &ex.down_ld);
+  return ex;
 }
 
 // One row an expert processes: source rank, token, route j (-1 = shared expert), weight.
@@ -165,12 +186,13 @@ std::vector<bf16_t> transpose(const bf16_t* src, int64_t rows, int64_t cols, int
   return out;
 }
 
-// Where one expert's weight gradients go: a bf16 matrix and an optional fp32 main_grad.
+// Where one expert's weight gradients go: a bf16 matrix and an optional fp32 main_grad, each
+// written in place through its own strides (row- or column-major).
 struct GradOut {
   bf16_t* out;
-  int64_t out_ld;
+  MatrixStrides out_s;
   float* main;  // optional (+=)
-  int64_t main_ld;
+  MatrixStrides main_s;
 };
 struct ExpertGradOut {
   GradOut gate;  // [I, H]
@@ -184,8 +206,7 @@ ExpertGradOut grad_out_of(const RankGrads& g, const LayerDims& d, int64_t e, boo
   const WeightStrides &gs = g.grad_strides, &ms = g.main_strides;
   auto at = [&](bf16_t* out, float* main, const MatrixStrides& so, const MatrixStrides& sm, int64_t rows,
                 int64_t cols) {
-    return GradOut{matrix_of(out, so, e, rows, cols), so.row_or(cols), matrix_of(main, sm, e, rows, cols),
-                   sm.row_or(cols)};
+    return GradOut{matrix_of(out, so, e, rows, cols), so, matrix_of(main, sm, e, rows, cols), sm};
   };
   if (shared)
     return ExpertGradOut{at(g.dws_gate, g.main_s_gate, gs.ws_gate, ms.ws_gate, I, H),
@@ -201,8 +222,11 @@ void store_grad(const std::vector<float>& acc, int64_t rows, int64_t cols, const
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) {
       const float v = acc[static_cast<size_t>(r * cols + c)];
-      to.out[r * to.out_ld + c] = float_to_bf16(v);
-      if (to.main) to.main[r * to.main_ld + c] = to.main[r * to.main_ld + c] + v;
+      to.out[to.out_s.at(r, c, cols)] = float_to_bf16(v);
+      if (to.main) {
+        float& m = to.main[to.main_s.at(r, c, cols)];
+        m = m + v;
+      }
     }
 }
 

@@ -39,22 +39,33 @@ struct LayerDims {
   int64_t local_experts() const { return num_experts / ep_size; }
 };
 
-// Where row r of matrix e of a stack of row-major matrices starts: e·expert + r·row elements
-// (a stack's innermost stride is 1; 0 = contiguous).  The layouts frameworks store are such
-// views: HF's fused gate_up_proj [E, 2I, H] gives w_gate = [:, :I] and w_up = [:, I:] (expert
-// stride 2I·H, row stride H); interleaved gate/up rows give row stride 2H.
+// Where element (r, c) of matrix e of a stack of [rows, cols] matrices lies:
+// e·expert + r·row + c·col elements from the base (0 = contiguous for expert and row).
+//   row-major:    col == 1, row >= cols (the default: a contiguous stack);
+//   column-major: row == 1, col >= rows (the transposed layouts frameworks store).
+// Every layout frameworks store is such a view: HF's fused gate_up_proj [E, 2I, H] gives
+// w_gate = [:, :I] and w_up = [:, I:] (row-major, expert stride 2I·H, row stride H);
+// interleaved gate/up rows give row stride 2H; HF's transposed gate_up_proj [E, H, 2I] gives
+// w_gate = gate_up_proj.transpose(1, 2)[:, :I] (column-major, row 1, col 2I, expert 2I·H).
 struct MatrixStrides {
   int64_t expert = 0;
   int64_t row = 0;
+  int64_t col = 1;
+  bool col_major() const { return col != 1; }
   int64_t row_or(int64_t cols) const { return row > 0 ? row : cols; }
-  int64_t expert_or(int64_t rows, int64_t cols) const { return expert > 0 ? expert : rows * row_or(cols); }
+  // A column-major matrix spans cols·col elements; a row-major one rows·row.
+  int64_t expert_or(int64_t rows, int64_t cols) const {
+    return expert > 0 ? expert : col_major() ? cols * col : rows * row_or(cols);
+  }
+  // Offset of element (r, c) within one matrix.
+  int64_t at(int64_t r, int64_t c, int64_t cols) const { return r * row_or(cols) + c * col; }
 };
 struct WeightStrides {
   MatrixStrides w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
 };
 
 // One rank's inputs.  x, topk_ids, topk_weights are contiguous row-major; the weights are
-// read through `strides`.
+// read through `strides` (row- or column-major each).
 struct RankInputs {
   int64_t num_tokens = 0;                   // T of this rank
   const bf16_t* x = nullptr;                // [T, H]

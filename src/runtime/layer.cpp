@@ -209,6 +209,14 @@ void check_ids_host(const plan::RoutingView& v, int s, const std::string& tag) {
 
 namespace {
 
+// TEMPORARY: whether the CUDA kernels read (and write) column-major, i.e. transposed, routed
+// expert weights.  They do not yet: until they do, check_weights refuses such weights on CUDA
+// before any launch.  When the kernels take them, delete this function and its one use below
+// (and mok.experts._CUDA_TRANSPOSED_REFUSAL, its Python twin).
+constexpr bool cuda_reads_transposed() { return false; }
+
+const char* orientation(const ref::MatrixStrides& s) { return s.col_major() ? "column-major" : "row-major"; }
+
 // The six weights (or their gradients, main_grads) in place; returns their strides.
 ref::WeightStrides check_weights(const mokConfig_t& c, const mokWeights_t& w, int32_t device, const std::string& who,
                                  std::initializer_list<int32_t> dtypes, bool require_routed) {
@@ -232,13 +240,44 @@ ref::WeightStrides check_weights(const mokConfig_t& c, const mokWeights_t& w, in
   auto same = [&](const ref::MatrixStrides& a, const ref::MatrixStrides& b, const mokTensor_t& ta,
                   const mokTensor_t& tb, const char* na, const char* nb) {
     if (!present(ta) || !present(tb)) return;
-    MOK_CHECK_ARG(a.expert == b.expert && a.row == b.row,
+    MOK_CHECK_ARG(a.expert == b.expert && a.row == b.row && a.col == b.col,
                   who << nb << " has strides " << shape_str(tb.strides, tb.ndim) << " but " << who << na << " has "
                       << shape_str(ta.strides, ta.ndim) << ": mok reads gate and up through one row index, so they "
-                      << "must share strides (e.g. both halves of one fused [E, 2I, H] tensor)");
+                      << "must share strides (e.g. both halves of one fused [E, 2I, H] tensor, or of one transposed "
+                      << "[E, H, 2I] tensor's .transpose(1, 2) view)");
   };
   same(s.w_gate, s.w_up, w.w_gate, w.w_up, "w_gate", "w_up");
   same(s.ws_gate, s.ws_up, w.ws_gate, w.ws_up, "ws_gate", "ws_up");
+  if (device < 0) return s;  // the CPU reference reads both orientations everywhere
+
+  // The CUDA rules, each on the views as given
+  struct Named {
+    const mokTensor_t& t;
+    const ref::MatrixStrides& s;
+    const char* name;
+  };
+  auto describe = [&](const Named& m) {
+    return who + m.name + " is " + orientation(m.s) + " (strides " + shape_str(m.t.strides, m.t.ndim) + ")";
+  };
+  const Named shared[] = {{w.ws_gate, s.ws_gate, "ws_gate"}, {w.ws_up, s.ws_up, "ws_up"},
+                          {w.ws_down, s.ws_down, "ws_down"}};
+  for (const Named& m : shared)
+    MOK_CHECK_ARG(!present(m.t) || !m.s.col_major(),
+                  describe(m) << ": on CUDA the shared expert's weights must be row-major");
+  // One orientation for the routed weights: the kernels are instantiated per orientation
+  const Named routed[] = {{w.w_gate, s.w_gate, "w_gate"}, {w.w_up, s.w_up, "w_up"}, {w.w_down, s.w_down, "w_down"}};
+  const Named* first = nullptr;
+  for (const Named& m : routed) {
+    if (!present(m.t)) continue;
+    if (first == nullptr) first = &m;
+    MOK_CHECK_ARG(m.s.col_major() == first->s.col_major(),
+                  describe(*first) << " but " << describe(m) << ": on CUDA w_gate, w_up and w_down must be all "
+                                   << "row-major or all column-major (the kernels are instantiated per orientation)");
+  }
+  // TEMPORARY (cuda_reads_transposed): column-major routed weights are refused on CUDA for now
+  MOK_CHECK_ARG(cuda_reads_transposed() || first == nullptr || !first->s.col_major(),
+                describe(*first) << ": column-major (transposed) routed expert weights are not read by the CUDA "
+                                 << "kernels yet; pass row-major copies, or run on the CPU");
   return s;
 }
 

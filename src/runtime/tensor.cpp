@@ -84,31 +84,52 @@ ref::MatrixStrides check_matrices(const mokTensor_t& t, const std::string& who, 
   const int64_t rows = t.shape[n - 2], cols = t.shape[n - 1], num = n == 3 ? t.shape[0] : 1;
   if (num * rows * cols == 0) return ref::MatrixStrides{};
   MOK_CHECK_ARG(t.data != nullptr, who << " has a null data pointer");
-  // A dimension of size 1 has no stride to follow: take the contiguous one
-  const int64_t inner = cols == 1 ? 1 : t.strides[n - 1];
-  const int64_t row = rows == 1 ? cols : t.strides[n - 2];
-  const int64_t expert = num == 1 ? rows * row : t.strides[0];
   const std::string strides = shape_str(t.strides, n), dims = shape_str(t.shape, n);
-  MOK_CHECK_ARG(inner == 1, who << " must have unit stride in its last dimension (rows along K), got strides "
-                                << strides << " for shape " << dims);
-  MOK_CHECK_ARG(row >= cols, who << " has rows that overlap: row stride " << row << " < " << cols << " columns (strides "
-                                 << strides << " for shape " << dims << ")");
-  MOK_CHECK_ARG(expert >= (rows - 1) * row + cols,
-                who << " has matrices that overlap: stride " << expert << " along dimension 0 is below the "
-                    << (rows - 1) * row + cols << " elements one [" << rows << ", " << cols << "] matrix spans (strides "
-                    << strides << ")");
+  // A dimension of size 1 has no stride to follow: take the contiguous one, and row-major
+  // wherever both orientations fit (a single row with unit stride, or a single column)
+  const int64_t row_inner = cols == 1 ? 1 : t.strides[n - 1];
+  const int64_t col_inner = rows == 1 ? 1 : t.strides[n - 2];
+  MOK_CHECK_ARG(row_inner == 1 || col_inner == 1,
+                who << " has strides " << strides << " for shape " << dims << ": mok reads row-major matrices "
+                    << "(stride 1 in the last dimension) or column-major ones (stride 1 in the second-to-last "
+                    << "dimension, e.g. a transposed [E, H, 2I] parameter's .transpose(1, 2) view)");
+  ref::MatrixStrides s;
+  int64_t step = 0;  // the stride between the matrix's lines (rows, or columns when column-major)
+  if (row_inner == 1) {
+    s.row = rows == 1 ? cols : t.strides[n - 2];
+    s.col = 1;
+    step = s.row;
+    MOK_CHECK_ARG(s.row >= cols, who << " has rows that overlap: row stride " << s.row << " < " << cols
+                                     << " columns (strides " << strides << " for shape " << dims << ")");
+  } else {
+    s.row = 1;
+    s.col = t.strides[n - 1];  // cols > 1 here: a single column is row-major
+    step = s.col;
+    MOK_CHECK_ARG(s.col >= rows, who << " is column-major with columns that overlap: column stride " << s.col << " < "
+                                     << rows << " rows (strides " << strides << " for shape " << dims << ")");
+  }
+  // One matrix spans (lines - 1)·step + line length elements
+  const int64_t lines = s.col_major() ? cols : rows, length = s.col_major() ? rows : cols;
+  s.expert = num == 1 ? lines * step : t.strides[0];
+  MOK_CHECK_ARG(s.expert >= (lines - 1) * step + length,
+                who << " has matrices that overlap: stride " << s.expert << " along dimension 0 is below the "
+                    << (lines - 1) * step + length << " elements one [" << rows << ", " << cols
+                    << "] matrix spans (strides " << strides << ")");
   if (device >= 0) {
+    // TMA reads each matrix as lines of unit stride, `step` elements apart
     const int bytes = elem_bytes(t.dtype);
+    const char* step_name = s.col_major() ? "column stride" : "row stride";
     MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(t.data) & 15u) == 0,
                   who << " must be 16-byte aligned on CUDA (TMA reads), its data is at " << t.data);
-    MOK_CHECK_ARG((row * bytes) % 16 == 0, who << ": row stride " << row << " (" << row * bytes
-                                               << " bytes) must be a multiple of 16 bytes on CUDA (TMA strides); strides "
-                                               << strides << " for shape " << dims);
-    MOK_CHECK_ARG(expert % row == 0, who << ": stride " << expert << " along dimension 0 must be a multiple of the row "
-                                         << "stride " << row << " on CUDA (expert e's rows are rows e*" << expert
-                                         << "/" << row << " of one tensor map); strides " << strides);
+    MOK_CHECK_ARG((step * bytes) % 16 == 0, who << ": " << step_name << " " << step << " (" << step * bytes
+                                                << " bytes) must be a multiple of 16 bytes on CUDA (TMA strides); "
+                                                << "strides " << strides << " for shape " << dims);
+    MOK_CHECK_ARG(s.expert % step == 0, who << ": stride " << s.expert << " along dimension 0 must be a multiple of the "
+                                            << step_name << " " << step << " on CUDA (expert e's "
+                                            << (s.col_major() ? "columns are columns" : "rows are rows") << " e*"
+                                            << s.expert << "/" << step << " of one tensor map); strides " << strides);
   }
-  return ref::MatrixStrides{expert, row};
+  return s;
 }
 
 int64_t leading_dim(const mokTensor_t& t, const std::string& who) {

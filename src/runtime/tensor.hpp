@@ -21,12 +21,14 @@ inline bool present(const mokTensor_t& t) { return t.data != nullptr || t.ndim !
 void check_tensor(const mokTensor_t& t, const std::string& who, std::initializer_list<int32_t> dtypes,
                   const std::vector<int64_t>& shape, int32_t device);
 
-// A stack of row-major matrices ([E, rows, cols], or one [rows, cols]) read or written in
-// place with any strides the kernels can follow (ref::MatrixStrides): unit stride along
-// cols; rows and matrices that do not overlap; on CUDA (device >= 0) 16-byte aligned data
-// and row stride (TMA), and an expert stride that is a multiple of the row stride (the
-// kernels address expert e's rows as rows e·expert/row of one tensor map).  Checks what
-// check_tensor does but contiguity, and returns the strides.
+// A stack of matrices ([E, rows, cols], or one [rows, cols]) read or written in place with
+// any strides the kernels can follow (ref::MatrixStrides): row-major (unit stride along cols)
+// or column-major (unit stride along rows, e.g. a transposed parameter's view); lines (rows,
+// or columns) and matrices that do not overlap; on CUDA (device >= 0) 16-byte aligned data
+// and line stride (TMA), and an expert stride that is a multiple of the line stride (the
+// kernels address expert e's lines as lines e·expert/stride of one tensor map).  A dimension
+// of size 1 takes row-major where both fit.  Checks what check_tensor does but contiguity,
+// and returns the strides.
 ref::MatrixStrides check_matrices(const mokTensor_t& t, const std::string& who, std::initializer_list<int32_t> dtypes,
                                   const std::vector<int64_t>& shape, int32_t device);
 

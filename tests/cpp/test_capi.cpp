@@ -326,5 +326,51 @@ TEST(CApiGroupedGemm, DgradDownSwiGLUArgumentsAreChecked) {
   expect(bad, "kind = 6 is not a mokGemmKind_t");
 }
 
+// Column-major ("transposed") weights the CPU backend cannot follow are named before any work
+// (tests/cpp/test_transposed.cpp runs the ones it can).
+TEST_F(CApi, StridesNeitherRowNorColumnMajorAreNamed) {
+  const int64_t E = Layer::E, I = Layer::I, H = Layer::H;
+  std::vector<bf16_t> buf(E * H * 2 * I * 2, 0);
+  auto args = layer.args;
+  // The gate of an interleaved transposed gate_up [E, H, 2I]: stride 2 along I, 2I along H
+  args.weights.w_gate = args.weights.w_up = strided_view(buf.data(), mokBFloat16, E, I, H, {2 * I * H, 2, 2 * I});
+  expect_rejected(args, mokInvalidArgument,
+                  {"w_gate has strides [1024, 2, 32] for shape [4, 16, 32]", "row-major", "column-major"});
+  // Column-major with columns closer than one column's rows
+  args = layer.args;
+  args.weights.w_gate = args.weights.w_up = strided_view(buf.data(), mokBFloat16, E, I, H, {I * H, 1, I - 4});
+  expect_rejected(args, mokInvalidArgument, {"w_gate is column-major with columns that overlap", "12 < 16 rows"});
+  // Column-major matrices that overlap each other
+  args = layer.args;
+  args.weights.w_down = strided_view(buf.data(), mokBFloat16, E, H, I, {H * I - 1, 1, H});
+  expect_rejected(args, mokInvalidArgument, {"w_down has matrices that overlap", "511", "512 elements"});
+  // Gate column-major, up row-major: one row index cannot serve both
+  args = layer.args;
+  args.weights.w_gate = strided_view(buf.data(), mokBFloat16, E, I, H, {I * H, 1, I});
+  expect_rejected(args, mokInvalidArgument, {"w_up has strides [512, 32, 1] but w_gate has [512, 1, 16]",
+                                             "must share strides"});
+}
+
+TEST_F(CApi, TransposedGradientsOfGateAndUpShareStrides) {
+  const int64_t E = Layer::E, I = Layer::I, H = Layer::H, T = Layer::T;
+  std::vector<bf16_t> dy(T * H), dx(T * H), gg(E * I * H), gu(E * I * H), gd(E * H * I);
+  std::vector<float> dtw(T * 2);
+  mokBackwardArgs_t b{};
+  b.fwd = layer.args;
+  b.dy = tensor_view(dy.data(), mokBFloat16, {T, H});
+  b.dx = tensor_view(dx.data(), mokBFloat16, {T, H});
+  b.d_topk_weights = tensor_view(dtw.data(), mokFloat32, {T, 2});
+  b.grads.w_gate = strided_view(gg.data(), mokBFloat16, E, I, H, {I * H, 1, I});
+  b.grads.w_up = tensor_view(gu.data(), mokBFloat16, {E, I, H});
+  b.grads.w_down = strided_view(gd.data(), mokBFloat16, E, H, I, {H * I, 1, H});
+  EXPECT_EQ(mokBackward(ws, &b, nullptr), mokInvalidArgument);
+  EXPECT_NE(std::string(mokGetLastError()).find("grad of w_up has strides [512, 32, 1] but grad of w_gate has "
+                                                "[512, 1, 16]"),
+            std::string::npos)
+      << mokGetLastError();
+  b.grads.w_up = strided_view(gu.data(), mokBFloat16, E, I, H, {I * H, 1, I});
+  EXPECT_EQ(mokBackward(ws, &b, nullptr), mokSuccess) << mokGetLastError();
+}
+
 }  // namespace
 }  // namespace mok::test

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/bf16.hpp"
+#include "mok/mok.h"
 #include "plan/plan.hpp"
 
 namespace mok::test {
@@ -76,6 +77,40 @@ inline std::vector<float> random_f32(std::mt19937_64& rng, size_t n, float lo, f
   std::vector<float> v(n);
   for (auto& x : v) x = dist(rng);
   return v;
+}
+
+// A contiguous view of data, [dims...] (mok::tensor_view without mok.hpp, whose C++ types the
+// tests of the runtime's own headers cannot include).
+inline mokTensor_t host_view(void* data, mokDtype_t dtype, const std::vector<int64_t>& shape,
+                             int32_t device = MOK_DEVICE_CPU) {
+  mokTensor_t t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[static_cast<size_t>(i)];
+    t.strides[i] = stride;
+    stride *= shape[static_cast<size_t>(i)];
+  }
+  t.device = device;
+  return t;
+}
+
+// Where element (r, c) of matrix e of a view lies: e*expert + r*row + c*col elements.
+struct Strided {
+  int64_t expert, row, col;
+  int64_t at(int64_t e, int64_t r, int64_t c) const { return e * expert + r * row + c * col; }
+};
+
+// A [num, rows, cols] view (or [rows, cols] when num == 0) of data with strides s.
+inline mokTensor_t strided_view(void* data, mokDtype_t dtype, int64_t num, int64_t rows, int64_t cols, Strided s,
+                                int32_t device = MOK_DEVICE_CPU) {
+  mokTensor_t t = num > 0 ? host_view(data, dtype, {num, rows, cols}, device) : host_view(data, dtype, {rows, cols}, device);
+  if (num > 0) t.strides[0] = s.expert;
+  t.strides[t.ndim - 2] = s.row;
+  t.strides[t.ndim - 1] = s.col;
+  return t;
 }
 
 inline std::vector<int32_t> to_int32(const std::vector<int64_t>& v) {

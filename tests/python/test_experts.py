@@ -150,9 +150,13 @@ def test_experts_with_a_shared_expert(gen, device):
 def test_layouts_mok_cannot_read_are_named_before_launch(gen, device):
     x, ids, tw, w, dy = _layer(gen, device, T=16)
     E, I, H = w["w_gate"].shape
-    transposed = w["w_gate"].transpose(1, 2).contiguous().transpose(1, 2)  # [E, I, H] with H not unit-stride
-    with pytest.raises(ValueError, match="w_gate must have unit stride in its last dimension"):
-        F.forward(x, ids, tw, transposed, w["w_up"], w["w_down"])
+    # The gate of an interleaved transposed gate_up [E, H, 2I]: unit stride along neither I nor H
+    neither = torch.cat([w["w_gate"], w["w_up"]], dim=1).transpose(1, 2).contiguous().transpose(1, 2)[:, 0::2]
+    with pytest.raises(ValueError, match=r"w_gate has strides .*: mok reads row-major matrices .* or column-major"):
+        F.forward(x, ids, tw, neither, neither, w["w_down"])
+    column_major = w["w_gate"].transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="must share strides"):
+        F.forward(x, ids, tw, column_major, w["w_up"], w["w_down"])
     gu = torch.cat([w["w_gate"], w["w_up"]], dim=1)
     with pytest.raises(ValueError, match="must share strides"):
         F.forward(x, ids, tw, gu[:, :I], w["w_up"], w["w_down"])
