@@ -219,6 +219,19 @@ def backward_rows(args, H, I, k, E, T):
     ring = ws_all.c_config().macrobatch_size
     _, saved_all = F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)
 
+    # Transposed weights (column-major copies: HF's is_transposed layout) through the fused
+    # kernels' transposed policy, the ring for every row; their gradients written transposed
+    def col_major(t):
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    wgT, wuT, wdT = col_major(wg), col_major(wu), col_major(wd)
+    _, saved_all_t = F.forward(x, ids, tw, wgT, wuT, wdT, workspace=ws_all)
+    grads_t = {n: col_major(torch.empty_like(t)) for n, t in (("w_gate", wg), ("w_up", wu), ("w_down", wd))}
+
+    def mok_fb_t():
+        _, c = F.forward(x, ids, tw, wgT, wuT, wdT, workspace=ws_all)
+        return F.backward(c, dy, grads_out=grads_t)
+
     fwd_mini, fwd_macro = map(int, re.search(r"minibatch_size\s*=\s*(\d+) rows, macrobatch_size = (\d+)",
                                              ws.describe()).groups())
     print(f"{args.shape}: minibatch {fwd_mini} rows, macrobatch {fwd_macro} rows (the forward's)")
@@ -241,6 +254,10 @@ def backward_rows(args, H, I, k, E, T):
         "torch EP=1 fwd (graph kept)": lambda: torch_forward_grad(),
         "mok fwd (save h)": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws)[0],
         "mok fwd+bwd unfused": with_env({"MOK_BACKWARD_PATH": "unfused"}, mok_fb),
+        f"mok bwd ring={ring} transposed": lambda: F.backward(saved_all_t, dy, grads_out=grads_t),
+        f"mok fwd+bwd ring={ring} transposed": mok_fb_t,
+        f"mok fwd ring={ring}": lambda: F.forward(x, ids, tw, wg, wu, wd, workspace=ws_all)[0],
+        f"mok fwd ring={ring} transposed": lambda: F.forward(x, ids, tw, wgT, wuT, wdT, workspace=ws_all)[0],
     }
     if args.explore:
         # The noise floor of the A/Bs: the same calls again, interleaved with the others
@@ -296,6 +313,10 @@ def backward_rows(args, H, I, k, E, T):
     for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
         if not all(torch.equal(getattr(a, name), getattr(o, name)) for o in [b, c, d]):
             raise SystemExit(f"mok backward: {name} differs between two runs, with the saved h or unfused")
+    e, f = F.backward(saved_all, dy), F.backward(saved_all_t, dy, grads_out=grads_t)
+    for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
+        if not torch.equal(getattr(e, name), getattr(f, name)):
+            raise SystemExit(f"mok backward: {name} differs between row-major and transposed weights")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     flops = 12 * T * k * H * I  # dgrad + wgrad of the three projections

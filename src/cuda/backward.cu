@@ -404,11 +404,15 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.d_topk_weights = g.d_topk_weights;
   // The weight gradients' targets (the unfused launch_wgrad_pair's)
   // (in place: the gradients' and main_grads' strides s and ms)
+  // Transposed routed weights (the fused kernel's transposed policy): their gradients are stored
+  // transposed too, [I, H] and [H, 2I] per expert (the op swaps its operands; gate/up's parts
+  // are column ranges, split_n); their rows are the column-major gradients' columns
   auto wgrad = [&](int64_t mo, int64_t no, void* out, float* main_grad, void* out1, float* main_grad1, int64_t split,
-                   float* acc, const ref::MatrixStrides& s, const ref::MatrixStrides& ms) {
+                   float* acc, const ref::MatrixStrides& s, const ref::MatrixStrides& ms, bool swapped = false) {
     gemm::WgradParams t{};
-    t.mo = mo;
-    t.no = no;
+    t.mo = swapped ? no : mo;
+    t.no = swapped ? mo : no;
+    t.split_n = swapped && split > 0 ? 1 : 0;
     t.out = bf(out);
     t.main_grad = main_grad;
     t.out1 = bf(out1);
@@ -416,17 +420,18 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     t.out_split = split;
     t.acc = acc;
     t.out_es = s.expert;
-    t.out_rs = s.row;
+    t.out_rs = swapped ? s.col : s.row;
     t.mg_es = ms.expert;
-    t.mg_rs = ms.row;
+    t.mg_rs = swapped ? ms.col : ms.row;
     gemm::wgrad_layout(t);
     return t;
   };
   float* const acc_dn = b.n_acc > 0 ? b.acc_dn : nullptr;
   float* const acc_gu = b.n_acc > 0 ? b.acc_gu : nullptr;
   const ref::WeightStrides &gs = g.grad_strides, &ms = g.main_strides;
-  p.wg_down = wgrad(H, I, g.dw_down, g.main_down, nullptr, nullptr, 0, acc_dn, gs.w_down, ms.w_down);
-  p.wg_gate_up = wgrad(2 * I, H, g.dw_gate, g.main_gate, g.dw_up, g.main_up, I, acc_gu, gs.w_gate, ms.w_gate);
+  p.wg_down = wgrad(H, I, g.dw_down, g.main_down, nullptr, nullptr, 0, acc_dn, gs.w_down, ms.w_down, w.transposed);
+  p.wg_gate_up =
+      wgrad(2 * I, H, g.dw_gate, g.main_gate, g.dw_up, g.main_up, I, acc_gu, gs.w_gate, ms.w_gate, w.transposed);
   if (Is > 0) {
     p.wg_shared_down = wgrad(H, Is, g.dws_down, g.main_s_down, nullptr, nullptr, 0, nullptr, gs.ws_down, ms.ws_down);
     p.wg_shared_gate_up =
@@ -457,15 +462,18 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   constexpr int kA = fused::kBlockM, kB = fused::kHalfN, kK = fused::kBlockK;
   fb::Maps m{};
   auto tm = [](const void* q, int64_t rows, int64_t cols, int box) { return gemm::tensor_map_2d(q, rows, cols, box); };
+  // (the routed weights' maps: _k and _n name their orientation with row-major weights; the
+  // transposed policy reads them the other way, its boxes swapped)
+  const int kReplayB = w.transposed ? kK : kB, kDgradB = w.transposed ? kB : kK;
   m.x_rows_k = tm(b.x_rows, R, H, kA);
-  m.w_gate_k = gemm::tensor_map_stack(w.w_gate, kB);
-  m.w_up_k = gemm::tensor_map_stack(w.w_up, kB);
+  m.w_gate_k = gemm::tensor_map_stack(w.w_gate, kReplayB);
+  m.w_up_k = gemm::tensor_map_stack(w.w_up, kReplayB);
   m.dy_rows_k = tm(b.dy_rows, R, H, kA);
-  m.w_down_n = gemm::tensor_map_stack(w.w_down, kK);
+  m.w_down_n = gemm::tensor_map_stack(w.w_down, kDgradB);
   m.dh_k = tm(b.dh, R, 2 * I, kA);
   m.h_k = tm(p.h, R, 2 * I, kA);
-  m.w_gate_n = gemm::tensor_map_stack(w.w_gate, kK);
-  m.w_up_n = gemm::tensor_map_stack(w.w_up, kK);
+  m.w_gate_n = gemm::tensor_map_stack(w.w_gate, kDgradB);
+  m.w_up_n = gemm::tensor_map_stack(w.w_up, kDgradB);
   m.dy_rows_mn = tm(b.dy_rows, R, H, kK);
   m.wa_mn = tm(b.wa, R, I, kK);
   m.dh_mn = tm(b.dh, R, 2 * I, kK);
@@ -493,11 +501,16 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-  using Pol = fused::PolicyBf16;
-  auto* const kernel = fb::fused_backward_kernel<Pol>;
-  constexpr size_t kSmem = fb::kSmemBytes<Pol>;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
+  // The instantiation of the routed weights' orientation (fused/policy.cuh)
+  auto launch = [&](auto policy) {
+    using Pol = decltype(policy);
+    auto* const kernel = fb::fused_backward_kernel<Pol>;
+    constexpr size_t kSmem = fb::kSmemBytes<Pol>;
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+    kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
+  };
+  if (w.transposed) launch(fused::PolicyBf16Transposed{});
+  else launch(fused::PolicyBf16{});
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -514,6 +527,7 @@ void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<fused::PolicyBf16>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, fused::bwd::fused_backward_kernel<fused::PolicyBf16Transposed>));
   gemm::load_backward_kernels();
   ep_load_kernels();
   load_plan_kernels();
@@ -529,6 +543,32 @@ void destroy_backward_buffers(BackwardBuffers* b) {
 void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
                       const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout);
 
+namespace {
+// Transposed (column-major) routed weights, before any launch: the fused backward reads them
+// (its transposed policy) and writes their gradients in the same orientation; the unfused
+// launches read row-major weights only.
+void check_orientations(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in,
+                        const ref::RankGrads& g) {
+  const bool transposed = in.strides.w_gate.col_major();
+  auto name = [](bool col_major) { return col_major ? "column-major (transposed)" : "row-major"; };
+  const struct {
+    const char* what;
+    bool present, col_major;
+  } grads[] = {{"grad of w_gate", true, g.grad_strides.w_gate.col_major()},
+               {"grad of w_down", true, g.grad_strides.w_down.col_major()},
+               {"main_grad of w_gate", g.main_gate != nullptr, g.main_strides.w_gate.col_major()},
+               {"main_grad of w_down", g.main_down != nullptr, g.main_strides.w_down.col_major()}};
+  for (const auto& t : grads)
+    MOK_CHECK_ARG(!t.present || t.col_major == transposed,
+                  "the " << t.what << " is " << name(t.col_major) << " but the routed weights are " << name(transposed)
+                         << ": on CUDA the routed experts' gradients are written in their weights' orientation");
+  MOK_CHECK_ARG(!transposed || fused_backward_minibatch(ws, c) > 0,
+                "the routed weights are column-major (transposed), which only the fused backward reads, and this call "
+                "takes the unfused launches (MOK_BACKWARD_PATH=unfused, or a shape past the fused kernel's limits: "
+                "hidden > 8192, more than " << fused::bwd::kMaxExperts << " local experts)");
+}
+}  // namespace
+
 void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
                     const void* dy, void* stream_ptr, ForwardPhase phase, const Saved& saved) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -536,6 +576,7 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   const bool capturing = stream_capturing(stream_ptr);
   constexpr int kErr = kErrorWords;  // route error words, then the timeout record
   int64_t* timeout = ws.errors + kErr;
+  if (phase == ForwardPhase::kStart) check_orientations(ws, c, in, g);
   switch (phase) {
     case ForwardPhase::kStart:
       if (ws.bwd == nullptr) {

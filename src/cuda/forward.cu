@@ -234,14 +234,16 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.timeout_record = ws.errors + kRouteErrorWords;
 
   // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones), all
-  // K-major: A boxes of BLOCK_M rows, B halves of BLOCK_N / 2
+  // K-major: A boxes of BLOCK_M rows, B halves of BLOCK_N / 2; transposed routed weights
+  // N-major, boxes of BLOCK_K rows (their K) as stored
   constexpr int kA = fused::kBlockM, kB = fused::kHalfN;
+  const int kRoutedB = w.transposed ? fused::kBlockK : kB;
   fused::Maps m{};
   m.ring = gemm::tensor_map_2d(ws.ring, ws.ring_rows, H, kA);
-  m.w_gate = gemm::tensor_map_stack(w.w_gate, kB);
-  m.w_up = gemm::tensor_map_stack(w.w_up, kB);
+  m.w_gate = gemm::tensor_map_stack(w.w_gate, kRoutedB);
+  m.w_up = gemm::tensor_map_stack(w.w_up, kRoutedB);
   m.act = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, kA);
-  m.w_down = gemm::tensor_map_stack(w.w_down, kB);
+  m.w_down = gemm::tensor_map_stack(w.w_down, kRoutedB);
   if (Is > 0 && T > 0) {
     m.x = gemm::tensor_map_2d(in.x, T, H, kA);
     m.ws_gate = gemm::tensor_map_stack(w.ws_gate, kB);
@@ -254,11 +256,16 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
     m.ws_down = m.w_down;
   }
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
-  using Pol = fused::PolicyBf16;
-  auto* kernel = fused::fused_forward_kernel<Pol>;
-  constexpr size_t kSmem = fused::kFusedSmemBytes<Pol>;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-  kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
+  // The instantiation of the routed weights' orientation (fused/policy.cuh)
+  auto launch = [&](auto policy) {
+    using Pol = decltype(policy);
+    auto* const kernel = fused::fused_forward_kernel<Pol>;
+    constexpr size_t kSmem = fused::kFusedSmemBytes<Pol>;
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+    kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
+  };
+  if (w.transposed) launch(fused::PolicyBf16Transposed{});
+  else launch(fused::PolicyBf16{});
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace
@@ -508,12 +515,15 @@ WeightStacks weight_stacks(const mokConfig_t& c, const ref::RankInputs& in) {
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
   const int64_t El = plan_dims(c).local_experts();
   const ref::WeightStrides& s = in.strides;
+  // A column-major [rows, cols] matrix is the row-major [cols, rows] one it is stored as
   auto stack = [](const void* q, int64_t num, int64_t rows, int64_t cols, const ref::MatrixStrides& st) {
-    return gemm::MatrixStack{q, num, rows, cols, st.expert, st.row};
+    return st.col_major() ? gemm::MatrixStack{q, num, cols, rows, st.expert, st.col}
+                          : gemm::MatrixStack{q, num, rows, cols, st.expert, st.row};
   };
   return WeightStacks{stack(in.w_gate, El, I, H, s.w_gate),    stack(in.w_up, El, I, H, s.w_up),
                       stack(in.w_down, El, H, I, s.w_down),    stack(in.ws_gate, 1, Is, H, s.ws_gate),
-                      stack(in.ws_up, 1, Is, H, s.ws_up),      stack(in.ws_down, 1, H, Is, s.ws_down)};
+                      stack(in.ws_up, 1, Is, H, s.ws_up),      stack(in.ws_down, 1, H, Is, s.ws_down),
+                      s.w_gate.col_major()};
 }
 
 void set_b_strides(gemm::GroupedGemmArgs& g, const ref::MatrixStrides& s) {
@@ -566,6 +576,9 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const DeviceGuard guard(ws.device);
   const bool capturing = stream_capturing(stream_ptr);
+  MOK_CHECK_ARG(!use_unfused_path() || !in.strides.w_gate.col_major(),
+                "MOK_FORWARD_PATH=unfused reads row-major routed weights only, and w_gate is column-major "
+                "(transposed); the fused forward reads both");
   switch (phase) {
     case ForwardPhase::kStart:
       call_start(ws, c, in, stream_ptr, capturing, nullptr);

@@ -67,8 +67,11 @@ struct DeviceWorkspace {
 
 // The six weights of `in` in place, as stacks of matrices for their tensor maps (a shared
 // weight is a stack of one; absent ones have no base).
+// Column-major weights (transposed) are the row-major stacks they are stored as: transposed
+// says so for the routed three (one orientation, checked by the runtime).
 struct WeightStacks {
   gemm::MatrixStack w_gate, w_up, w_down, ws_gate, ws_up, ws_down;
+  bool transposed;
 };
 WeightStacks weight_stacks(const mokConfig_t& c, const ref::RankInputs& in);
 // The routed B operand of a grouped-GEMM launch in place (its strides: gate and up share them).

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 18's device calls (issue 22).  STAGE=suite: tools/gpu_check.sh (every GPU test,
-# sanitizers).  STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests, the
+# Session 19's device calls (issue 22).  STAGE=suite: tools/gpu_check.sh (every GPU test,
+# sanitizers).  STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests (the
+# transposed weights' and the HF integration's among them), the
 # backward and forward at the sustained clock on qwen3 and dsv3 (BWD_VARIANTS: sustained.py's
 # --variants for the backward), timing-ring traces of TRACE_SHAPES, and (NCU=1, if the call is
 # young enough: NCU_BEFORE_S) ncu's warp states and per-instruction stall samples of the qwen3
@@ -22,11 +23,12 @@ case "${STAGE:-suite}" in
       timeout 200 build/tests/cpp/$t --gtest_brief=1 >"$OUT/$t.log" 2>&1
       echo "$t: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$t.log" | tr '\n' ' ') at $(el) s"
     done
-    timeout 300 python3 -m pytest -q tests/python/test_gpu_backward.py tests/python/test_gpu.py \
+    timeout 300 python3 -m pytest -q tests/python/test_gpu_transposed.py tests/python/test_hf.py \
+      tests/python/test_experts.py tests/python/test_gpu_backward.py tests/python/test_gpu.py \
       tests/python/test_forward_hashes.py tests/python/test_gpu_shapes.py ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$? $(tail -1 "$OUT/pytest.log") at $(el) s"; grep -E "^FAILED|Error" "$OUT/pytest.log" | head
     for shape in qwen3 dsv3; do
-      timeout 100 python3 tools/sustained.py $shape --backward ${BWD_VARIANTS:+--variants "$BWD_VARIANTS"} 2>&1 | tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused'
+      timeout 100 python3 tools/sustained.py $shape --backward ${BWD_VARIANTS:+--variants "$BWD_VARIANTS"} 2>&1 | tee -a "$OUT/bwd.log" | grep -E 'floor|ring=|unfused|transposed'
       timeout 100 python3 tools/sustained.py $shape 2>&1 | tee -a "$OUT/fwd.log" | tail -4
     done; echo "at $(el) s"
     for shape in ${TRACE_SHAPES:-}; do
