@@ -152,7 +152,16 @@ typedef struct mokConfig_t {
 
 /* Weights of one rank: its E_l = E/P routed experts and the optional shared expert.
  *   w_gate, w_up [E_l, I, H] bf16;  w_down [E_l, H, I] bf16
- *   ws_gate, ws_up [I_s, H] bf16;   ws_down [H, I_s] bf16   (absent when I_s == 0) */
+ *   ws_gate, ws_up [I_s, H] bf16;   ws_down [H, I_s] bf16   (absent when I_s == 0)
+ * Each is read in place through its strides, as a stack of row-major matrices (stride 1 in the
+ * last dimension) or of column-major ones (stride 1 in the second-to-last dimension: a
+ * transposed parameter's view, e.g. w_gate = gate_up_proj[E, H, 2I].transpose(1, 2)[:, :I]),
+ * whose rows (or columns) and matrices do not overlap; w_gate and w_up share their strides.
+ * On CUDA also: 16-byte aligned data, a row (column) stride of a multiple of 16 bytes, an
+ * expert stride that is a multiple of it; w_gate, w_up and w_down all row-major or all
+ * column-major, the shared expert's row-major; column-major routed weights are refused on
+ * CUDA for now (the kernels do not read them yet).  The same rules hold for the gradients
+ * and main_grads of mokBackwardArgs_t, whose orientation need not be the weights'. */
 typedef struct mokWeights_t {
   mokTensor_t w_gate, w_up, w_down;
   mokTensor_t ws_gate, ws_up, ws_down;

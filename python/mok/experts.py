@@ -3,16 +3,19 @@
 Frameworks keep the routed experts' gate and up projections in one parameter,
 gate_up_proj [E, 2I, H] (K-major rows: HF transformers' experts, among others), either
 concatenated (gate rows 0..I-1, then up rows) or interleaved (gate row i at 2i, up at 2i+1),
-and down_proj [E, H, I]. mok's kernels read both through their tensor maps with the
-parameter's own strides, and the backward writes one fused gradient [E, 2I, H] in the same
-layout: no per-call copy of any weight, no weight-sized buffer per step.
+and down_proj [E, H, I]; or transposed (HF's is_transposed=True, Megatron's legacy
+GroupedMLP): gate_up_proj [E, H, 2I] (gate columns 0..I-1, then up) and down_proj [E, I, H].
+mok reads each through views with the parameter's own strides (row-major matrices, or
+column-major ones for the transposed layout), and the backward writes one fused gradient in
+the parameter's layout: no per-call copy of any weight, no weight-sized buffer per step.
 
-  experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, interleaved=False, shared=None)
+  experts(x, topk_ids, topk_weights, gate_up_proj, down_proj, interleaved=False, transposed=False,
+          shared=None)
       y [T, H] bf16, differentiable in x, topk_weights and every weight (autograd, and the
       torch.library ops mok::experts_saving / mok::experts_backward for torch.compile);
   experts_separate(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None)
       the same with separate w_gate / w_up [E, I, H] (strided views welcome);
-  split_gate_up(gate_up_proj, interleaved)   the two [E, I, H] views mok reads;
+  split_gate_up(gate_up_proj, interleaved, transposed)   the two [E, I, H] views mok reads;
   unsupported_reason(...)                     why mok cannot run a layer here, or None.
 
 Ids outside [0, E) (HF's expert-parallel sentinel E, or -1) are routes to no expert.
@@ -32,8 +35,29 @@ from .config import MoKConfig, _alloc
 Shared = Optional[Sequence[Tensor]]
 
 
-def split_gate_up(gate_up_proj: Tensor, interleaved: bool = False) -> Tuple[Tensor, Tensor]:
-    """(w_gate, w_up) [E, I, H]: views of gate_up_proj [E, 2I, H] (no copy)."""
+# TEMPORARY: libmok refuses column-major (transposed) routed expert weights on CUDA until its
+# kernels read them (cuda_reads_transposed() in src/runtime/layer.cpp); this is the reason
+# unsupported_reason gives meanwhile. Delete it with the C++ refusal.
+_CUDA_TRANSPOSED_REFUSAL = "column-major (transposed) routed expert weights are not read by the CUDA kernels yet"
+
+_INTERLEAVED_TRANSPOSED = (
+    "interleaved=True with transposed=True: the gate would be every other column of gate_up_proj [E, H, 2I], "
+    "a view with unit stride in no dimension, which the kernels' TMA boxes cannot read; store gate and up "
+    "concatenated (gate columns 0..I-1, then up)")
+
+
+def split_gate_up(gate_up_proj: Tensor, interleaved: bool = False, transposed: bool = False
+                  ) -> Tuple[Tensor, Tensor]:
+    """(w_gate, w_up) [E, I, H]: views of gate_up_proj (no copy), [E, 2I, H]; with transposed,
+    [E, H, 2I] (gate columns 0..I-1, then up), whose views are column-major."""
+    if transposed:
+        if interleaved:
+            raise ValueError(_INTERLEAVED_TRANSPOSED)
+        if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] % 2:
+            raise ValueError(f"gate_up_proj must be [E, H, 2I] (transposed), got shape {list(gate_up_proj.shape)}")
+        inter = gate_up_proj.shape[2] // 2
+        columns = gate_up_proj.transpose(1, 2)
+        return columns[:, :inter], columns[:, inter:]
     if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
         raise ValueError(f"gate_up_proj must be [E, 2I, H], got shape {list(gate_up_proj.shape)}")
     if interleaved:
@@ -42,11 +66,23 @@ def split_gate_up(gate_up_proj: Tensor, interleaved: bool = False) -> Tuple[Tens
     return gate_up_proj[:, :inter], gate_up_proj[:, inter:]
 
 
+def _down_view(down_proj: Tensor, transposed: bool) -> Tensor:
+    """w_down [E, H, I] as mok reads it: down_proj itself, or the column-major view of a
+    transposed down_proj [E, I, H]."""
+    if not transposed:
+        return down_proj
+    if down_proj.dim() != 3:
+        raise ValueError(f"down_proj must be [E, I, H] (transposed), got shape {list(down_proj.shape)}")
+    return down_proj.transpose(1, 2)
+
+
 def unsupported_reason(*, hidden: int, intermediate: int, num_experts: int, topk: int,
                        device: "torch.device | str", shared_intermediate: int = 0, backward: bool = True,
-                       max_tokens: int = 1, config: Optional[MoKConfig] = None) -> Optional[str]:
+                       max_tokens: int = 1, config: Optional[MoKConfig] = None,
+                       transposed: bool = False) -> Optional[str]:
     """None when this libmok runs that layer (and its backward, with backward=True) on
-    `device`; else the sentence that names why (mokCheckSupport). Allocates nothing."""
+    `device`, with transposed (column-major) routed weights if `transposed`; else the sentence
+    that names why (mokCheckSupport). Allocates nothing."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         return f"mok runs on cpu and cuda devices, not {device.type}"
@@ -58,7 +94,11 @@ def unsupported_reason(*, hidden: int, intermediate: int, num_experts: int, topk
         result = _lib.symbol("mokCheckSupport")(ctypes.byref(c), int(backward))
     except (ValueError, NotImplementedError) as e:
         return str(e)
-    return None if result == _lib.SUCCESS else _lib.last_error() or _lib.error_string(result)
+    if result != _lib.SUCCESS:
+        return _lib.last_error() or _lib.error_string(result)
+    if transposed and device.type == "cuda":
+        return _CUDA_TRANSPOSED_REFUSAL
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -77,18 +117,18 @@ def _config(knobs: Sequence[float]) -> MoKConfig:
     return from_args(*ints[:5], knobs[5], ints[6], knobs[7], *ints[8:])
 
 
-def _weights(gate_up: Tensor, down: Tensor, interleaved: bool, ws_gate, ws_up, ws_down):
-    w_gate, w_up = split_gate_up(gate_up, interleaved)
-    return w_gate, w_up, down, ws_gate, ws_up, ws_down
+def _weights(gate_up: Tensor, down: Tensor, interleaved: bool, transposed: bool, ws_gate, ws_up, ws_down):
+    w_gate, w_up = split_gate_up(gate_up, interleaved, transposed)
+    return w_gate, w_up, _down_view(down, transposed), ws_gate, ws_up, ws_down
 
 
 @torch.library.custom_op("mok::experts_saving", mutates_args=())
 def experts_saving(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
                    ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
-                   interleaved: bool, knobs: List[float]) -> Tuple[Tensor, Tensor, Tensor]:
+                   interleaved: bool, transposed: bool, knobs: List[float]) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, h, shared_h): the training forward; h and shared_h are the pre-activations the
     CUDA backward reads (empty on the CPU, whose backward recomputes them)."""
-    weights = _weights(gate_up, down, interleaved, ws_gate, ws_up, ws_down)
+    weights = _weights(gate_up, down, interleaved, transposed, ws_gate, ws_up, ws_down)
     y, ctx = F.forward(x, topk_ids, topk_weights, *weights, config=_config(knobs))
     h, shared_h = ctx.saved if ctx.saved is not None else (None, None)
     empty = x.new_empty((0,), dtype=torch.bfloat16)
@@ -96,10 +136,11 @@ def experts_saving(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: T
 
 
 @experts_saving.register_fake
-def _(x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interleaved, knobs):
+def _(x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interleaved, transposed, knobs):
     config = _config(knobs)
-    T, E, k, inter = int(x.shape[0]), int(gate_up.shape[0]), int(topk_ids.shape[1]), int(gate_up.shape[1]) // 2
-    y = x.new_empty((T, down.shape[1]), dtype=torch.bfloat16)
+    T, E, k = int(x.shape[0]), int(gate_up.shape[0]), int(topk_ids.shape[1])
+    inter = int(gate_up.shape[2 if transposed else 1]) // 2
+    y = x.new_empty((T, x.shape[1]), dtype=torch.bfloat16)
     if x.device.type != "cuda":
         return y, x.new_empty((0,), dtype=torch.bfloat16), x.new_empty((0,), dtype=torch.bfloat16)
     max_rows, _, _ = F.plan_capacity(E, k, F.token_bucket(T), 1, config)
@@ -110,25 +151,29 @@ def _(x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interle
 @torch.library.custom_op("mok::experts_backward", mutates_args=())
 def experts_backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
                      ws_gate: Optional[Tensor], ws_up: Optional[Tensor], ws_down: Optional[Tensor],
-                     interleaved: bool, knobs: List[float], h: Tensor, shared_h: Tensor
+                     interleaved: bool, transposed: bool, knobs: List[float], h: Tensor, shared_h: Tensor
                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, d_topk_weights, d gate_up [E, 2I, H] in gate_up's layout, d down, d ws_gate,
-    d ws_up, d ws_down); the shared ones are empty without a shared expert."""
-    weights = _weights(gate_up, down, interleaved, ws_gate, ws_up, ws_down)
+    """(dx, d_topk_weights, d gate_up in gate_up's layout ([E, 2I, H], or [E, H, 2I]
+    transposed), d down in down's, d ws_gate, d ws_up, d ws_down); the shared ones are empty
+    without a shared expert."""
+    weights = _weights(gate_up, down, interleaved, transposed, ws_gate, ws_up, ws_down)
     ctx = F.recompute_forward_context(x, topk_ids, topk_weights, *weights, config=_config(knobs))
     if h.numel() > 0:
         ctx.saved = (h, shared_h if ws_gate is not None else None)
-    # One fused gradient [E, 2I, H], written through the views the weights are read through
+    # One fused gradient shaped like gate_up (and one like down), written through the views the
+    # weights are read through
     d_gate_up = _alloc(tuple(gate_up.shape), torch.bfloat16, gate_up.device)
-    d_gate, d_up = split_gate_up(d_gate_up, interleaved)
-    g = F.backward(ctx, dy, grads_out={"w_gate": d_gate, "w_up": d_up})
+    d_down = _alloc(tuple(down.shape), torch.bfloat16, down.device)
+    d_gate, d_up = split_gate_up(d_gate_up, interleaved, transposed)
+    g = F.backward(ctx, dy, grads_out={"w_gate": d_gate, "w_up": d_up, "w_down": _down_view(d_down, transposed)})
     absent = x.new_empty((0,), dtype=torch.bfloat16)
     shared = [t if t is not None else absent.clone() for t in (g.ws_gate, g.ws_up, g.ws_down)]
-    return g.dx, g.d_topk_weights, d_gate_up, g.w_down, *shared
+    return g.dx, g.d_topk_weights, d_gate_up, d_down, *shared
 
 
 @experts_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interleaved, knobs, h, shared_h):
+def _(dy, x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interleaved, transposed, knobs, h,
+      shared_h):
     def like(w):
         return x.new_empty((0,) if w is None else w.shape, dtype=torch.bfloat16)
 
@@ -137,10 +182,10 @@ def _(dy, x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, int
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interleaved, knobs = inputs
+    x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, interleaved, transposed, knobs = inputs
     _, h, shared_h = output
     ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, h, shared_h)
-    ctx.interleaved, ctx.knobs = interleaved, knobs
+    ctx.interleaved, ctx.transposed, ctx.knobs = interleaved, transposed, knobs
     ctx.mark_non_differentiable(h, shared_h)
 
 
@@ -148,9 +193,9 @@ def _backward(ctx, dy, _dh, _dsh):
     x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, h, shared_h = ctx.saved_tensors
     dx, dtw, d_gate_up, d_down, ds_gate, ds_up, ds_down = torch.ops.mok.experts_backward(
         dy.contiguous(), x, topk_ids, topk_weights, gate_up, down, ws_gate, ws_up, ws_down, ctx.interleaved,
-        ctx.knobs, h, shared_h)
+        ctx.transposed, ctx.knobs, h, shared_h)
     shared = (ds_gate, ds_up, ds_down) if ws_gate is not None else (None, None, None)
-    return dx, None, dtw, d_gate_up, d_down, *shared, None, None
+    return dx, None, dtw, d_gate_up, d_down, *shared, None, None, None
 
 
 experts_saving.register_autograd(_backward, setup_context=_setup)
@@ -177,20 +222,24 @@ def _shared(shared: Shared) -> Tuple[Optional[Tensor], Optional[Tensor], Optiona
 
 
 def experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, *,
-            interleaved: bool = False, shared: Shared = None, config: Optional[MoKConfig] = None) -> Tensor:
+            interleaved: bool = False, transposed: bool = False, shared: Shared = None,
+            config: Optional[MoKConfig] = None) -> Tensor:
     """y [T, H] bf16 = Σ_j w_j·down_e(bf16(silu(gate_e(x))·up_e(x))) (+ the shared expert's),
     with gate_up_proj [E, 2I, H] (interleaved: gate and up rows alternate) and down_proj
-    [E, H, I] read in place; autograd gives one fused gradient for gate_up_proj."""
+    [E, H, I] read in place; transposed: gate_up_proj [E, H, 2I] (gate columns, then up) and
+    down_proj [E, I, H], read in place as column-major matrices.  Autograd gives one fused
+    gradient for gate_up_proj, each gradient in its parameter's layout."""
+    split_gate_up(gate_up_proj, interleaved, transposed)  # the layout's errors before any work
     ids, weights = _routing(topk_ids, topk_weights, gate_up_proj.shape[0])
     ws_gate, ws_up, ws_down = _shared(shared)
     if not _needs_grad(x, weights, gate_up_proj, down_proj, ws_gate, ws_up, ws_down):
         # Inference: the plain forward, nothing kept for a backward
         from .ops import config_args
-        w_gate, w_up = split_gate_up(gate_up_proj, interleaved)
-        return torch.ops.mok.forward(x.contiguous(), ids, weights, w_gate, w_up, down_proj, ws_gate, ws_up, ws_down,
+        w_gate, w_up, w_down, *_ = _weights(gate_up_proj, down_proj, interleaved, transposed, None, None, None)
+        return torch.ops.mok.forward(x.contiguous(), ids, weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                      0, *config_args(config).values())
     y, _, _ = experts_saving(x.contiguous(), ids, weights, gate_up_proj, down_proj, ws_gate, ws_up, ws_down,
-                             bool(interleaved), _knobs(config))
+                             bool(interleaved), bool(transposed), _knobs(config))
     return y
 
 

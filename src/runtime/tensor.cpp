@@ -124,10 +124,10 @@ ref::MatrixStrides check_matrices(const mokTensor_t& t, const std::string& who, 
     MOK_CHECK_ARG((step * bytes) % 16 == 0, who << ": " << step_name << " " << step << " (" << step * bytes
                                                 << " bytes) must be a multiple of 16 bytes on CUDA (TMA strides); "
                                                 << "strides " << strides << " for shape " << dims);
-    MOK_CHECK_ARG(s.expert % step == 0, who << ": stride " << s.expert << " along dimension 0 must be a multiple of the "
-                                            << step_name << " " << step << " on CUDA (expert e's "
-                                            << (s.col_major() ? "columns are columns" : "rows are rows") << " e*"
-                                            << s.expert << "/" << step << " of one tensor map); strides " << strides);
+    MOK_CHECK_ARG(s.expert % step == 0,
+                  who << ": stride " << s.expert << " along dimension 0 must be a multiple of the " << step_name << " "
+                      << step << " on CUDA (expert e's " << (s.col_major() ? "columns are columns" : "rows are rows")
+                      << " e*" << s.expert << "/" << step << " of one tensor map); strides " << strides);
   }
   return s;
 }

@@ -106,7 +106,8 @@ struct Strided {
 // A [num, rows, cols] view (or [rows, cols] when num == 0) of data with strides s.
 inline mokTensor_t strided_view(void* data, mokDtype_t dtype, int64_t num, int64_t rows, int64_t cols, Strided s,
                                 int32_t device = MOK_DEVICE_CPU) {
-  mokTensor_t t = num > 0 ? host_view(data, dtype, {num, rows, cols}, device) : host_view(data, dtype, {rows, cols}, device);
+  mokTensor_t t = num > 0 ? host_view(data, dtype, {num, rows, cols}, device)
+                          : host_view(data, dtype, {rows, cols}, device);
   if (num > 0) t.strides[0] = s.expert;
   t.strides[t.ndim - 2] = s.row;
   t.strides[t.ndim - 1] = s.col;

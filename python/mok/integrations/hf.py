@@ -6,7 +6,7 @@
 
 Every experts module that transformers' @use_experts_implementation decorates then calls
 mok_experts_forward.  It runs mok.experts.experts on the module's own parameters (gate_up_proj
-read in place, its gradient one [E, 2I, H] tensor) when mok computes exactly what the module
+read in place, its gradient one tensor in its layout) when mok computes exactly what the module
 computes; otherwise it runs transformers' grouped_mm experts function and warns once per
 (module class, reason) with a MokFallbackWarning that names the reason.  The decision is taken
 once per module and input kind (dtypes, devices, grad mode, top-k) and cached on the module;
@@ -14,8 +14,11 @@ fallback_reason(module, hidden_states, top_k_index, top_k_weights) gives it with
 
 mok computes gated SwiGLU experts without biases: y = sum_j w_j * down_e(silu(gate_e(x)) * up_e(x)),
 weights gate_up_proj [E, 2I, H] and down_proj [E, H, I] in bf16.  is_concatenated=True: gate rows
-then up rows; False: interleaved (gate row i at 2i, up row i at 2i + 1).  Ids outside
-[0, num_experts) (transformers' expert-parallel sentinel) route to no expert.
+then up rows; False: interleaved (gate row i at 2i, up row i at 2i + 1).  is_transposed=True with
+is_concatenated=True: gate_up_proj [E, H, 2I] (gate columns, then up) and down_proj [E, I, H],
+read in place as column-major matrices (mok.experts.experts(transposed=True)); on the CPU for
+now, since the CUDA kernels do not read them yet (a fallback that names it on CUDA).  Ids
+outside [0, num_experts) (transformers' expert-parallel sentinel) route to no expert.
 
 Covered, and checked against float64 and grouped_mm in tests/python/test_hf.py: Qwen3-MoE,
 Qwen2-MoE (its shared expert stays the model's), DeepSeek-V3, Mixtral, OLMoE.  With transformers
@@ -24,18 +27,22 @@ LFM2-MoE, MiniMax, PhiMoE, Qwen3.5-MoE, Qwen3-Next and Qwen3-VL-MoE, among other
 mok too (same flags and gate, SiLU by default; test_family_decisions builds each one's module).
 
 Fall back to grouped_mm, with the reason (the first one that applies is named):
-  gpt-oss, OpenAI privacy filter   biases (has_bias), transposed weights, a clamped SwiGLU with
-                                   alpha (their own _apply_gate)
+  gpt-oss, OpenAI privacy filter   biases (has_bias), a clamped SwiGLU with alpha (their own
+                                   _apply_gate); gpt-oss's weights are also transposed with gate
+                                   and up interleaved (is_concatenated=False)
   DeepSeek-V4, MiniMax-M3-VL,      a clamped SwiGLU (their own _apply_gate)
     GLM-5-Next, HY-V4
   Gemma-4 text experts             GELU (tanh) activation, not SiLU
   Nemotron-H                       ungated experts (has_gate=False, relu^2)
   any model                        an activation other than SiLU (config.hidden_act), weights or
                                    activations not in bfloat16, a device other than cpu/cuda,
-                                   tensor subclasses (e.g. DTensor), and what
+                                   tensor subclasses (e.g. DTensor), transposed weights with
+                                   gate and up interleaved (is_transposed=True,
+                                   is_concatenated=False), and what
                                    mok.experts.unsupported_reason() names: e.g. more routes per
-                                   token than local experts (expert parallelism), or on CUDA an
-                                   intermediate size its backward does not take
+                                   token than local experts (expert parallelism), on CUDA an
+                                   intermediate size its backward does not take, or on CUDA
+                                   transposed weights (until its kernels read them)
 """
 from __future__ import annotations
 
@@ -88,9 +95,10 @@ def _module_reason(module: torch.nn.Module) -> Optional[str]:
         return "its experts have no gate projection (has_gate=False); mok runs gated (SwiGLU) experts"
     if module.has_bias:
         return "its projections have biases (has_bias=True); mok's experts have none"
-    if module.is_transposed:
-        return ("its weights are stored transposed (is_transposed=True: [E, H, 2I] and [E, I, H]); this mok reads "
-                "[E, 2I, H] and [E, H, I] (transposed layouts come in a later release)")
+    if module.is_transposed and not module.is_concatenated:
+        return ("its weights are stored transposed with gate and up interleaved (is_transposed=True, "
+                "is_concatenated=False): the gate would be every other column of gate_up_proj [E, H, 2I], a view "
+                "mok's kernels cannot read in place")
     # A class (or instance) that overrides _apply_gate computes something else, e.g. a clamped SwiGLU.
     if getattr(module._apply_gate, "__func__", None) is not _default_apply_gate:
         return f"{type(module).__name__} has its own _apply_gate, not transformers' act(gate) * up"
@@ -98,12 +106,20 @@ def _module_reason(module: torch.nn.Module) -> Optional[str]:
     if reason is not None:
         return reason
     gate_up, down = module.gate_up_proj, module.down_proj
-    experts, two_i, hidden = gate_up.shape if gate_up.dim() == 3 else (0, 1, 0)  # (0, 1, 0): not 3-D
+    experts, two_i, hidden = _dims(module) if gate_up.dim() == 3 else (0, 1, 0)  # (0, 1, 0): not 3-D
     num_experts = getattr(module, "num_experts", experts)
-    if two_i % 2 or tuple(down.shape) != (experts, hidden, two_i // 2) or experts != num_experts:
+    want_down = (experts, two_i // 2, hidden) if module.is_transposed else (experts, hidden, two_i // 2)
+    if two_i % 2 or tuple(down.shape) != want_down or experts != num_experts:
+        layout = "[E, H, 2I] and [E, I, H] (is_transposed=True)" if module.is_transposed else "[E, 2I, H] and [E, H, I]"
         return (f"its weights are gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} for "
-                f"num_experts = {num_experts}, not [E, 2I, H] and [E, H, I]")
+                f"num_experts = {num_experts}, not {layout}")
     return None
+
+
+def _dims(module: torch.nn.Module):
+    """(E, 2I, H) of a module's 3-D gate_up_proj, [E, 2I, H] or transposed [E, H, 2I]."""
+    experts, a, b = module.gate_up_proj.shape
+    return (experts, b, a) if module.is_transposed else (experts, a, b)
 
 
 def _input_reason(module, x, topk, backward) -> Optional[str]:
@@ -121,9 +137,9 @@ def _input_reason(module, x, topk, backward) -> Optional[str]:
     if gate_up.device != x.device or down.device != x.device:
         return f"the expert weights are on {gate_up.device} / {down.device}, hidden_states on {x.device}"
     # mok's own rules for this layer on this device (e.g. the CUDA kernels' tile multiples)
-    experts, two_i, hidden = gate_up.shape
+    experts, two_i, hidden = _dims(module)
     return _mok_experts.unsupported_reason(hidden=hidden, intermediate=two_i // 2, num_experts=experts, topk=topk,
-                                           device=x.device, backward=backward)
+                                           device=x.device, backward=backward, transposed=module.is_transposed)
 
 
 class _Decisions(dict):
@@ -167,7 +183,8 @@ def mok_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_
     if reason is None:
         # gate_up_proj and down_proj are read in place; ids >= num_experts are no-routes.
         y = _mok_experts.experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                 interleaved=not self.is_concatenated, config=CONFIG)
+                                 interleaved=not self.is_concatenated, transposed=self.is_transposed,
+                                 config=CONFIG)
         return y.to(hidden_states.dtype)
     _warn_once(self, reason)
     return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
