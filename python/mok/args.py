@@ -74,12 +74,21 @@ def _forward_args(views: _lib.Views, ctx: ForwardContext, y: Optional[torch.Tens
                                weights=views.weights(ctx.weights, tag, _lib.BF16), y=views(y, tag + "y", _lib.BF16))
 
 
+def _grad_like(w: torch.Tensor, dtype) -> torch.Tensor:
+    """A gradient buffer shaped like weight w, in w's orientation: column-major matrices for a
+    column-major (transposed) w, whose gradient CUDA writes transposed too."""
+    if w.dim() >= 2 and w.shape[-2] > 1 and w.shape[-1] > 1 and w.stride(-2) == 1 and w.stride(-1) != 1:
+        return _alloc(tuple(w.shape[:-2]) + (w.shape[-1], w.shape[-2]), dtype, w.device).transpose(-1, -2)
+    return _alloc(tuple(w.shape), dtype, w.device)
+
+
 def _grad_buffers(x, topk_ids, weights, out_dtype=torch.bfloat16, given: Optional[Mapping[str, torch.Tensor]] = None):
-    """dx, d_topk_weights and the weight gradients (those in `given` are the caller's)."""
+    """dx, d_topk_weights and the weight gradients (those in `given` are the caller's; the others
+    in their weight's orientation)."""
     num_tokens, hidden = _shape_of(x, "x", 2)
     _, topk = _shape_of(topk_ids, "topk_ids", 2)
     given = given or {}
-    grads = {name: (None if w is None else given[name] if name in given else _alloc(tuple(w.shape), out_dtype, w.device))
+    grads = {name: (None if w is None else given[name] if name in given else _grad_like(w, out_dtype))
              for name, w in weights.items()}
     dx = _alloc((num_tokens, hidden), torch.bfloat16, x.device)
     d_topk_weights = _alloc((num_tokens, topk), torch.float32, x.device)

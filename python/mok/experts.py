@@ -35,10 +35,10 @@ from .config import MoKConfig, _alloc
 Shared = Optional[Sequence[Tensor]]
 
 
-# TEMPORARY: libmok refuses column-major (transposed) routed expert weights on CUDA until its
-# kernels read them (cuda_reads_transposed() in src/runtime/layer.cpp); this is the reason
-# unsupported_reason gives meanwhile. Delete it with the C++ refusal.
-_CUDA_TRANSPOSED_REFUSAL = "column-major (transposed) routed expert weights are not read by the CUDA kernels yet"
+# On CUDA only the fused backward reads column-major (transposed) routed weights; past its
+# table of local experts the backward runs separate launches, which read row-major ones
+# (src/cuda/backward.cu: fused::bwd::kMaxExperts).
+_FUSED_BACKWARD_MAX_EXPERTS = 512
 
 _INTERLEAVED_TRANSPOSED = (
     "interleaved=True with transposed=True: the gate would be every other column of gate_up_proj [E, H, 2I], "
@@ -96,8 +96,9 @@ def unsupported_reason(*, hidden: int, intermediate: int, num_experts: int, topk
         return str(e)
     if result != _lib.SUCCESS:
         return _lib.last_error() or _lib.error_string(result)
-    if transposed and device.type == "cuda":
-        return _CUDA_TRANSPOSED_REFUSAL
+    if transposed and backward and device.type == "cuda" and num_experts > _FUSED_BACKWARD_MAX_EXPERTS:
+        return (f"num_experts = {num_experts}: past the fused backward's {_FUSED_BACKWARD_MAX_EXPERTS} local experts "
+                f"the CUDA backward runs separate launches, which read row-major weights only, not transposed ones")
     return None
 
 

@@ -209,12 +209,6 @@ void check_ids_host(const plan::RoutingView& v, int s, const std::string& tag) {
 
 namespace {
 
-// TEMPORARY: whether the CUDA kernels read (and write) column-major, i.e. transposed, routed
-// expert weights.  They do not yet: until they do, check_weights refuses such weights on CUDA
-// before any launch.  When the kernels take them, delete this function and its one use below
-// (and mok.experts._CUDA_TRANSPOSED_REFUSAL, its Python twin).
-constexpr bool cuda_reads_transposed() { return false; }
-
 const char* orientation(const ref::MatrixStrides& s) { return s.col_major() ? "column-major" : "row-major"; }
 
 // The six weights (or their gradients, main_grads) in place; returns their strides.
@@ -274,10 +268,6 @@ ref::WeightStrides check_weights(const mokConfig_t& c, const mokWeights_t& w, in
                   describe(*first) << " but " << describe(m) << ": on CUDA w_gate, w_up and w_down must be all "
                                    << "row-major or all column-major (the kernels are instantiated per orientation)");
   }
-  // TEMPORARY (cuda_reads_transposed): column-major routed weights are refused on CUDA for now
-  MOK_CHECK_ARG(cuda_reads_transposed() || first == nullptr || !first->s.col_major(),
-                describe(*first) << ": column-major (transposed) routed expert weights are not read by the CUDA "
-                                 << "kernels yet; pass row-major copies, or run on the CPU");
   return s;
 }
 
@@ -319,6 +309,27 @@ ref::RankGrads check_backward_args(const mokConfig_t& c, const mokBackwardArgs_t
   ref::RankGrads g;
   g.grad_strides = check_weights(c, a.grads, device, tag + "grad of ", {mokBFloat16}, true);
   g.main_strides = check_weights(c, a.main_grads, device, tag + "main_grad of ", {mokFloat32}, false);
+  if (device >= 0) {
+    // On CUDA the fused backward writes the routed gradients in their weights' orientation (its
+    // transposed policy computes them transposed)
+    const bool transposed = check_weights(c, a.fwd.weights, device, tag, {mokBFloat16}, true).w_gate.col_major();
+    auto name = [](bool col_major) { return col_major ? "column-major (transposed)" : "row-major"; };
+    const struct {
+      const char* what;
+      const mokTensor_t& t;
+      const ref::MatrixStrides& s;
+    } grads[] = {{"grad of w_gate", a.grads.w_gate, g.grad_strides.w_gate},
+                 {"grad of w_up", a.grads.w_up, g.grad_strides.w_up},
+                 {"grad of w_down", a.grads.w_down, g.grad_strides.w_down},
+                 {"main_grad of w_gate", a.main_grads.w_gate, g.main_strides.w_gate},
+                 {"main_grad of w_up", a.main_grads.w_up, g.main_strides.w_up},
+                 {"main_grad of w_down", a.main_grads.w_down, g.main_strides.w_down}};
+    for (const auto& m : grads)
+      MOK_CHECK_ARG(!present(m.t) || m.s.col_major() == transposed,
+                    tag << m.what << " is " << name(m.s.col_major()) << " (strides " << shape_str(m.t.strides, m.t.ndim)
+                        << ") but the routed weights are " << name(transposed)
+                        << ": on CUDA the routed experts' gradients are written in their weights' orientation");
+  }
   g.dx = static_cast<bf16_t*>(a.dx.data);
   g.d_topk_weights = static_cast<float*>(a.d_topk_weights.data);
   g.dw_gate = static_cast<bf16_t*>(a.grads.w_gate.data);

@@ -298,34 +298,40 @@ TEST_F(CudaWeightRules, OneOrientationAndRowMajorSharedWeights) {
       << rejection(w);
 }
 
-// TEMPORARY, with cuda_reads_transposed() in src/runtime/layer.cpp: the CUDA kernels do not
-// read column-major routed weights yet (nor write such gradients); delete with it.
-TEST_F(CudaWeightRules, ColumnMajorRoutedWeightsAreRefusedForNow) {
-  mokWeights_t w = cm.views(mokBFloat16, 0);
-  w.ws_gate = row_major().ws_gate;
-  w.ws_up = row_major().ws_up;
-  w.ws_down = row_major().ws_down;
-  const std::string why = rejection(w);
-  EXPECT_NE(why.find("w_gate is column-major (strides [1280, 1, 40]): column-major (transposed) routed expert "
-                     "weights are not read by the CUDA kernels yet"),
-            std::string::npos)
-      << why;
-  // Their gradients too (the weights row-major)
+// On CUDA the fused backward writes the routed gradients in their weights' orientation: other
+// gradients (or main_grads) are named before any launch, in both directions.
+TEST_F(CudaWeightRules, RoutedGradientsFollowTheWeightsOrientation) {
+  mokWeights_t col = cm.views(mokBFloat16, 0);
+  col.ws_gate = row_major().ws_gate;
+  col.ws_up = row_major().ws_up;
+  col.ws_down = row_major().ws_down;
+  EXPECT_EQ(rejection(col), "") << "column-major routed weights are read on CUDA";
   std::vector<bf16_t> dx(TransposedCase::T * c.d.H);
   std::vector<float> dtw(TransposedCase::T * TransposedCase::k);
-  mokBackwardArgs_t b{};
-  b.fwd = args(row_major());
-  b.dy = host_view(c.dy.data(), mokBFloat16, {TransposedCase::T, c.d.H}, 0);
-  b.dx = host_view(dx.data(), mokBFloat16, {TransposedCase::T, c.d.H}, 0);
-  b.d_topk_weights = host_view(dtw.data(), mokFloat32, {TransposedCase::T, TransposedCase::k}, 0);
-  b.grads = w;
-  try {
-    check_backward_args(c.config, b, 0, "");
-    ADD_FAILURE() << "column-major gradients accepted on CUDA";
-  } catch (const mok::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("grad of w_gate is column-major"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("not read by the CUDA kernels yet"), std::string::npos) << e.what();
-  }
+  auto backward = [&](const mokWeights_t& weights, const mokWeights_t& grads) {
+    mokBackwardArgs_t b{};
+    b.fwd = args(weights);
+    b.dy = host_view(c.dy.data(), mokBFloat16, {TransposedCase::T, c.d.H}, 0);
+    b.dx = host_view(dx.data(), mokBFloat16, {TransposedCase::T, c.d.H}, 0);
+    b.d_topk_weights = host_view(dtw.data(), mokFloat32, {TransposedCase::T, TransposedCase::k}, 0);
+    b.grads = grads;
+    try {
+      check_backward_args(c.config, b, 0, "");
+      return std::string();
+    } catch (const mok::Error& e) {
+      return std::string(e.what());
+    }
+  };
+  EXPECT_EQ(backward(col, col), "");
+  EXPECT_EQ(backward(row_major(), row_major()), "");
+  const std::string row_weights = backward(row_major(), col);
+  EXPECT_NE(row_weights.find("grad of w_gate is column-major (transposed)"), std::string::npos) << row_weights;
+  EXPECT_NE(row_weights.find("routed weights are row-major: on CUDA the routed experts' gradients are written in "
+                             "their weights' orientation"),
+            std::string::npos)
+      << row_weights;
+  const std::string col_weights = backward(col, row_major());
+  EXPECT_NE(col_weights.find("grad of w_gate is row-major"), std::string::npos) << col_weights;
 }
 
 }  // namespace

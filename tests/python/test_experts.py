@@ -1,8 +1,8 @@
 """Expert weights read in place (mok.experts, strided weights through the C ABI): every layout
 frameworks store gives the bits of contiguous weights, forward and backward, the gradients
 written in the weights' own layout, on the CPU backend and on CUDA (fused and unfused).  The
-transposed layout (column-major matrices) runs on the CPU; on CUDA it is refused until the
-kernels read it (mok.experts.unsupported_reason names it), and its tests there check that."""
+transposed layout (column-major matrices) runs on both; on CUDA through the fused kernels only
+(the unfused launches refuse it by name: test_gpu_transposed.py)."""
 import re
 
 import pytest
@@ -61,8 +61,9 @@ def _layer(gen, device, H=256, I=256, E=4, k=2, T=200, I_s=0):
 
 
 def _refused(device, layout, H=256, I=256, E=4, k=2):
-    """Why libmok refuses this layout on this device for now (None: it runs it): column-major
-    routed weights on CUDA until the kernels read them."""
+    """Why libmok refuses this layout on this device (None: it runs it): transposed weights on
+    CUDA where the backward takes the unfused launches (more local experts than the fused
+    kernel's table)."""
     return X.unsupported_reason(hidden=H, intermediate=I, num_experts=E, topk=k, device=device,
                                 transposed=layout == "transposed")
 
@@ -236,17 +237,19 @@ def test_transposed_layout_errors(gen):
         X.experts(x, ids, tw, gu_t, w["w_down"], transposed=True)
 
 
-@needs_cuda
-def test_cuda_refuses_transposed_weights_for_now(gen):
-    """TEMPORARY, with cuda_reads_transposed() (src/runtime/layer.cpp) and
-    mok.experts._CUDA_TRANSPOSED_REFUSAL: delete with them."""
-    x, ids, tw, w, _ = _layer(gen, "cuda", T=16)
-    gu_t = torch.cat([w["w_gate"], w["w_up"]], dim=1).transpose(1, 2).contiguous()
-    why = "column-major (transposed) routed expert weights are not read by the CUDA kernels yet"
+def test_unsupported_reason_of_transposed_weights():
+    # On CUDA the backward past the fused kernel's table of local experts runs the unfused
+    # launches, which read row-major weights only; the forward, the CPU and the fused backward
+    # take them
+    why = X.unsupported_reason(hidden=256, intermediate=256, num_experts=1024, topk=2, device="cuda", transposed=True)
+    assert why is not None and "num_experts = 1024" in why and "row-major weights only" in why
+    assert X.unsupported_reason(hidden=256, intermediate=256, num_experts=1024, topk=2, device="cuda",
+                                transposed=True, backward=False) is None
+    assert X.unsupported_reason(hidden=256, intermediate=256, num_experts=1024, topk=2, device="cuda") is None
     assert X.unsupported_reason(hidden=256, intermediate=256, num_experts=4, topk=2, device="cuda",
-                                transposed=True) == why
-    with pytest.raises(ValueError, match=re.escape("w_gate is column-major (strides [131072, 1, 512]): " + why)):
-        X.experts(x, ids, tw, gu_t, w["w_down"].transpose(1, 2).contiguous(), transposed=True)
+                                transposed=True) is None
+    assert X.unsupported_reason(hidden=256, intermediate=256, num_experts=4, topk=2, device="cpu",
+                                transposed=True) is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -288,8 +291,9 @@ def test_cuda_names_what_tma_cannot_follow(gen):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("saved", [False, True])
 def test_cuda_fused_equals_unfused_with_strided_weights(gen, monkeypatch, layout, saved):
-    if _refused("cuda", layout, H=512, E=8):
-        pytest.skip(_refused("cuda", layout, H=512, E=8))  # test_strided_weights_... checks the refusal
+    if layout == "transposed":
+        pytest.skip("the unfused launches read row-major weights only (test_gpu_transposed.py checks the refusal, "
+                    "and compares the transposed layer with the row-major one bit for bit)")
     x, ids, tw, w, dy = _layer(gen, "cuda", H=512, I=256, E=8, k=2, T=300, I_s=256)
     views, _ = _lay_out(w, layout, lambda shape: _nan(shape, torch.bfloat16, "cuda"))
     strided = {**w, **views}

@@ -204,21 +204,17 @@ def transpose_parameters(module):
 @pytest.mark.parametrize("device", DEVICES)
 def test_transposed_layout(device, gen, mok_calls):
     """is_transposed=True (is_concatenated=True): mok reads gate_up_proj [E, H, 2I] and down_proj
-    [E, I, H] in place and returns their gradients in that layout, where this libmok reads
-    column-major weights (the CPU; CUDA once its kernels do); elsewhere it falls back, naming why."""
+    [E, I, H] in place and returns their gradients in that layout, on the CPU and on CUDA (the
+    fused kernels' transposed policy)."""
     module = experts_of(tiny_model("qwen3_moe", device))[0]
     set_weights(module, gen)
     x, ids, weights, dy = module_inputs(module, gen, device)
     want = float64_grads(module, x, ids, weights, dy)
     transpose_parameters(module)
     assert hf._module_reason(module) is None
-    refused = mok.experts.unsupported_reason(hidden=256, intermediate=256, num_experts=8, topk=2, device=device,
-                                             transposed=True)
-    assert hf.fallback_reason(module, x.requires_grad_(), ids, weights) == refused
-    if refused is not None:  # CUDA, until its kernels read column-major weights
-        assert device == "cuda" and "not read by the CUDA kernels yet" in refused
-        check_fallback(module, gen, device, mok_calls, refused)
-        return
+    assert mok.experts.unsupported_reason(hidden=256, intermediate=256, num_experts=8, topk=2, device=device,
+                                          transposed=True) is None
+    assert hf.fallback_reason(module, x.requires_grad_(), ids, weights) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error", hf.MokFallbackWarning)
         y, dx, dw, d_gate_up, d_down = run_module(module, x, ids, weights, dy)
