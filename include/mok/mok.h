@@ -159,9 +159,10 @@ typedef struct mokConfig_t {
  * whose rows (or columns) and matrices do not overlap; w_gate and w_up share their strides.
  * On CUDA also: 16-byte aligned data, a row (column) stride of a multiple of 16 bytes, an
  * expert stride that is a multiple of it; w_gate, w_up and w_down all row-major or all
- * column-major, the shared expert's row-major; column-major routed weights are refused on
- * CUDA for now (the kernels do not read them yet).  The same rules hold for the gradients
- * and main_grads of mokBackwardArgs_t, whose orientation need not be the weights'. */
+ * column-major, the shared expert's row-major (column-major routed weights are read by the
+ * fused kernels, not by the unfused launches: MOK_FORWARD_PATH / MOK_BACKWARD_PATH=unfused,
+ * or more than 512 local experts in the backward).  The same rules hold for the gradients and
+ * main_grads of mokBackwardArgs_t; on CUDA the routed ones are in the weights' orientation. */
 typedef struct mokWeights_t {
   mokTensor_t w_gate, w_up, w_down;
   mokTensor_t ws_gate, ws_up, ws_down;

@@ -16,8 +16,8 @@ mok computes gated SwiGLU experts without biases: y = sum_j w_j * down_e(silu(ga
 weights gate_up_proj [E, 2I, H] and down_proj [E, H, I] in bf16.  is_concatenated=True: gate rows
 then up rows; False: interleaved (gate row i at 2i, up row i at 2i + 1).  is_transposed=True with
 is_concatenated=True: gate_up_proj [E, H, 2I] (gate columns, then up) and down_proj [E, I, H],
-read in place as column-major matrices (mok.experts.experts(transposed=True)); on the CPU for
-now, since the CUDA kernels do not read them yet (a fallback that names it on CUDA).  Ids
+read in place as column-major matrices (mok.experts.experts(transposed=True)), on the CPU and
+on CUDA.  Ids
 outside [0, num_experts) (transformers' expert-parallel sentinel) route to no expert.
 
 Covered, and checked against float64 and grouped_mm in tests/python/test_hf.py: Qwen3-MoE,
@@ -42,7 +42,7 @@ Fall back to grouped_mm, with the reason (the first one that applies is named):
                                    mok.experts.unsupported_reason() names: e.g. more routes per
                                    token than local experts (expert parallelism), on CUDA an
                                    intermediate size its backward does not take, or on CUDA
-                                   transposed weights (until its kernels read them)
+                                   transposed weights with more than 512 local experts
 """
 from __future__ import annotations
 
