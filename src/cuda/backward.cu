@@ -501,17 +501,9 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-  // The instantiation of the routed weights' orientation (fused/policy.cuh)
-  auto launch = [&](auto policy) {
-    using Pol = decltype(policy);
-    auto* const kernel = fb::fused_backward_kernel<Pol>;
-    constexpr size_t kSmem = fb::kSmemBytes<Pol>;
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-    kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
-  };
-  if (w.transposed) launch(fused::PolicyBf16Transposed{});
-  else launch(fused::PolicyBf16{});
-  MOK_CUDA_CHECK(cudaGetLastError());
+  fused::launch_for_orientation(
+      w.transposed, ws.grid, stream, [](auto pol) { return fb::fused_backward_kernel<decltype(pol)>; },
+      [](auto pol) { return fb::kSmemBytes<decltype(pol)>; }, m, p);
 }
 
 }  // namespace

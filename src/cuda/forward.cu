@@ -256,17 +256,9 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
     m.ws_down = m.w_down;
   }
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
-  // The instantiation of the routed weights' orientation (fused/policy.cuh)
-  auto launch = [&](auto policy) {
-    using Pol = decltype(policy);
-    auto* const kernel = fused::fused_forward_kernel<Pol>;
-    constexpr size_t kSmem = fused::kFusedSmemBytes<Pol>;
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-    kernel<<<ws.grid, Pol::Tile::kThreads, kSmem, stream>>>(m, p);
-  };
-  if (w.transposed) launch(fused::PolicyBf16Transposed{});
-  else launch(fused::PolicyBf16{});
-  MOK_CUDA_CHECK(cudaGetLastError());
+  fused::launch_for_orientation(
+      w.transposed, ws.grid, stream, [](auto pol) { return fused::fused_forward_kernel<decltype(pol)>; },
+      [](auto pol) { return fused::kFusedSmemBytes<decltype(pol)>; }, m, p);
 }
 }  // namespace
 

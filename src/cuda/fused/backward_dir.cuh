@@ -11,25 +11,17 @@
 
 namespace mok::cuda::fused::bwd {
 
+// The backward's types (direction.cuh: DirTypes) under policy Pol
 template <class Pol>
-struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                       SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, Load,
-                                       CounterArray, kMaxSignals, kBackwardDirection, Pol>> {
-  using Base = DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                SharedT<typename Pol::Stages>, Geometry, TaskCounts, bwd::Task, Load, CounterArray,
-                                kMaxSignals, kBackwardDirection, Pol>>;
-  using typename Base::Counts;
-  using typename Base::GeometryT;
-  using typename Base::Load;
-  using typename Base::MapsT;
-  using typename Base::Params;
-  using typename Base::Shared;
-  using typename Base::Stage;
-  using typename Base::Stages;
-  using typename Base::Task;
-  using typename Base::Tile;
-  using Base::kDone;
-  using Base::visit;
+using BackwardTypes =
+    DirTypes<TaskKind, BackwardParams, MapsWith<typename Pol::ScaleMaps>, SharedT<typename Pol::Stages>, Geometry,
+             TaskCounts, bwd::Task, Load, CounterArray, kMaxSignals, kBackwardDirection, Pol>;
+
+template <class Pol>
+struct BackwardDir : DirBase<BackwardTypes<Pol>> {
+  using Base = DirBase<BackwardTypes<Pol>>;
+  using Shared = SharedT<typename Pol::Stages>;
+  using Params = BackwardParams;
   static_assert(kSmemBytes<Pol> <= 227 * 1024, "fused backward shared storage exceeds 227 KB");
 
   // Many short tiles (wgrad K = an expert's rows): the next task's claim and decode go under
@@ -59,25 +51,26 @@ struct BackwardDir : DirBase<DirTypes<TaskKind, BackwardParams, MapsWith<typenam
   // ---- the role loops (roles/): what DirBase does not ----
   // The geometry and tile counts every role of the block reads (set up at kernel entry)
   __device__ __forceinline__ static Task decode(const Shared& sh, const Params& p, int32_t task);
-  __device__ __forceinline__ static Task done() { return Task{kDone, 0, 0, 0, 0, 0, 0, 0}; }
-  __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
-                                              const Task& info) {
-    return visit(info.kind, [&, info](auto op) { return decltype(op)::template load<Pol>(maps, p, g, c, info); });
+  __device__ __forceinline__ static Task done() { return Task{Base::kDone, 0, 0, 0, 0, 0, 0, 0}; }
+  __device__ __forceinline__ static Load load(const MapsWith<typename Pol::ScaleMaps>& maps, const Params& p,
+                                              const Geometry& g, const TaskCounts& c, const Task& info) {
+    return Base::visit(info.kind, [&, info](auto op) { return decltype(op)::template load<Pol>(maps, p, g, c, info); });
   }
   // The tile's loads (fused::produce_load); after_first() once the first k-block is issued
   template <class AfterFirst>
-  __device__ __forceinline__ static bool produce(Stages& s, Stage& stage, const Load& l, const gemm::WaitContext& wait,
-                                                 AfterFirst&& after_first) {
+  __device__ __forceinline__ static bool produce(typename Pol::Stages& s, typename Pol::Stage& stage, const Load& l,
+                                                 const gemm::WaitContext& wait, AfterFirst&& after_first) {
     return produce_load(s, stage, l, wait, after_first);
   }
   // A task of no k-blocks (a wgrad tile of zeros) takes no stage; its epilogue does not read acc.
-  __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task& t, int32_t k_blocks, int consumer,
-                                                 float (&acc)[Tile::kAccRegs], const gemm::WaitContext& wait) {
+  __device__ __forceinline__ static bool consume(typename Pol::Stages& s, typename Pol::Stage& stage, const Task& t,
+                                                 int32_t k_blocks, int consumer, float (&acc)[Pol::Tile::kAccRegs],
+                                                 const gemm::WaitContext& wait) {
     // NOTES: through a shuffle, so that ptxas knows the K loop's length is warp-uniform (C7518)
     k_blocks = __shfl_sync(0xffffffffu, k_blocks, 0);
     if (k_blocks == 0) return true;
-    const int32_t ops =
-        visit(t.kind, [](auto op) { return static_cast<int32_t>(decltype(op)::template kOpsFor<Pol::kTransposed>); });
+    const int32_t ops = Base::visit(
+        t.kind, [](auto op) { return static_cast<int32_t>(decltype(op)::template kOpsFor<Pol::kTransposed>); });
     if (ops == static_cast<int32_t>(gemm::Operands::kKMajor))
       return gemm::consume_tile<gemm::Operands::kKMajor>(s, stage, k_blocks, consumer, acc, wait);
     if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor))
@@ -90,7 +83,7 @@ template <class Pol>
 __device__ __forceinline__ auto BackwardDir<Pol>::decode(const Shared& sh, const Params& p, int32_t task) -> Task {
   const TaskTile tile = decode_task(sh.segments, sh.num_segments, task, sh.geo, sh.counts);
   Task t{tile.kind, tile.unit, tile.n, tile.macro, 0, 0, 0, 0};
-  visit(t.kind, [&](auto op) { decltype(op)::prepare(p, t); });
+  Base::visit(t.kind, [&](auto op) { decltype(op)::prepare(p, t); });
   return t;
 }
 

@@ -49,29 +49,22 @@
 
 namespace mok::cuda::fused {
 
+// The forward's types (direction.cuh: DirTypes) under policy Pol
 template <class Pol>
-struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                      FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, Load,
-                                      CounterArray, kMaxSignals, kForwardDirection, Pol>> {
-  using Base = DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>,
-                                FusedSharedT<typename Pol::Stages>, Geometry, TaskCounts, TaskInfo, Load,
-                                CounterArray, kMaxSignals, kForwardDirection, Pol>>;
-  using typename Base::Counts;
-  using typename Base::GeometryT;
-  using typename Base::Load;
-  using typename Base::MapsT;
-  using typename Base::Params;
-  using typename Base::Shared;
-  using typename Base::Stage;
-  using typename Base::Stages;
-  using typename Base::Task;
-  using typename Base::Tile;
-  using Base::kDone;
-  using Base::visit;
+using ForwardTypes =
+    DirTypes<TaskKind, ForwardParams, MapsWith<typename Pol::ScaleMaps>, FusedSharedT<typename Pol::Stages>, Geometry,
+             TaskCounts, TaskInfo, Load, CounterArray, kMaxSignals, kForwardDirection, Pol>;
+
+template <class Pol>
+struct ForwardDir : DirBase<ForwardTypes<Pol>> {
+  using Base = DirBase<ForwardTypes<Pol>>;
+  using Shared = FusedSharedT<typename Pol::Stages>;
+  using Params = ForwardParams;
+  using Task = TaskInfo;
   static_assert(kFusedSmemBytes<Pol> <= 227 * 1024, "fused shared storage exceeds 227 KB");
 
   static constexpr bool kClaimAhead = false;  // the producer claims a task after the last one's loads
-  static constexpr int kProducerRegs = Tile::kProducerRegs, kConsumerRegs = Tile::kConsumerRegs;
+  static constexpr int kProducerRegs = Pol::Tile::kProducerRegs, kConsumerRegs = Pol::Tile::kConsumerRegs;
 
   // ---- the kernel entry (forward_kernel.cuh) ----
   // The geometry and tile counts in the kernel's locals (registers); the gathers' counters and
@@ -95,14 +88,14 @@ struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename 
   __device__ __forceinline__ static Task decode(const Shared& sh, const Params&, int32_t task) {
     return decode_task(sh, task);
   }
-  __device__ __forceinline__ static Task done() { return TaskInfo{kDone, 0, 0, 0}; }
-  __device__ __forceinline__ static Load load(const MapsT& maps, const Params& p, const GeometryT& g, const Counts& c,
-                                              const Task& info) {
+  __device__ __forceinline__ static Task done() { return TaskInfo{Base::kDone, 0, 0, 0}; }
+  __device__ __forceinline__ static Load load(const MapsWith<typename Pol::ScaleMaps>& maps, const Params& p,
+                                              const Geometry& g, const TaskCounts& c, const Task& info) {
     Load load{};
-    visit(info.kind, [&, info](auto op) { load = decltype(op)::template load<Pol>(maps, p, g, c, info); });
+    Base::visit(info.kind, [&, info](auto op) { load = decltype(op)::template load<Pol>(maps, p, g, c, info); });
     return load;
   }
-  __device__ __forceinline__ static bool produce(Stages& s, Stage& stage, const Load& load,
+  __device__ __forceinline__ static bool produce(typename Pol::Stages& s, typename Pol::Stage& stage, const Load& load,
                                                  const gemm::WaitContext& wait) {
     // NOTES: row-major weights: every op K-major, its halves apart (the plain tile loop; through
     // produce_load the forward kept the Load's other fields on the stack: 16 bytes more spills)
@@ -114,11 +107,11 @@ struct ForwardDir : DirBase<DirTypes<TaskKind, ForwardParams, MapsWith<typename 
       return produce_load(s, stage, load, wait, [] {});
   }
   // Every op K-major, but the routed ones with transposed weights (N-major)
-  __device__ __forceinline__ static bool consume(Stages& s, Stage& stage, const Task& t, int32_t k_blocks,
-                                                 int consumer, float (&acc)[Tile::kAccRegs],
+  __device__ __forceinline__ static bool consume(typename Pol::Stages& s, typename Pol::Stage& stage, const Task& t,
+                                                 int32_t k_blocks, int consumer, float (&acc)[Pol::Tile::kAccRegs],
                                                  const gemm::WaitContext& wait) {
     if constexpr (Pol::kTransposed) {
-      const bool n_major = visit(t.kind, [](auto op) {
+      const bool n_major = Base::visit(t.kind, [](auto op) {
         return decltype(op)::template kOpsFor<true> == gemm::Operands::kBNMajor;
       });
       if (n_major) return gemm::consume_tile<gemm::Operands::kBNMajor>(s, stage, k_blocks, consumer, acc, wait);

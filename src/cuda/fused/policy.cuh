@@ -13,6 +13,9 @@
 // The shared expert's weights are nn.Linear modules: row-major in every instantiation.
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.hpp"
 #include "cuda/fused/tile_sizes.cuh"
 #include "cuda/gemm/tile.cuh"
 
@@ -33,5 +36,24 @@ struct Policy {
 using PolicyBf16 = Policy<gemm::PrecisionBf16, false>;
 using PolicyBf16Transposed = Policy<gemm::PrecisionBf16, true>;
 static_assert(sizeof(PolicyBf16::Stages) == sizeof(gemm::StageStorage), "bf16 stages hold no scales");
+
+// The host's launch of a fused kernel, instantiated for the routed weights' orientation:
+// kernel_of(Pol{}) is the kernel of policy Pol, smem_of(Pol{}) its dynamic shared memory
+// (forward.cu, backward.cu); args are its parameters.
+template <class KernelOf, class SmemOf, class... Args>
+void launch_for_orientation(bool transposed, int grid, cudaStream_t stream, KernelOf kernel_of, SmemOf smem_of,
+                            const Args&... args) {
+  auto launch = [&](auto policy) {
+    auto* const kernel = kernel_of(policy);
+    const size_t smem = smem_of(policy);
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    kernel<<<grid, decltype(policy)::Tile::kThreads, smem, stream>>>(args...);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  };
+  if (transposed)
+    launch(PolicyBf16Transposed{});
+  else
+    launch(PolicyBf16{});
+}
 
 }  // namespace mok::cuda::fused

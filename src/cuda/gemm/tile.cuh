@@ -32,7 +32,8 @@
 namespace mok::gemm {
 
 inline constexpr int kNChunkElems = 64 * TileConfig::kBlockK;  // one 64 N x 64 K box (N- or MN-major): 8 KB
-static_assert(TileConfig::kBlockN % 64 == 0 && (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes &&
+static_assert(TileConfig::kBlockN % 64 == 0 &&
+                  (TileConfig::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfig::kBHalfBytes &&
                   (TileConfigN128::kBlockN / 64) * kNChunkElems * 2 == 2 * TileConfigN128::kBHalfBytes,
               "an N-major B stage is kBlockN/64 boxes of 64 x 64 and as large as the K-major one");
 
@@ -243,7 +244,8 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineSta
     // Wait for the stage, then issue its MMAs
     if (!s.pipe.consumer_wait(stage, wait)) return false;
 #pragma unroll
-    for (int j = 0; j < T::kSlabs; ++j) P::Mma::template issue<kOps, T>(acc[j], s, stage.index, T::kPingPong ? j : consumer, kb);
+    for (int j = 0; j < T::kSlabs; ++j)
+      P::Mma::template issue<kOps, T>(acc[j], s, stage.index, T::kPingPong ? j : consumer, kb);
     ptx::wgmma_commit();
     // NOTES: no register fence here: touching acc while a group is in flight makes ptxas
     // inject a wait (C7517) and serialise the MMAs.

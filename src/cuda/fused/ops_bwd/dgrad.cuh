@@ -45,7 +45,8 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
   }
   // The tile's h passes after its k-blocks, and the SwiGLU-backward epilogue that reads them
   template <class Pol, class Stages, class Stage, class MapsArg>
-  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m, const BackwardParams& p, const Task& t,
+  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m,
+                                                          const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
     return gemm::produce_swiglu_h(s, stage, &m.h_k, t.block * kBlockM, t.n_block * kBlockN, p.inter, wait);
   }
@@ -91,7 +92,8 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
   }
   // As DgradDown's, over the shared h
   template <class Pol, class Stages, class Stage, class MapsArg>
-  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m, const BackwardParams& p, const Task& t,
+  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg& m,
+                                                          const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
     return gemm::produce_swiglu_h(s, stage, &m.sh_h_k, t.block * kBlockM, t.n_block * kBlockN, p.shared_inter,
                                   wait);

@@ -29,8 +29,9 @@ struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
                                               const TaskCounts& c, const Task& t) {
     // The gate and up halves: rows of w_gate and w_up, or (transposed) their columns
     const int32_t e_row = g.expert_of(t.block) * p.gate_up_pitch, ch = t.n_block * kHalfN;
-    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &m.x_rows_k, &m.w_gate_k, &m.w_up_k, t.block * kBlockM,
-                Pol::kTransposed ? e_row : e_row + ch, Pol::kTransposed ? ch : 0, kHalvesApart, k_blocks(p, g, c, t), 0};
+    return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &m.x_rows_k, &m.w_gate_k, &m.w_up_k,
+                t.block * kBlockM, Pol::kTransposed ? e_row : e_row + ch, Pol::kTransposed ? ch : 0, kHalvesApart,
+                k_blocks(p, g, c, t), 0};
   }
   template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const BackwardParams& p,

@@ -39,8 +39,8 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     if (!Dir::consume(sh.stages, stage, info, k_blocks, consumer, acc, wait)) break;
     // (an epilogue that reads stages takes the stage ring; NOTES: its result through a shuffle,
     // so that ptxas knows the branch is warp-uniform: C7518 otherwise)
-    const bool epilogue_ok =
-        Dir::epilogue(acc, consumer, p, g, counts, info, EpilogueRing<typename Dir::Stages>{sh.stages, stage, wait, bar_id});
+    const bool epilogue_ok = Dir::epilogue(acc, consumer, p, g, counts, info,
+                                           EpilogueRing<typename Dir::Stages>{sh.stages, stage, wait, bar_id});
     if (!__shfl_sync(0xffffffffu, epilogue_ok, 0)) break;
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
