@@ -79,11 +79,12 @@ def gemm_kinds(args, H, I, k, E, T):
     wu = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
     wd = (torch.randn(E, H, I, device=dev, generator=g) / I ** 0.5).bfloat16()
     wgu = torch.cat([wg, wu], dim=1).contiguous()
+    wd_t = wd.transpose(1, 2).contiguous()  # W_down stored transposed: [E, I, H], K = H contiguous
     block_expert = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(rows // 128)
     offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
     ex_off = torch.arange(E + 1, device=dev, dtype=torch.int32) * rows
     ex_cnt = torch.full((E,), rows, device=dev, dtype=torch.int32)
-    da, dx = torch.empty(M, I, **bf), torch.empty(M, H, **bf)
+    da, dx, da_k = torch.empty(M, I, **bf), torch.empty(M, H, **bf), torch.empty(M, I, **bf)
     gwd, gwgu = torch.empty(E, H, I, **bf), torch.empty(E, 2 * I, H, **bf)
     h = torch.randn(M, 2 * I, device=dev, generator=g).bfloat16()
     rw = torch.rand(M, device=dev, generator=g)
@@ -107,6 +108,11 @@ def gemm_kinds(args, H, I, k, E, T):
         "dgrad down": (2 * M * H * I,
                        lambda: ops.grouped_mm(dy, wd, block_expert, out=da, kind="dgrad_down"),
                        lambda: torch._grouped_mm(dy, wd, offs=offs)),
+        # The same product with B K-major (W_down stored transposed: the down kind's tiles), the
+        # orientation the transposed policy's dgrad reads
+        "dgrad down B K-major": (2 * M * H * I,
+                                 lambda: ops.grouped_mm(dy, wd_t, block_expert, out=da_k, kind="down"),
+                                 lambda: torch._grouped_mm(dy, wd, offs=offs)),
         "dgrad gate/up": (4 * M * H * I,
                           lambda: ops.grouped_mm(dgu, wg, block_expert, wu, out=dx, kind="dgrad_gate_up"),
                           lambda: torch._grouped_mm(dgu, wgu, offs=offs)),
@@ -128,7 +134,7 @@ def gemm_kinds(args, H, I, k, E, T):
             variants[f"mok[{vname}] " + name] = with_env(env, mok_fn)
         variants["torch " + name] = torch_fn
     # Every variant's output equals the base variant's (the knobs change the schedule, not the bits)
-    outs = {"dgrad down": da, "dgrad gate/up": dx, "dgrad dn+swiglu": dh, "wgrad down": gwd, "wgrad gate/up": gwgu}
+    outs = {"dgrad down": da, "dgrad down B K-major": da_k, "dgrad gate/up": dx, "dgrad dn+swiglu": dh, "wgrad down": gwd, "wgrad gate/up": gwgu}
     for name, (_, mok_fn, _) in kinds.items():
         ref = None
         for vname, env in knobs.items():
@@ -139,6 +145,8 @@ def gemm_kinds(args, H, I, k, E, T):
                 ref = got
             elif not torch.equal(got, ref):
                 raise SystemExit(f"{name}: variant {vname} differs from {next(iter(knobs))}")
+    if not torch.equal(da, da_k):
+        raise SystemExit("dgrad down: B K-major differs from B N-major")
     ms = interleaved(variants, args.heat_s, args.rounds)
     dense = 2 * 8192 ** 3 / ms["dense mm 8192^3"] / 1e9
     print(f"{args.shape} GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved rounds); "
