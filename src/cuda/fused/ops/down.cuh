@@ -6,10 +6,7 @@
 
 namespace mok::cuda::fused::ops {
 
-struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone> {
-  // Transposed weights ([E, H, 2I] / [E, I, H]: N contiguous) are read as stored, N-major
-  template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kBNMajor : gemm::Operands::kKMajor;
+struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone, gemm::Operands::kBNMajor> {
   // Every gate/up tile of its block (its act rows complete)
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kGateUpDone, unit, c.n_gate_up};

@@ -5,10 +5,7 @@
 
 namespace mok::cuda::fused::ops {
 
-struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone> {
-  // Transposed weights ([E, H, 2I] / [E, I, H]: N contiguous) are read as stored, N-major
-  template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kBNMajor : gemm::Operands::kKMajor;
+struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone, gemm::Operands::kBNMajor> {
   // Its rows gathered; the act rows it overwrites consumed by the previous occupant's down tiles
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kGatherReady, unit, kBlockM};

@@ -29,15 +29,16 @@
 #endif
 
 namespace mok::cuda::fused::ops {
-// What every forward op shares: its kind, K-major operands, and one signal at most (its row
-// block in `kSignalsV`'s array; kNone: nothing waits on its tiles).
-template <TaskKind kKindV, CounterArray kSignalsV>
+// What every forward op shares: its kind, K-major operands (kTransposedOpsV: its orientation
+// under the transposed policy, for the routed ops that read weights as stored), and one signal
+// at most (its row block in `kSignalsV`'s array; kNone: nothing waits on its tiles).
+template <TaskKind kKindV, CounterArray kSignalsV, gemm::Operands kTransposedOpsV = gemm::Operands::kKMajor>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = gemm::Operands::kKMajor;
-  // The orientation under a policy's routed weights (policy.cuh): the routed ops' own
+  // The orientation under a policy's routed weights (policy.cuh)
   template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kOps;
+  static constexpr gemm::Operands kOpsFor = kTransposed ? kTransposedOpsV : kOps;
   static constexpr bool kRingEpilogue = false;
   MOK_HD static int signals(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Signal* out) {
     if constexpr (kSignalsV == CounterArray::kNone) {

@@ -11,10 +11,7 @@
 
 namespace mok::cuda::fused::bwd::ops {
 
-struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor> {
-  // Transposed weights ([E, I, H] / [E, H, 2I]: K contiguous) are read as stored, K-major
-  template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kKMajor : gemm::Operands::kBNMajor;
+struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor, gemm::Operands::kKMajor> {
   static constexpr bool kRingEpilogue = true;  // h through the stage ring (gemm/epilogue_bwd.cuh)
   // Its block's dy rows gathered, and its h replayed where the forward did not keep it
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry& g, const TaskCounts& c, Wait* out) {
@@ -112,10 +109,7 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
 #endif
 };
 
-struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor> {
-  // Transposed weights ([E, I, H] / [E, H, 2I]: K contiguous) are read as stored, K-major
-  template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kKMajor : gemm::Operands::kBNMajor;
+struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor, gemm::Operands::kKMajor> {
   // Every dgrad-down tile of its block (its dg | du rows complete)
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts& c, Wait* out) {
     out[0] = Wait{CounterArray::kDgradDownDone, unit, c.n_dgrad_down};

@@ -40,15 +40,16 @@ namespace mok::cuda::fused::bwd {
 
 
 namespace ops {
-// What every op shares: its kind and orientation, and nothing to prepare (the wgrad ops find
+// What every op shares: its kind and orientation (kTransposedOpsV: under the transposed policy,
+// for the routed ops that read weights as stored), and nothing to prepare (the wgrad ops find
 // their piece).
-template <TaskKind kKindV, gemm::Operands kOpsV>
+template <TaskKind kKindV, gemm::Operands kOpsV, gemm::Operands kTransposedOpsV = kOpsV>
 struct OpBase {
   static constexpr TaskKind kKind = kKindV;
   static constexpr gemm::Operands kOps = kOpsV;
-  // The orientation under a policy's routed weights (policy.cuh): the routed ops' own
+  // The orientation under a policy's routed weights (policy.cuh)
   template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kOps;
+  static constexpr gemm::Operands kOpsFor = kTransposed ? kTransposedOpsV : kOps;
   static constexpr bool kRingEpilogue = false;  // the epilogue reads no stage (dgrad.cuh's do)
 #if defined(__CUDACC__)
   __device__ __forceinline__ static void prepare(const BackwardParams&, Task&) {}

@@ -6,10 +6,7 @@
 
 namespace mok::cuda::fused::bwd::ops {
 
-struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor> {
-  // Transposed weights ([E, H, 2I]: N contiguous) are read as stored, N-major
-  template <bool kTransposed>
-  static constexpr gemm::Operands kOpsFor = kTransposed ? gemm::Operands::kBNMajor : gemm::Operands::kKMajor;
+struct Replay : OpBase<TaskKind::kReplay, gemm::Operands::kKMajor, gemm::Operands::kBNMajor> {
   // Its block's x rows gathered
   MOK_HD static int waits(int32_t unit, int32_t, const Geometry&, const TaskCounts&, Wait* out) {
     out[0] = Wait{CounterArray::kXReady, unit, kBlockM};
