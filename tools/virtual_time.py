@@ -63,18 +63,21 @@ def main():
             dys.append((torch.randn(T, H, device=dev, generator=g) * 0.1).bfloat16())
         group = F.create_virtual_group(H, I, E, k, T, ep_size=P)
         # One rank's share at EP = 1 on SMs / P blocks: its tokens routed over its E / P experts
-        local_ids = (ranks[0].topk_ids % El).int()
+        local_tw, local_ids = torch.randn(T, El, device=dev, generator=g).softmax(-1).topk(k, dim=-1)
+        local_ids = local_ids.int()
         local = dict(w_gate=ranks[0].w_gate, w_up=ranks[0].w_up, w_down=ranks[0].w_down)
         ws1 = F.create_workspace(H, I, El, k, max_tokens=T, device="cuda", config=F.MoKConfig(num_blocks=sms // P))
 
+        local_tw = (local_tw / local_tw.sum(-1, keepdim=True)).float()
+
         def ep1_fb():
-            _, ctx = F.forward(ranks[0].x, local_ids, ranks[0].topk_weights, **local, workspace=ws1)
+            _, ctx = F.forward(ranks[0].x, local_ids, local_tw, **local, workspace=ws1)
             return F.backward(ctx, dys[0])
 
         variants = {
             f"virtual EP={P} fwd": lambda: group.forward(ranks),
             f"virtual EP={P} fwd+bwd": lambda: (group.forward(ranks), group.backward(ranks, dys)),
-            f"EP=1 share on {sms // P} SMs fwd": lambda: F.forward(ranks[0].x, local_ids, ranks[0].topk_weights,
+            f"EP=1 share on {sms // P} SMs fwd": lambda: F.forward(ranks[0].x, local_ids, local_tw,
                                                                   **local, workspace=ws1, save_for_backward=False),
             f"EP=1 share on {sms // P} SMs fwd+bwd": ep1_fb,
         }
