@@ -59,8 +59,12 @@ case "${STAGE:-suite}" in
     ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
     timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*Wgrad*' >"$OUT/tma_test.log" 2>&1
     echo "wgrad tests rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/tma_test.log" | tr '\n' ' ')"
+    timeout 200 python3 -m pytest -q tests/python/test_gpu_backward.py -k tma_store >"$OUT/tma_pytest.log" 2>&1
+    echo "fused pytest rc=$? $(tail -1 "$OUT/tma_pytest.log")"
     for shape in qwen3 dsv3; do
       timeout 150 python3 tools/sustained.py $shape --gemm --variants "base,tma:MOK_TMP_WGRAD_TMA_STORE=1" 2>&1 |
         tee -a "$OUT/gemm_tma.log" | grep -E "dense|wgrad"
+      timeout 120 python3 tools/sustained.py $shape --backward --variants "tma:MOK_TMP_WGRAD_TMA_STORE=1" 2>&1 |
+        tee -a "$OUT/bwd_tma.log" | grep -E "floor|ring="
     done ;;
 esac
