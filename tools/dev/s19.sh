@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 19's device calls (issue 22).  STAGE=suite: tools/gpu_check.sh (every GPU test,
-# sanitizers).  STAGE=wgrad-tma: the wgrad TMA-store experiment (tools/dev/experiments/).
+# sanitizers).  STAGE=wgrad-tma: the TMA-store epilogue experiments (tools/dev/experiments/).
 # STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests (the
 # transposed weights' and the HF integration's among them), the
 # backward and forward at the sustained clock on qwen3 and dsv3 (BWD_VARIANTS: sustained.py's
@@ -52,9 +52,9 @@ case "${STAGE:-suite}" in
   suite)
     OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
   wgrad-tma)
-    # The experiment of tools/dev/experiments/wgrad_tma_store.patch (applied to the device's copy
+    # The experiment of tools/dev/experiments/tma_store_epilogues.patch (applied to the device's copy
     # of the tree, rebuilt): its bitwise test, then the GEMM kinds with and without it
-    git apply tools/dev/experiments/wgrad_tma_store.patch 2>/dev/null || patch -p1 < tools/dev/experiments/wgrad_tma_store.patch ||
+    git apply tools/dev/experiments/tma_store_epilogues.patch 2>/dev/null || patch -p1 < tools/dev/experiments/tma_store_epilogues.patch ||
       { echo "patch does not apply"; exit 1; }
     ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
     timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*Wgrad*' >"$OUT/tma_test.log" 2>&1
@@ -64,7 +64,8 @@ case "${STAGE:-suite}" in
     for shape in qwen3 dsv3; do
       timeout 150 python3 tools/sustained.py $shape --gemm --variants "base,tma:MOK_TMP_WGRAD_TMA_STORE=1" 2>&1 |
         tee -a "$OUT/gemm_tma.log" | grep -E "dense|wgrad"
-      timeout 120 python3 tools/sustained.py $shape --backward --variants "tma:MOK_TMP_WGRAD_TMA_STORE=1" 2>&1 |
+      timeout 120 python3 tools/sustained.py $shape --backward \
+        --variants "wgrad:MOK_TMP_WGRAD_TMA_STORE=1,swiglu:MOK_TMP_SWIGLU_TMA_STORE=1,both:MOK_TMP_WGRAD_TMA_STORE=1;MOK_TMP_SWIGLU_TMA_STORE=1" 2>&1 |
         tee -a "$OUT/bwd_tma.log" | grep -E "floor|ring="
     done ;;
 esac
