@@ -13,7 +13,12 @@ OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-if [ ! -f build/lib/libmok.so ]; then
+if [ "${STAGE:-suite}" = wgrad-tma ]; then
+  # The experiment's patch, applied to the device's copy of the tree before the build
+  git apply tools/dev/experiments/tma_store_epilogues.patch 2>/dev/null ||
+    patch -p1 < tools/dev/experiments/tma_store_epilogues.patch || { echo "patch does not apply"; exit 1; }
+fi
+if [ ! -f build/lib/libmok.so ] || [ "${STAGE:-suite}" = wgrad-tma ]; then
   cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
     ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
   echo "== built at $(el) s"
@@ -54,9 +59,6 @@ case "${STAGE:-suite}" in
   wgrad-tma)
     # The experiment of tools/dev/experiments/tma_store_epilogues.patch (applied to the device's copy
     # of the tree, rebuilt): its bitwise test, then the GEMM kinds with and without it
-    git apply tools/dev/experiments/tma_store_epilogues.patch 2>/dev/null || patch -p1 < tools/dev/experiments/tma_store_epilogues.patch ||
-      { echo "patch does not apply"; exit 1; }
-    ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
     timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*Wgrad*' >"$OUT/tma_test.log" 2>&1
     echo "wgrad tests rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/tma_test.log" | tr '\n' ' ')"
     timeout 200 python3 -m pytest -q tests/python/test_gpu_backward.py -k tma_store >"$OUT/tma_pytest.log" 2>&1
