@@ -436,6 +436,34 @@ class TestVirtualRanks:
         finally:
             group.close()
 
+    @pytest.mark.parametrize("P", [2, 4])
+    def test_transposed_weights_bitwise(self, gen, P):
+        # Column-major (transposed) routed weights at EP >= 2: each rank's fused forward and backward
+        # (the transposed policy) give the bits of the same group on row-major copies, y, dx,
+        # d topk_weights and every gradient (written column-major, in the weights' orientation)
+        H, I, E, k = 512, 256, 16, 4
+        counts = _token_counts("uneven", P)
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, P, H, I, E, k, counts, "uniform", 256)]
+
+        def col_major(t):
+            return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+        transposed = [dataclasses.replace(r, **{n: col_major(getattr(r, n)) for n in ROUTED}) for r in ranks]
+        dys = [make_x(gen, T, H).cuda() for T in counts]
+        with F.create_virtual_group(H, I, E, k, max(max(counts), 1), 256, ep_size=P) as group:
+            ys, grads = group.forward(ranks), group.backward(ranks, dys)
+            ys_t, grads_t = group.forward(transposed), group.backward(transposed, dys)
+            group.check_errors()
+        for r in range(P):
+            _assert_bitwise(f"rank {r} y", ys_t[r], ys[r])
+            for name in ("dx", "d_topk_weights", *ROUTED, *SHARED):
+                a, b = getattr(grads[r], name), getattr(grads_t[r], name)
+                if name in ROUTED:
+                    assert b.stride(-2) == 1, f"rank {r} grad {name}: not column-major"
+                assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.bfloat16 else b), \
+                    f"rank {r} {name}: transposed weights differ from row-major ones"
+
 
 # ---------------------------------------------------------------------------------------
 # Every visible GPU (2, 4 or 8): a real EP group over PyTorch symmetric memory
