@@ -498,6 +498,30 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     m.ws_down_n = m.ws_gate_n = m.ws_up_n = m.w_down_n;
     m.dy_mn = m.sh_a_mn = m.sh_dh_mn = m.x_mn = m.x_rows_mn;
   }
+  // The routed wgrad tiles' TMA-store epilogue (ops_bwd/wgrad.cuh), over maps of the gradients as
+  // stored (64 x 64 boxes; rows between experts: out_es / out_rs), where a 2-D map can follow them
+  {
+    auto stack_map = [&](const gemm::WgradParams& t, __nv_bfloat16* out, int64_t* pitch) {
+      *pitch = t.out_es / t.out_rs;
+      const int64_t rows = t.split_n ? t.mo : (t.out_split > 0 ? t.out_split : t.mo);
+      const int64_t cols = t.split_n ? t.n_part : t.no;
+      return gemm::tensor_map_2d(out, (El - 1) * *pitch + rows, cols, 64, 2, t.out_rs);
+    };
+    auto storable = [](const gemm::WgradParams& t, const void* out) {
+      return out != nullptr && (reinterpret_cast<uintptr_t>(out) & 15u) == 0 && t.out_rs % 8 == 0 &&
+             t.out_es % t.out_rs == 0;
+    };
+    const bool ok = El > 0 && storable(p.wg_down, p.wg_down.out) && storable(p.wg_gate_up, p.wg_gate_up.out) &&
+                    storable(p.wg_gate_up, p.wg_gate_up.out1);
+    p.wgrad_tma = ok ? 1 : 0;
+    if (ok) {
+      m.wg_down_out = stack_map(p.wg_down, p.wg_down.out, &p.wg_down_pitch);
+      m.wg_gate_out = stack_map(p.wg_gate_up, p.wg_gate_up.out, &p.wg_gate_up_pitch);
+      m.wg_up_out = stack_map(p.wg_gate_up, p.wg_gate_up.out1, &p.wg_gate_up_pitch);
+    } else {
+      m.wg_down_out = m.wg_gate_out = m.wg_up_out = m.x_rows_k;  // never read
+    }
+  }
   MOK_CUDA_CHECK(cudaMemsetAsync(b.counters, 0, static_cast<size_t>(b.num_counters) * sizeof(int32_t), stream));
   if (T > 0 && !ep)  // masked routes' d topk_weights are 0 (EP >= 2: the start zeroed the region's)
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));

@@ -296,3 +296,40 @@ def test_fused_backward_start_gathers_equal_unfused(gen, monkeypatch, H, E, k, T
     monkeypatch.setenv("MOK_BACKWARD_START_GATHER", start)
     gu, gf = _both_paths(monkeypatch, lambda: _backward(x, ids, tw, w, dy, config=config))
     assert_grads_bitwise(f"start gather {start}: fused vs unfused", gu, gf)
+
+
+@pytest.mark.parametrize("H,I,E,k,T,I_s,ring,transposed", [
+    (512, 256, 16, 4, 1500, 256, 0, False),   # whole wgrad tiles (TMA stores), the shared expert's beside
+    (256, 320, 8, 2, 900, 0, 0, False),       # partial tiles keep the register epilogue
+    (256, 256, 4, 2, 700, 0, 256, False),     # fp32 pieces across macrobatches: not stored by TMA
+    (512, 256, 16, 4, 1500, 0, 0, True),      # transposed weights: gradients transposed, gate/up split along N
+])
+@pytest.mark.parametrize("saved", [False, True])
+def test_fused_backward_tma_store_tiles_equal_unfused(gen, monkeypatch, H, I, E, k, T, I_s, ring, transposed, saved):
+    # Without main_grads the fused backward's whole, final routed wgrad tiles leave through two
+    # stages of the ring and TMA stores (ops_bwd/wgrad.cuh); the unfused launches' wgrad kernel
+    # stores from registers: the same bits.  Transposed weights (which the unfused launches do not
+    # read) against the unfused launches on the row-major copies
+    x, ids, tw, w, dy = _layer(gen, H, I, E, k, T, I_s, 0.05)
+    config = F.MoKConfig(minibatch_size=128, macrobatch_size=ring) if ring else None
+    args = (x.cuda(), ids.cuda(), tw.cuda())
+
+    def run(cw):
+        if saved:
+            _, ctx = F.forward(*args, **cw, config=config)
+        else:
+            ctx = F.recompute_forward_context(*args, **cw, config=config)
+        return F.backward(ctx, dy.cuda())
+
+    monkeypatch.setenv("MOK_BACKWARD_PATH", "unfused")
+    ref = run(_cuda(w))
+    monkeypatch.setenv("MOK_BACKWARD_PATH", "fused")
+    cw = _cuda(w)
+    if transposed:
+        for n in ("w_gate", "w_up", "w_down"):
+            cw[n] = cw[n].transpose(-1, -2).contiguous().transpose(-1, -2)
+    got = run(cw)
+    if transposed:
+        assert got.w_down.stride(-2) == 1, "transposed weights' gradients come column-major"
+    assert_grads_bitwise("fused (TMA-store wgrad tiles) vs unfused", ref, got)
+

@@ -71,6 +71,11 @@ struct BackwardParams {
   float* d_topk_weights;
   // The weight gradients' tiles: out, out1 / out_split, main_grad(1), acc, mo, no of each kind
   gemm::WgradParams wg_down, wg_gate_up, wg_shared_down, wg_shared_gate_up;
+  // 1: the routed wgrad tiles that are whole, final and bf16 leave through two stages of the ring
+  // and TMA stores (Maps::wg_*_out; map rows between experts of each target); 0: every tile
+  // through registers (gradients that 2-D maps cannot follow)
+  int32_t wgrad_tma;
+  int64_t wg_down_pitch, wg_gate_up_pitch;
   ep::Group group;
   // Timing ring (null = off): the producer's waits and loads, the signaler's tiles
   mokTraceEvent_t* trace;
@@ -97,6 +102,8 @@ struct MapsWith : ScaleMapsT {
   CUtensorMap dy_mn, sh_a_mn, sh_dh_mn, x_mn;
   // h and the shared h, 128-row x 64-channel boxes (the dgrad-down epilogues' passes)
   CUtensorMap h_k, sh_h_k;
+  // The routed weight gradients as stored, 64-row x 64-column boxes (wgrad_tma)
+  CUtensorMap wg_down_out, wg_gate_out, wg_up_out;
 };
 using Maps = MapsWith<>;
 

@@ -155,13 +155,14 @@ __device__ __forceinline__ int32_t* counter_of(const ForwardParams& p, CounterAr
 
 // What an epilogue that reads stages after the K loop needs (ops' kRingEpilogue):
 // the stage ring and the consumer's place in it, the deadline, its warpgroup's named barrier.
-template <class StagesT>
+template <class StagesT, class MapsT>
 struct EpilogueRing {
   using Tile = typename StagesT::Tile;
   StagesT& s;
   gemm::PipelineState<StagesT::Tile::kStages>& stage;
   const gemm::WaitContext& wait;
   uint32_t bar;
+  const MapsT& maps;  // the kernel's tensor maps (an epilogue that stores with TMA)
 };
 
 // The shared expert's output tile (token block `block`, N block `n_block`) into out [tokens, ld]:

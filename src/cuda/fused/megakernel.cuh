@@ -69,7 +69,7 @@ __device__ __forceinline__ void run_megakernel(const typename Dir::MapsT& maps, 
     return;
   }
   ptx::setmaxnreg_inc<Dir::kConsumerRegs>();
-  consume_tasks<Dir>(sh, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
+  consume_tasks<Dir>(sh, maps, p, g, counts, warpgroup - kFirstConsumerWarpgroup, wait);
   // The end phase: grid barrier, reductions
   if (p.group.size > 1) __threadfence_system();  // this thread's pushes, before the end barrier
   ptx::named_barrier_sync(static_cast<uint32_t>(NamedBarrier::kConsumers), kConsumerThreads);

@@ -289,6 +289,41 @@ __device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kA
   epilogue_wgrad_to<kZero, kTables>(acc, consumer, p, t, wgrad_target<kTables>(p, t));
 }
 
+// The fused backward's TMA-store epilogue (ops_bwd/wgrad.cuh).  Whether tile t takes it: a whole tile (kSplitN: of its part), final,
+// bf16 out only (no fp32 in or out)
+template <bool kSplitN = false>
+__device__ __forceinline__ bool wgrad_tile_storable(const WgradParams& p, const WgradTile& t, const WgradTarget& w) {
+  return wgrad_valid_rows<kSplitN>(p, t.m_block) == TileConfig::kBlockM &&
+         wgrad_valid_cols<kSplitN>(p, t.n_block) >= TileConfig::kBlockN && w.out != nullptr && !w.accumulate &&
+         !w.store_acc && w.main_grad == nullptr;
+}
+// One consumer's 64 x 256 half of the tile, bf16, into buf as four 64 x 64 boxes in the
+// 128-byte swizzle of a TMA map (the 16-byte chunk of row r at chunk ^ (r % 8)): conflict-free
+// 4-byte stores.  Then the warpgroup's first thread stores the boxes at (col, row) of `map`
+// (an asynchronous bulk group; the caller waits for its reads before reusing buf).
+template <int kRegs>
+__device__ __forceinline__ void store_half_tma(const float (&acc)[kRegs], uint8_t* buf, const CUtensorMap* map,
+                                               int32_t col, int32_t row, uint32_t wg_barrier) {
+  const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = warp * 16 + lane / 4 + half * 8;  // row within the warpgroup's 64
+#pragma unroll
+    for (int n8 = 0; n8 < kRegs / 4; ++n8) {
+      const int box = n8 / 8, chunk = n8 % 8;
+      *reinterpret_cast<uint32_t*>(buf + box * 8192 + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 4) * 4) =
+          pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+    }
+  }
+  ptx::fence_proxy_async_smem();
+  ptx::named_barrier_sync(wg_barrier, 128);
+  if (threadIdx.x % 128 == 0) {
+#pragma unroll
+    for (int box = 0; box < kRegs / 32; ++box) ptx::tma_store_2d(map, buf + box * 8192, col + box * 64, row);
+    ptx::bulk_commit();
+  }
+}
+
 template <bool kTables>
 __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     grouped_wgrad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,

@@ -8,7 +8,8 @@ namespace mok::cuda::fused {
 
 // ---- consumers: MMAs and epilogues of the producer's tasks -------------------------------------
 template <class Dir>
-__device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const typename Dir::Params& p,
+__device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const typename Dir::MapsT& maps,
+                                              const typename Dir::Params& p,
                                               const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
                                               int consumer, const gemm::WaitContext& wait) {
   const bool leader = threadIdx.x % kWarpgroupThreads == 0;
@@ -40,7 +41,7 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     // (an epilogue that reads stages takes the stage ring; NOTES: its result through a shuffle,
     // so that ptxas knows the branch is warp-uniform: C7518 otherwise)
     const bool epilogue_ok = Dir::epilogue(acc, consumer, p, g, counts, info,
-                                           EpilogueRing<typename Dir::Stages>{sh.stages, stage, wait, bar_id});
+                                           EpilogueRing<typename Dir::Stages, typename Dir::MapsT>{sh.stages, stage, wait, bar_id, maps});
     if (!__shfl_sync(0xffffffffu, epilogue_ok, 0)) break;
     // Hand the finished tile to the signaler (its stores ordered before the arrive)
     ptx::fence_proxy_async_global();
@@ -52,6 +53,9 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     }
     done_state.advance();
   }
+  // The warpgroup's last TMA stores (epilogues that store through the stage ring) complete before
+  // the end phase (and the kernel's end)
+  if (threadIdx.x % kWarpgroupThreads == 0) ptx::bulk_wait<0>();
 }
 
 }  // namespace mok::cuda::fused

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Session 19's device calls (issue 22).  STAGE=suite: tools/gpu_check.sh (every GPU test,
-# sanitizers).  STAGE=wgrad-tma: the TMA-store epilogue experiments (tools/dev/experiments/).
+# Session 20's device calls (issue 22).  STAGE=suite: tools/gpu_check.sh (every GPU test,
+# sanitizers).  STAGE=exp: the tree built as it is and, beside it in /tmp/exp, with
+# tools/dev/experiments/$PATCH applied; the layer's GPU tests on the first, EXP_TESTS (pytest
+# -k) on the second, the backward A/B (EXP_VARIANTS, sustained.py --variants) in the second,
+# timing-ring traces (TRACE_SHAPES) of the first.
 # STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests (the
 # transposed weights' and the HF integration's among them), the
 # backward and forward at the sustained clock on qwen3 and dsv3 (BWD_VARIANTS: sustained.py's
@@ -13,12 +16,14 @@ OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-if [ "${STAGE:-suite}" = wgrad-tma ]; then
-  # The experiment's patch, applied to the device's copy of the tree before the build
-  git apply tools/dev/experiments/tma_store_epilogues.patch 2>/dev/null ||
-    patch -p1 < tools/dev/experiments/tma_store_epilogues.patch || { echo "patch does not apply"; exit 1; }
+if [ "${STAGE:-suite}" = exp ]; then
+  # The experiment's copy of the tree, built beside the tree's own build
+  rm -rf /tmp/exp && mkdir -p /tmp/exp && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/exp &&
+    (cd /tmp/exp && patch -p1 -s < "tools/dev/experiments/$PATCH") || { echo "patch does not apply"; exit 1; }
+  (cd /tmp/exp && cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build_exp.log" 2>&1 &&
+    ninja -C build -j8 >>"$OUT/build_exp.log" 2>&1) & exp_build=$!
 fi
-if [ ! -f build/lib/libmok.so ] || [ "${STAGE:-suite}" = wgrad-tma ]; then
+if [ ! -f build/lib/libmok.so ]; then
   cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
     ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
   echo "== built at $(el) s"
@@ -56,18 +61,23 @@ case "${STAGE:-suite}" in
     fi ;;
   suite)
     OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
-  wgrad-tma)
-    # The experiment of tools/dev/experiments/tma_store_epilogues.patch (applied to the device's copy
-    # of the tree, rebuilt): its bitwise test, then the GEMM kinds with and without it
-    timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*Wgrad*' >"$OUT/tma_test.log" 2>&1
-    echo "wgrad tests rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/tma_test.log" | tr '\n' ' ')"
-    timeout 200 python3 -m pytest -q tests/python/test_gpu_backward.py -k tma_store >"$OUT/tma_pytest.log" 2>&1
-    echo "fused pytest rc=$? $(tail -1 "$OUT/tma_pytest.log")"
-    for shape in qwen3 dsv3; do
-      timeout 150 python3 tools/sustained.py $shape --gemm --variants "base,tma:MOK_TMP_WGRAD_TMA_STORE=1" 2>&1 |
-        tee -a "$OUT/gemm_tma.log" | grep -E "dense|wgrad"
-      timeout 120 python3 tools/sustained.py $shape --backward \
-        --variants "wgrad:MOK_TMP_WGRAD_TMA_STORE=1,swiglu:MOK_TMP_SWIGLU_TMA_STORE=1,both:MOK_TMP_WGRAD_TMA_STORE=1;MOK_TMP_SWIGLU_TMA_STORE=1" 2>&1 |
-        tee -a "$OUT/bwd_tma.log" | grep -E "floor|ring="
-    done ;;
+  exp)
+    timeout 300 python3 -m pytest -q tests/python/test_gpu_backward.py tests/python/test_gpu_transposed.py \
+      tests/python/test_forward_hashes.py ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
+    echo "pytest rc=$? $(tail -1 "$OUT/pytest.log") at $(el) s"; grep -E "^FAILED|Error" "$OUT/pytest.log" | head -20
+    wait $exp_build || { echo "experiment build failed"; tail -30 "$OUT/build_exp.log"; exit 1; }
+    echo "== experiment built at $(el) s"
+    if [ -n "${EXP_TESTS:-}" ]; then
+      (cd /tmp/exp && timeout 200 python3 -m pytest -q tests/python/test_gpu_backward.py -k "$EXP_TESTS" \
+        >"$OUT/exp_pytest.log" 2>&1); echo "experiment pytest rc=$? $(tail -1 "$OUT/exp_pytest.log")"
+    fi
+    for shape in ${TRACE_SHAPES:-}; do
+      mkdir -p "$OUT/tr_$shape"
+      timeout 100 python3 tools/trace_forward.py $shape --backward --ring-all --warm 30 --out "$OUT/tr_$shape" \
+        > "$OUT/trace_$shape.log" 2>&1; grep -E "traced|combine|grid barrier|tiles busy|kind" "$OUT/trace_$shape.log" | head -20
+    done
+    for shape in ${EXP_SHAPES:-qwen3 dsv3}; do
+      (cd /tmp/exp && PYTHONPATH=python timeout 150 python3 tools/sustained.py $shape --backward --rounds ${ROUNDS:-20} \
+        --variants "$EXP_VARIANTS" 2>&1) | tee -a "$OUT/bwd_exp.log" | grep -E "floor|ring="
+    done; echo "at $(el) s" ;;
 esac
