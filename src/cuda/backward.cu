@@ -514,6 +514,10 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     const bool ok = El > 0 && storable(p.wg_down, p.wg_down.out) && storable(p.wg_gate_up, p.wg_gate_up.out) &&
                     storable(p.wg_gate_up, p.wg_gate_up.out1);
     p.wgrad_tma = ok ? 1 : 0;
+    m.dh_st = tm(b.dh, R, 2 * I, 64);
+    m.wa_st = tm(b.wa, R, I, 64);
+    m.sh_dh_st = Is > 0 && T > 0 ? tm(b.sh_dh, T, 2 * Is, 64) : m.dh_st;
+    m.sh_a_st = Is > 0 && T > 0 ? tm(b.sh_a, T, Is, 64) : m.wa_st;
     if (ok) {
       m.wg_down_out = stack_map(p.wg_down, p.wg_down.out, &p.wg_down_pitch);
       m.wg_gate_out = stack_map(p.wg_gate_up, p.wg_gate_up.out, &p.wg_gate_up_pitch);

@@ -104,6 +104,8 @@ struct MapsWith : ScaleMapsT {
   CUtensorMap h_k, sh_h_k;
   // The routed weight gradients as stored, 64-row x 64-column boxes (wgrad_tma)
   CUtensorMap wg_down_out, wg_gate_out, wg_up_out;
+  // dh, wa and the shared dh, a, 64-row x 64-column boxes (the dgrad-down epilogues' TMA stores)
+  CUtensorMap dh_st, wa_st, sh_dh_st, sh_a_st;
 };
 using Maps = MapsWith<>;
 

@@ -47,6 +47,10 @@ struct SwiGLUBwdArgs {
   __nv_bfloat16* wa;       // [rows, I] or null
   float* dtw_partials;     // [partial rows, ceil(I / 128)] or null
   int64_t inter;           // I (a multiple of 64)
+  // The staged epilogue's (below): dh and wa as 64-row x 64-column TMA maps, through which dg, du
+  // and wa leave the stage they were computed in (the register form takes none)
+  const CUtensorMap* dh_map = nullptr;
+  const CUtensorMap* wa_map = nullptr;
 };
 
 // The element math of the epilogue (see the header comment for the order of record).
@@ -65,16 +69,10 @@ __device__ __forceinline__ SwiGLUBwdElem swiglu_bwd_elem(float da, float g, floa
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 
-// n8 blocks b and b + 1 of one fragment row, both forms of the epilogue below: the SwiGLU
-// backward of the lane's column pair in each (da(n8, x) from the accumulator, g_word(n8) and
-// u_word(n8) the pair's h words as stored), their ⟨da, a⟩ added to `sum` in order where the
-// block is below `cols`, and dg, du (and wa where e.wa is set) out through the lane-pair 8-byte
-// stores (row pointers at the blocks' chunk or pass); returns the sum
-template <class Da, class GWord, class UWord>
-__device__ __forceinline__ float swiglu_bwd_block_pair(const SwiGLUBwdArgs& e, int b, Da da, GWord g_word,
-                                                       UWord u_word, float w, float sum, int64_t cols, bool valid,
-                                                       __nv_bfloat16* dg_row, __nv_bfloat16* du_row,
-                                                       __nv_bfloat16* wa_row) {
+// The block pair's math, its dg, du and wa pairs to store(b, dgp, dup, wap) (below)
+template <class Da, class GWord, class UWord, class Store>
+__device__ __forceinline__ float swiglu_bwd_block_pair_to(const SwiGLUBwdArgs& e, int b, Da da, GWord g_word,
+                                                          UWord u_word, float w, float sum, int64_t cols, Store store) {
   uint32_t dgp[2], dup[2], wap[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -90,11 +88,27 @@ __device__ __forceinline__ float swiglu_bwd_block_pair(const SwiGLUBwdArgs& e, i
     dup[j] = pack_bf16x2(x0.du, x1.du);
     wap[j] = pack_bf16x2(x0.wa, x1.wa);
   }
-  const bool write = valid && b * 8 < cols;
-  store_block_pair_8b(dg_row + b * 8, dgp[0], dgp[1], write);
-  store_block_pair_8b(du_row + b * 8, dup[0], dup[1], write);
-  if (e.wa != nullptr) store_block_pair_8b(wa_row + b * 8, wap[0], wap[1], write);
+  store(b, dgp, dup, wap);
   return sum;
+}
+
+// n8 blocks b and b + 1 of one fragment row, both forms of the epilogue below: the SwiGLU
+// backward of the lane's column pair in each (da(n8, x) from the accumulator, g_word(n8) and
+// u_word(n8) the pair's h words as stored), their ⟨da, a⟩ added to `sum` in order where the
+// block is below `cols`, and dg, du (and wa where e.wa is set) out through the lane-pair 8-byte
+// stores (row pointers at the blocks' chunk or pass); returns the sum
+template <class Da, class GWord, class UWord>
+__device__ __forceinline__ float swiglu_bwd_block_pair(const SwiGLUBwdArgs& e, int b, Da da, GWord g_word,
+                                                       UWord u_word, float w, float sum, int64_t cols, bool valid,
+                                                       __nv_bfloat16* dg_row, __nv_bfloat16* du_row,
+                                                       __nv_bfloat16* wa_row) {
+  return swiglu_bwd_block_pair_to(e, b, da, g_word, u_word, w, sum, cols,
+                                  [&](int b0, const uint32_t (&dgp)[2], const uint32_t (&dup)[2], const uint32_t (&wap)[2]) {
+                                    const bool write = valid && b0 * 8 < cols;
+                                    store_block_pair_8b(dg_row + b0 * 8, dgp[0], dgp[1], write);
+                                    store_block_pair_8b(du_row + b0 * 8, dup[0], dup[1], write);
+                                    if (e.wa != nullptr) store_block_pair_8b(wa_row + b0 * 8, wap[0], wap[1], write);
+                                  });
 }
 
 // One consumer's 64 rows of a dgrad-down tile: acc holds da of tile rows
@@ -206,7 +220,7 @@ __device__ __forceinline__ uint32_t h_pass_pair(const __nv_bfloat16* box, int r,
 // its second's.  wg_barrier: the named barrier of the consumer's warpgroup (128 threads).  False
 // on a timed-out wait.
 // Every pass's stage is waited for first (the producer fetched them under the K loop), then
-// the passes are computed and released in order.
+// the passes are computed, stored through e.dh_map / e.wa_map (required) and released in order.
 template <class T, class P, typename Weight>
 __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[T::kAccRegs], int consumer,
                                                              StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
@@ -219,7 +233,7 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
   static_assert(kPasses <= T::kStages, "a tile's h passes fit in the stage ring at once");
   const int t = threadIdx.x & 3;
   const bool leader = threadIdx.x % 128 == 0;
-  const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = tiles_of(inter, kDtwChunk);
+  const int64_t inter = e.inter, n_chunks = tiles_of(inter, kDtwChunk);
   float part[2] = {0.0f, 0.0f};  // running partials of the current 128-channel chunk, per half
   float w[2];
 #pragma unroll
@@ -247,21 +261,34 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
       for (int qq = 1; qq < kPasses; ++qq) v = q == qq ? acc[(qq * kPassBlocks + n8) * 4 + half * 2 + x] : v;
       return v;
     };
+    // dg over g and du over u in the stage, element by element by the lane that read it (no
+    // hazard), wa in the stage's free half of b; then this consumer's 64 rows of each leave by
+    // TMA stores, whose reads of the stage complete before it is released (rows past valid_rows,
+    // past the rows in use or clipped by the map, leave too: nothing reads them)
+    __nv_bfloat16* const g_out = const_cast<__nv_bfloat16*>(g_box);
+    __nv_bfloat16* const u_out = const_cast<__nv_bfloat16*>(u_box);
+    __nv_bfloat16* const wa_box = s.b[stage.index] + T::kBlockM * kHPassCols;
     if (pass_cols > 0) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = fragment_row(consumer, half);
-        const bool valid = r < valid_rows;
-        const int64_t row = row0 + r;
-        __nv_bfloat16* dg_row = e.dh + row * ld_h + col;
-        __nv_bfloat16* du_row = dg_row + inter;
-        __nv_bfloat16* wa_row = e.wa + row * inter + col;
+        auto put = [&](__nv_bfloat16* box, int n8, uint32_t v) {
+          *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(box) + r * 128 + ((n8 ^ (r & 7)) << 4) + 4 * t) = v;
+        };
 #pragma unroll
         for (int b = 0; b < kPassBlocks; b += 2)
-          part[half] = swiglu_bwd_block_pair(
+          part[half] = swiglu_bwd_block_pair_to(
               e, b, [&](int n8, int x) { return da_of(half, n8, x); },
               [&](int n8) { return h_pass_pair(g_box, r, n8, t); }, [&](int n8) { return h_pass_pair(u_box, r, n8, t); },
-              w[half], part[half], pass_cols, valid, dg_row, du_row, wa_row);
+              w[half], part[half], pass_cols,
+              [&](int b0, const uint32_t (&dgp)[2], const uint32_t (&dup)[2], const uint32_t (&wap)[2]) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                  put(g_out, b0 + j, dgp[j]);
+                  put(u_out, b0 + j, dup[j]);
+                  put(wa_box, b0 + j, wap[j]);
+                }
+              });
       }
     }
     // The stage is read: release it (both warpgroups of the tile release each stage). Every
@@ -270,6 +297,18 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
     // covers); the fence orders the generic-proxy reads before the TMA that refills the stage.
     ptx::fence_proxy_async_smem();
     ptx::named_barrier_sync(wg_barrier, 128);
+    if (leader && pass_cols > 0) {
+      // This consumer's 64 rows: dg, du and wa boxes (8 KB each at its rows of the stage's boxes)
+      const int32_t out_row = static_cast<int32_t>(row0) + consumer * 64, c0 = static_cast<int32_t>(col);
+      const uint32_t half_off = static_cast<uint32_t>(consumer) * 64 * 128;
+      ptx::tma_store_2d(e.dh_map, reinterpret_cast<const uint8_t*>(g_box) + half_off, c0, out_row);
+      ptx::tma_store_2d(e.dh_map, reinterpret_cast<const uint8_t*>(u_box) + half_off, static_cast<int32_t>(inter) + c0,
+                        out_row);
+      if (e.wa != nullptr)
+        ptx::tma_store_2d(e.wa_map, reinterpret_cast<const uint8_t*>(wa_box) + half_off, c0, out_row);
+      ptx::bulk_commit();
+      ptx::bulk_wait_read<0>();
+    }
     if (leader) s.pipe.consumer_release(stage.index);
     stage.advance();
     // The end of a 128-channel chunk (its second pass, or its first when I ends there): the
@@ -289,6 +328,9 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
       }
     }
   }
+  // dh and wa are read by later tiles of the kernel, which wait on this tile's signal: the
+  // stores' writes complete before the tile is handed on
+  if (leader) ptx::bulk_wait<0>();
   return true;
 }
 

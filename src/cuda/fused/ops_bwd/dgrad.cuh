@@ -51,7 +51,7 @@ struct DgradDown : OpBase<TaskKind::kDgradDown, gemm::Operands::kBNMajor, gemm::
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry&, const TaskCounts&, const Task& t,
                                                        const Ring& r) {
-    const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter};
+    const gemm::SwiGLUBwdArgs e{p.h, p.dh, p.wa, p.partials, p.inter, &r.maps.dh_st, &r.maps.wa_st};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.max_rows - row0;
     const float* __restrict__ rw = p.row_weight + row0;
     return gemm::epilogue_dgrad_swiglu_staged<typename Ring::Tile>(
@@ -99,7 +99,8 @@ struct SharedDgradDown : OpBase<TaskKind::kSharedDgradDown, gemm::Operands::kBNM
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry&, const TaskCounts&, const Task& t,
                                                        const Ring& r) {
-    const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter};
+    const gemm::SwiGLUBwdArgs e{p.sh_h, p.sh_dh, p.sh_a, nullptr, p.shared_inter,
+                                &r.maps.sh_dh_st, &r.maps.sh_a_st};
     const int64_t row0 = int64_t{t.block} * kBlockM, left = p.num_tokens - row0;
     return gemm::epilogue_dgrad_swiglu_staged<typename Ring::Tile>(
         acc, consumer, r.s, r.stage, r.wait, e, row0, row0,
