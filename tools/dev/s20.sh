@@ -3,7 +3,9 @@
 # sanitizers).  STAGE=exp: the tree built as it is and, beside it in /tmp/exp, with
 # tools/dev/experiments/$PATCH applied; the layer's GPU tests on the first, EXP_TESTS (pytest
 # -k) on the second, the backward A/B (EXP_VARIANTS, sustained.py --variants) in the second,
-# timing-ring traces (TRACE_SHAPES) of the first.
+# timing-ring traces (TRACE_SHAPES) of the first.  STAGE=knob: an experiment built into the tree
+# behind a temporary knob (KNOB="NAME=VALUE"): the layer's GPU tests under it, then the forward and
+# the backward with and without it, interleaved (sustained.py --variants), on KNOB_SHAPES.
 # STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests (the
 # transposed weights' and the HF integration's among them), the
 # backward and forward at the sustained clock on qwen3 and dsv3 (BWD_VARIANTS: sustained.py's
@@ -79,5 +81,15 @@ case "${STAGE:-suite}" in
     for shape in ${EXP_SHAPES:-qwen3 dsv3}; do
       (cd /tmp/exp && PYTHONPATH=python timeout 150 python3 tools/sustained.py $shape --backward --rounds ${ROUNDS:-20} \
         --variants "$EXP_VARIANTS" 2>&1) | tee -a "$OUT/bwd_exp.log" | grep -E "floor|ring="
+    done; echo "at $(el) s" ;;
+  knob)
+    env "$KNOB" timeout 300 python3 -m pytest -q tests/python/test_gpu_backward.py tests/python/test_gpu.py \
+      tests/python/test_forward_hashes.py tests/python/test_gpu_transposed.py ${PYTEST_ARGS:-} >"$OUT/pytest_knob.log" 2>&1
+    echo "pytest under $KNOB rc=$? $(tail -1 "$OUT/pytest_knob.log") at $(el) s"; grep -E "^FAILED|Error" "$OUT/pytest_knob.log" | head -20
+    for shape in ${KNOB_SHAPES:-qwen3 dsv3}; do
+      timeout 100 python3 tools/sustained.py $shape --variants "base,knob:${KNOB}" 2>&1 | tee -a "$OUT/fwd_knob.log" |
+        grep -E "dense|experts|mok"
+      timeout 120 python3 tools/sustained.py $shape --backward --variants "knob:${KNOB}" 2>&1 | tee -a "$OUT/bwd_knob.log" |
+        grep -E "floor|ring="
     done; echo "at $(el) s" ;;
 esac
