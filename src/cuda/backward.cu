@@ -438,7 +438,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
         wgrad(2 * Is, H, g.dws_gate, g.main_s_gate, g.dws_up, g.main_s_up, Is, nullptr, gs.ws_gate, ms.ws_gate);
   }
   p.group = ep_group(ws);
-  { const char* v = std::getenv("MOK_TMP_SCATTER_STAGES"); p.scatter_staged = v && v[0] == '1' ? 1 : 0; }  // EXPERIMENT
   p.trace = ws.trace;  // MOK_TRACE=1 at creation: the timing ring (tools/trace_forward.py --backward)
   p.trace_cap = ws.trace_cap;
   clear_trace(ws, stream);

@@ -226,7 +226,6 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.saved_h = static_cast<__nv_bfloat16*>(save.h);
   p.saved_shared_h = Is > 0 ? static_cast<__nv_bfloat16*>(save.shared_h) : nullptr;
   p.group = ep_group(ws);
-  { const char* v = std::getenv("MOK_TMP_SCATTER_STAGES"); p.scatter_staged = v && v[0] == '1' ? 1 : 0; }  // EXPERIMENT
   p.counters = ws.counters;
   p.trace = ws.trace;
   p.trace_cap = ws.trace_cap;

@@ -77,7 +77,6 @@ struct BackwardParams {
   int32_t wgrad_tma;
   int64_t wg_down_pitch, wg_gate_up_pitch;
   ep::Group group;
-  int32_t scatter_staged;  // EXPERIMENT (MOK_TMP_SCATTER_STAGES=1)
   // Timing ring (null = off): the producer's waits and loads, the signaler's tiles
   mokTraceEvent_t* trace;
   int32_t trace_cap;

@@ -66,7 +66,6 @@ struct ForwardParams {
   __nv_bfloat16* saved_shared_h;  // [T, 2I_s] or null: the shared expert's
   // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
   ep::Group group;
-  int32_t scatter_staged;  // EXPERIMENT (MOK_TMP_SCATTER_STAGES=1)
   // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block
   mokTraceEvent_t* trace;
   int32_t trace_cap;

@@ -13,10 +13,7 @@
 //                                    the consumers' MMAs
 //   load<Pol>(maps, p, g, c, t)      the tile's operands (fused::Load, ../load.cuh) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
-//   kRingEpilogue                    false (OpBase), or true for an op whose epilogue takes stages
-//                                    after its K loop (down: its rows through two of them,
-//                                    ../store_stages.cuh): produce_epilogue and epilogue_ring
-//                                    instead of epilogue, as in ops_bwd/op.cuh
+//   kRingEpilogue                    false: no forward epilogue reads stages (ops_bwd/op.cuh)
 // t is the task (row block, N block).  The device members exist only in CUDA code (the host
 // test sees the schedule side alone) and take the kernel's policy (../policy.cuh) as their first
 // template argument.
@@ -28,7 +25,6 @@
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/forward_params.cuh"
 #include "cuda/fused/load.cuh"
-#include "cuda/fused/store_stages.cuh"
 #include "cuda/gemm/tile.cuh"
 #endif
 

@@ -142,26 +142,6 @@ struct DgradGateUp : OpBase<TaskKind::kDgradGateUp, gemm::Operands::kBNMajor, ge
         acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden, p.rows + int64_t{t.block} * kBlockM,
         p.topk, int64_t{t.n_block} * kBlockN);
   }
-  // At EP = 1 the dx rows leave through two stages of the ring and bulk copies (the same rows
-  // and bits; ../store_stages.cuh); at EP >= 2, where slots are peers', from registers
-  static constexpr bool kRingEpilogue = true;
-  template <class Pol, class Stages, class Stage, class MapsArg>
-  __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg&,
-                                                          const BackwardParams& p, const Task&,
-                                                          const gemm::WaitContext& wait) {
-    return (p.group.size > 1 || !p.scatter_staged) || reserve_store_stages(s, stage, wait);
-  }
-  template <class Pol, int kRegs, class Ring>
-  __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
-                                                       const Geometry& g, const TaskCounts& c, const Task& t,
-                                                       const Ring& r) {
-    if ((p.group.size > 1 || !p.scatter_staged)) {
-      epilogue<Pol>(acc, consumer, p, g, c, t);
-      return true;
-    }
-    return epilogue_scatter_staged(acc, consumer, r, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                                   p.rows + int64_t{t.block} * kBlockM, p.topk, int64_t{t.n_block} * kBlockN);
-  }
 #endif
 };
 

@@ -17,9 +17,8 @@
 //                                ops that read weights: the other one when they are transposed)
 //   load<Pol>(maps, p, g, c, t)  the tile's operands (fused::Load, ../load.cuh) for the producer
 //   epilogue(acc, consumer, p, g, c, t)   what a consumer warpgroup does with its accumulator
-//   kRingEpilogue                false (OpBase), or true for an op whose epilogue takes more
-//                                stages after its K loop (the dgrad-down ops' h; the stores of
-//                                dgrad gate/up and wgrad, ../store_stages.cuh), which it declares
+//   kRingEpilogue                false (OpBase), or true for an op whose epilogue reads more
+//                                stages after its K loop (the dgrad-down ops' h), which it declares
 //                                instead of epilogue:
 //     produce_epilogue(s, stage, maps, p, t, wait)   the producer's loads of those stages
 //     epilogue_ring(acc, consumer, p, g, c, t, ring)  the epilogue that reads and releases them
@@ -35,7 +34,6 @@
 #include "cuda/comm/transport.cuh"
 #include "cuda/fused/backward_params.cuh"
 #include "cuda/fused/load.cuh"
-#include "cuda/fused/store_stages.cuh"
 #endif
 
 namespace mok::cuda::fused::bwd {

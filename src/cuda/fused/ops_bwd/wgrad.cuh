@@ -114,8 +114,9 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
     else gemm::epilogue_wgrad_to<false, true, false, kSplitN>(acc, consumer, wp, w, to);
   }
   // A routed tile that is whole, final and bf16 only (and p.wgrad_tma) goes through two
-  // stages of the ring (one per consumer's 64 x 256 half, in its b) and TMA stores
-  // (../store_stages.cuh).  Every other tile: the register epilogue.
+  // stages of the ring (one per consumer's 64 x 256 half, in its b) and TMA stores; the producer
+  // reserves the stages after the K loop (no load: a plain arrival), the consumers write, store,
+  // wait for the stores' reads and release them.  Every other tile: the register epilogue.
   static constexpr bool kRingEpilogue = !kShared;
   template <class Pol>
   __device__ __forceinline__ static bool tma_tile(const BackwardParams& p, const Task& t) {
@@ -129,7 +130,13 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
   __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg&,
                                                           const BackwardParams& p, const Task& t,
                                                           const gemm::WaitContext& wait) {
-    return !tma_tile<Pol>(p, t) || reserve_store_stages(s, stage, wait);
+    if (!tma_tile<Pol>(p, t)) return true;
+    for (int q = 0; q < 2; ++q) {
+      if (!s.pipe.producer_acquire(stage, wait)) return false;
+      ptx::mbar_arrive(s.pipe.full_barrier(stage));
+      stage.advance();
+    }
+    return true;
   }
   template <class Pol, int kRegs, class Ring>
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
@@ -143,8 +150,12 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
     const gemm::WgradTarget to = gemm::wgrad_target_at<kSplitN>(wp, w, t.slot);
-    const int index = acquire_store_stage(consumer, r);
-    if (index < 0) return false;
+    // The two reserved stages (both consumers wait for and release both); this consumer's is its
+    // index's
+    auto second = r.stage;
+    second.advance();
+    if (!r.s.pipe.consumer_wait(r.stage, r.wait) || !r.s.pipe.consumer_wait(second, r.wait)) return false;
+    const int index = consumer == 0 ? r.stage.index : second.index;
     const bool part1 = to.out != wp.out;
     const CUtensorMap* map = kDown ? &r.maps.wg_down_out : (part1 ? &r.maps.wg_up_out : &r.maps.wg_gate_out);
     const int64_t pitch = kDown ? p.wg_down_pitch : p.wg_gate_up_pitch;
@@ -152,8 +163,15 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
                                              consumer * 64);
     const int32_t col = static_cast<int32_t>(gemm::wgrad_col0<kSplitN>(wp, w.n_block) - to.col_base);
     gemm::store_half_tma(acc, reinterpret_cast<uint8_t*>(r.s.b[index]), map, col, row, r.bar);
-    if (threadIdx.x % 128 == 0) ptx::bulk_wait_read<0>();
-    release_store_stages(r);
+    // Both stages free once this warpgroup's store has read its buffer (each warpgroup releases
+    // both, as every stage of a cooperative tile)
+    if (threadIdx.x % 128 == 0) {
+      ptx::bulk_wait_read<0>();
+      r.s.pipe.consumer_release(r.stage.index);
+      r.s.pipe.consumer_release(second.index);
+    }
+    r.stage.advance();
+    r.stage.advance();
     return true;
   }
 #endif

@@ -53,10 +53,9 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
     }
     done_state.advance();
   }
-  // The last copies of the epilogues that store through the stage ring (each issuing thread's)
-  // complete before the end phase reads their rows with ordinary loads (and the kernel's end)
-  ptx::bulk_wait<0>();
-  ptx::fence_proxy_async_global();
+  // The warpgroup's last TMA stores (epilogues that store through the stage ring) complete before
+  // the end phase (and the kernel's end)
+  if (threadIdx.x % kWarpgroupThreads == 0) ptx::bulk_wait<0>();
 }
 
 }  // namespace mok::cuda::fused
