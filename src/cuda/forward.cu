@@ -226,7 +226,6 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.saved_h = static_cast<__nv_bfloat16*>(save.h);
   p.saved_shared_h = Is > 0 ? static_cast<__nv_bfloat16*>(save.shared_h) : nullptr;
   p.group = ep_group(ws);
-  { const char* v = std::getenv("MOK_TMP_GATEUP_TMA"); p.gateup_tma = v && v[0] == '1' ? 1 : 0; }  // EXPERIMENT
   p.counters = ws.counters;
   p.trace = ws.trace;
   p.trace_cap = ws.trace_cap;
@@ -245,8 +244,6 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   m.w_up = gemm::tensor_map_stack(w.w_up, kRoutedB);
   m.act = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, kA);
   m.w_down = gemm::tensor_map_stack(w.w_down, kRoutedB);
-  m.act_st = gemm::tensor_map_2d(ws.act, ws.ring_rows, I, 64);  // EXPERIMENT (gateup_tma)
-  m.h_st = save.h ? gemm::tensor_map_2d(save.h, ws.max_rows, 2 * I, 64) : m.act_st;
   if (Is > 0 && T > 0) {
     m.x = gemm::tensor_map_2d(in.x, T, H, kA);
     m.ws_gate = gemm::tensor_map_stack(w.ws_gate, kB);

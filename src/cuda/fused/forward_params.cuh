@@ -66,7 +66,6 @@ struct ForwardParams {
   __nv_bfloat16* saved_shared_h;  // [T, 2I_s] or null: the shared expert's
   // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
   ep::Group group;
-  int32_t gateup_tma;  // EXPERIMENT (MOK_TMP_GATEUP_TMA=1)
   // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block
   mokTraceEvent_t* trace;
   int32_t trace_cap;
@@ -80,7 +79,6 @@ struct ForwardParams {
 template <class ScaleMapsT = gemm::NoScales>
 struct MapsWith : ScaleMapsT {
   CUtensorMap ring, w_gate, w_up, act, w_down, x, ws_gate, ws_up, shared_act, ws_down;
-  CUtensorMap act_st, h_st;  // EXPERIMENT (gateup_tma): act and the saved h, 64 x 64 boxes
 };
 using Maps = MapsWith<>;
 
