@@ -6,6 +6,7 @@
 # timing-ring traces (TRACE_SHAPES) of the first.  STAGE=knob: an experiment built into the tree
 # behind a temporary knob (KNOB="NAME=VALUE"): the layer's GPU tests under it, then the forward and
 # the backward with and without it, interleaved (sustained.py --variants), on KNOB_SHAPES.
+# STAGE=swiglu-ncu: ncu of the standalone dgrad-down kinds, the SwiGLU one and the plain one.
 # STAGE=verify: the GEMM and EP C++ GPU tests, the layer's Python GPU tests (the
 # transposed weights' and the HF integration's among them), the
 # backward and forward at the sustained clock on qwen3 and dsv3 (BWD_VARIANTS: sustained.py's
@@ -92,4 +93,16 @@ case "${STAGE:-suite}" in
       timeout 120 python3 tools/sustained.py $shape --backward --variants "knob:${KNOB}" 2>&1 | tee -a "$OUT/bwd_knob.log" |
         grep -E "floor|ring="
     done; echo "at $(el) s" ;;
+  swiglu-ncu)
+    # ncu of the standalone dgrad-down kinds (qwen3): the SwiGLU one, then the plain one
+    for skip in 2 5; do
+      timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        --section MemoryWorkloadAnalysis -k regex:grouped_gemm --launch-skip $skip --launch-count 1 -o /tmp/k$skip -f \
+        python3 tools/dev/profile_swiglu_kind.py ${NCU_SHAPE:-qwen3} >"$OUT/ncu_run_$skip.log" 2>&1
+      echo "ncu (skip $skip) rc=$? at $(el) s"
+      ncu -i /tmp/k$skip.ncu-rep --page details >"$OUT/ncu_details_$skip.txt" 2>>"$OUT/ncu_run_$skip.log"
+      ncu -i /tmp/k$skip.ncu-rep --page source --csv --print-source sass >/tmp/k${skip}_src.csv 2>>"$OUT/ncu_run_$skip.log"
+      python3 tools/dev/ncu_source_top.py /tmp/k${skip}_src.csv 80 >"$OUT/source_top_$skip.txt" 2>&1
+      grep -iE "duration|throughput|warp cycles|Block Size|Function Name|Registers" "$OUT/ncu_details_$skip.txt" | head -24
+    done ;;
 esac
