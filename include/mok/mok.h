@@ -322,9 +322,14 @@ MOK_API int mokHasCuda(void);
 MOK_API mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* workspace);
 /* Whether this library runs the layer `config` describes on config.device: mokSuccess, or
  * mokInvalidArgument / mokNotSupported with mokGetLastError() naming why (a shape the CUDA
- * kernels do not take, no CUDA part...).  backward != 0: the backward too.  Allocates
- * nothing: frameworks call it to choose mok or their own path before any launch. */
-MOK_API mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t backward);
+ * kernels do not take, no CUDA part...).  flags: MOK_SUPPORT_BACKWARD, the backward too;
+ * MOK_SUPPORT_TRANSPOSED, with column-major (transposed) routed weights, which on CUDA only the
+ * fused kernels read (not the separate launches that the MOK_*_PATH knobs or a backward past
+ * the fused kernel's limits take).  Allocates nothing and needs no device: frameworks call it
+ * to choose mok or their own path before any launch. */
+#define MOK_SUPPORT_BACKWARD 1
+#define MOK_SUPPORT_TRANSPOSED 2
+MOK_API mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t flags);
 
 /* ---- EP >= 2: symmetric memory ---------------------------------------------------------------
  * Every rank of an EP group holds one region of mokSymmetricBytes(config) bytes with the same

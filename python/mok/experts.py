@@ -35,11 +35,6 @@ from .config import MoKConfig, _alloc
 Shared = Optional[Sequence[Tensor]]
 
 
-# On CUDA only the fused backward reads column-major (transposed) routed weights; past its
-# table of local experts the backward runs separate launches, which read row-major ones
-# (src/cuda/backward.cu: fused::bwd::kMaxExperts).
-_FUSED_BACKWARD_MAX_EXPERTS = 512
-
 _INTERLEAVED_TRANSPOSED = (
     "interleaved=True with transposed=True: the gate would be every other column of gate_up_proj [E, H, 2I], "
     "a view with unit stride in no dimension, which the kernels' TMA boxes cannot read; store gate and up "
@@ -82,7 +77,8 @@ def unsupported_reason(*, hidden: int, intermediate: int, num_experts: int, topk
                        transposed: bool = False) -> Optional[str]:
     """None when this libmok runs that layer (and its backward, with backward=True) on
     `device`, with transposed (column-major) routed weights if `transposed`; else the sentence
-    that names why (mokCheckSupport). Allocates nothing."""
+    that names why (mokCheckSupport; on CUDA only the fused kernels read transposed weights,
+    and it names a config whose call would take the separate launches). Allocates nothing."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         return f"mok runs on cpu and cuda devices, not {device.type}"
@@ -91,14 +87,12 @@ def unsupported_reason(*, hidden: int, intermediate: int, num_experts: int, topk
         # The device's kind is what matters (nothing is allocated): cuda:N or cuda alike
         index = _lib.DEVICE_CPU if device.type == "cpu" else (device.index or 0)
         c = F._c_config(dims, config, index)
-        result = _lib.symbol("mokCheckSupport")(ctypes.byref(c), int(backward))
+        flags = (_lib.SUPPORT_BACKWARD if backward else 0) | (_lib.SUPPORT_TRANSPOSED if transposed else 0)
+        result = _lib.symbol("mokCheckSupport")(ctypes.byref(c), flags)
     except (ValueError, NotImplementedError) as e:
         return str(e)
     if result != _lib.SUCCESS:
         return _lib.last_error() or _lib.error_string(result)
-    if transposed and backward and device.type == "cuda" and num_experts > _FUSED_BACKWARD_MAX_EXPERTS:
-        return (f"num_experts = {num_experts}: past the fused backward's {_FUSED_BACKWARD_MAX_EXPERTS} local experts "
-                f"the CUDA backward runs separate launches, which read row-major weights only, not transposed ones")
     return None
 
 

@@ -206,15 +206,18 @@ mokResult_t mokWorkspaceCreate(const mokConfig_t* config, mokWorkspace_t* worksp
   });
 }
 
-mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t backward) {
+mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t flags) {
   return guarded("mokCheckSupport", [&] {
+    MOK_CHECK_ARG((flags & ~(MOK_SUPPORT_BACKWARD | MOK_SUPPORT_TRANSPOSED)) == 0,
+                  "flags = " << flags << ": MOK_SUPPORT_BACKWARD (1) and MOK_SUPPORT_TRANSPOSED (2) only");
     const mokConfig_t c = mok::normalize_config(config);
     mok::check_config(c);
-    if (c.device < 0) return;  // the CPU backend takes every valid layer
+    if (c.device < 0) return;  // the CPU backend takes every valid layer, in either orientation
     if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
-    // The backward takes every shape the forward takes (`backward` names no further limit)
-    (void)backward;
-    const std::string why = mok::cuda::unsupported_shape(c);
+    // The backward takes every shape the forward takes; transposed weights, what the fused kernels take
+    std::string why = mok::cuda::unsupported_shape(c);
+    if (why.empty() && (flags & MOK_SUPPORT_TRANSPOSED) != 0)
+      why = mok::cuda::unsupported_transposed(c, (flags & MOK_SUPPORT_BACKWARD) != 0);
     if (!why.empty()) MOK_FAIL(mokNotSupported, why);
   });
 }

@@ -331,16 +331,35 @@ int32_t fused_minibatch_blocks(const DeviceWorkspace& ws, const mokConfig_t& c) 
   return 0;
 }
 
-// The fused backward's minibatch (row blocks) where it runs this call, 0 where the unfused
-// launches do (MOK_BACKWARD_PATH=unfused, or a shape past the kernel's limits: H > 8192 for the
-// comm warps' staging rows, more local experts than its table, a worst-case plan in more than
-// its minibatches, a grid without a comm block and a compute block).
-int32_t fused_backward_minibatch(const DeviceWorkspace& ws, const mokConfig_t& c) {
+// Why the unfused launches run the backward of this config (empty: the fused kernel runs it):
+// MOK_BACKWARD_PATH=unfused, or a shape past the kernel's limits (H > 8192 for the comm warps'
+// staging rows, more local experts than its table, a grid without a comm block and a compute
+// block, a worst-case plan in more minibatches than its table even at one minibatch per
+// macrobatch: fused_minibatch_blocks finds one wherever that one fits).
+std::string fused_backward_unsupported(const mokConfig_t& c, int64_t grid, int64_t max_blocks) {
   const std::string path = env::get(env::kBackwardPath);
   MOK_CHECK_ARG(path == "fused" || path == "unfused",
                 env::kBackwardPath.name << " = " << path << ": expected fused or unfused");
-  if (path != "fused" || c.hidden > 8192 || plan_dims(c).local_experts() > fused::bwd::kMaxExperts || ws.grid < 2)
-    return 0;
+  std::ostringstream why;
+  const int64_t ring = c.macrobatch_size / fused::kBlockM;
+  if (path != "fused")
+    why << env::kBackwardPath.name << "=" << path;
+  else if (c.hidden > 8192)
+    why << "hidden = " << c.hidden << " > 8192";
+  else if (plan_dims(c).local_experts() > fused::bwd::kMaxExperts)
+    why << plan_dims(c).local_experts() << " local experts, more than the fused backward's " << fused::bwd::kMaxExperts;
+  else if (grid < 2)
+    why << "a grid of " << grid << " block (num_blocks)";
+  else if (ring < 1 || plan::ceil_div(max_blocks, ring) > fused::bwd::kMaxMinibatches)
+    why << "a worst-case plan of " << max_blocks << " row blocks in more than " << fused::bwd::kMaxMinibatches
+        << " minibatches";
+  return why.str();
+}
+
+// The fused backward's minibatch (row blocks) where it runs this call, 0 where the unfused
+// launches do (fused_backward_unsupported).
+int32_t fused_backward_minibatch(const DeviceWorkspace& ws, const mokConfig_t& c) {
+  if (!fused_backward_unsupported(c, ws.grid, ws.max_blocks).empty()) return 0;
   return fused_minibatch_blocks(ws, c);
 }
 
@@ -536,6 +555,19 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
 
 }  // namespace
 
+std::string unsupported_transposed(const mokConfig_t& c, bool backward) {
+  if (env::get(env::kForwardPath) == "unfused")
+    return "MOK_FORWARD_PATH=unfused reads row-major routed weights only; the fused forward reads column-major "
+           "(transposed) ones";
+  if (!backward) return "";
+  // The grid is num_blocks where set, else the device's SM count (at least 2 on any GPU mok runs on)
+  const std::string why =
+      fused_backward_unsupported(c, c.num_blocks > 0 ? c.num_blocks : 2, workspace_layout(c).max_blocks);
+  if (why.empty()) return "";
+  return "the CUDA backward of this config runs separate launches (" + why +
+         "), which read row-major routed weights only, not column-major (transposed) ones";
+}
+
 void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   if (ws.bwd != nullptr) return;
   const DeviceGuard guard(ws.device);
@@ -568,10 +600,11 @@ namespace {
 // them (its transposed policy; the runtime checked that their gradients share their
 // orientation); the unfused launches read row-major weights.
 void check_orientations(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in) {
-  MOK_CHECK_ARG(!in.strides.w_gate.col_major() || fused_backward_minibatch(ws, c) > 0,
-                "the routed weights are column-major (transposed), which only the fused backward reads, and this call "
-                "takes the unfused launches (MOK_BACKWARD_PATH=unfused, or more than "
-                    << fused::bwd::kMaxExperts << " local experts)");
+  if (!in.strides.w_gate.col_major()) return;
+  const std::string why = fused_backward_unsupported(c, ws.grid, ws.max_blocks);
+  MOK_CHECK_ARG(why.empty(), "the routed weights are column-major (transposed), which only the fused backward reads, "
+                             "and this call takes the unfused launches ("
+                                 << why << ")");
 }
 }  // namespace
 

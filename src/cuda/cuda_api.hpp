@@ -58,6 +58,11 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& config, const ref::R
 void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& config);
 // Shape limits of the CUDA layer, checked before launch; empty when supported.
 std::string unsupported_shape(const mokConfig_t& config);
+// Why the CUDA layer would not read column-major (transposed) routed weights with this config
+// (its forward, and its backward with `backward`): only the fused kernels read them, and this
+// call would take the unfused launches (the MOK_*_PATH knobs, the fused backward's limits);
+// empty when it would.  Needs no device.
+std::string unsupported_transposed(const mokConfig_t& config, bool backward);
 
 // Grouped GEMM over 128-row blocks, by kind (mokGemmKind_t; shapes in mok.h):
 // out = a·b0ᵀ, silu(a·b0ᵀ) ⊙ (a·b1ᵀ), a·b0 (dgrad down), a·[b0; b1] (dgrad gate/up),

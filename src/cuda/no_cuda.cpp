@@ -30,6 +30,7 @@ void forward_phase(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&,
   no_cuda();
 }
 std::string unsupported_shape(const mokConfig_t&) { return "this libmok was built without its CUDA part"; }
+std::string unsupported_transposed(const mokConfig_t&, bool) { return "this libmok was built without its CUDA part"; }
 void backward(DeviceWorkspace&, const mokConfig_t&, const ref::RankInputs&, const ref::RankGrads&, const void*, void*,
               const Saved&) {
   no_cuda();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 
 #include "mok/mok.h"
@@ -195,6 +196,48 @@ TEST(CApiConfig, BadConfigsAreRejected) {
   EXPECT_EQ(mokWorkspaceCreate(nullptr, &ws), mokInvalidUsage);
   EXPECT_EQ(mokForward(nullptr, nullptr, nullptr), mokInvalidUsage);
   EXPECT_STRNE(mokGetErrorString(mokTimeout), "unknown result code");
+}
+
+// mokCheckSupport's flags: on CUDA only the fused kernels read transposed routed weights; a
+// config whose call would take the separate launches is named before any allocation (no device
+// is needed: the check is the host's)
+TEST(CApiConfig, CheckSupportNamesWhatTransposedWeightsNeed) {
+  mokConfig_t c = MOK_CONFIG_INITIALIZER;
+  c.hidden = 256;
+  c.intermediate = 256;
+  c.num_experts = 1024;
+  c.topk = 2;
+  c.max_tokens = 64;
+  c.device = MOK_DEVICE_CPU;
+  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_BACKWARD | MOK_SUPPORT_TRANSPOSED), mokSuccess) << mokGetLastError();
+  EXPECT_EQ(mokCheckSupport(&c, 4), mokInvalidArgument);
+  EXPECT_NE(std::string(mokGetLastError()).find("flags = 4"), std::string::npos) << mokGetLastError();
+  if (!mokHasCuda()) GTEST_SKIP() << "libmok without its CUDA part";
+  c.device = 0;
+  const int32_t both = MOK_SUPPORT_BACKWARD | MOK_SUPPORT_TRANSPOSED;
+  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_BACKWARD), mokSuccess) << mokGetLastError();   // row-major
+  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_TRANSPOSED), mokSuccess) << mokGetLastError();  // the fused forward
+  EXPECT_EQ(mokCheckSupport(&c, both), mokNotSupported);
+  const std::string why = mokGetLastError();
+  EXPECT_NE(why.find("1024 local experts"), std::string::npos) << why;
+  EXPECT_NE(why.find("row-major routed weights only"), std::string::npos) << why;
+  c.num_experts = 8;
+  EXPECT_EQ(mokCheckSupport(&c, both), mokSuccess) << mokGetLastError();
+  c.num_blocks = 1;  // no comm block beside a compute block: the separate launches
+  EXPECT_EQ(mokCheckSupport(&c, both), mokNotSupported);
+  EXPECT_NE(std::string(mokGetLastError()).find("a grid of 1 block"), std::string::npos) << mokGetLastError();
+  c.num_blocks = 0;
+  setenv("MOK_BACKWARD_PATH", "unfused", 1);
+  EXPECT_EQ(mokCheckSupport(&c, both), mokNotSupported);
+  EXPECT_NE(std::string(mokGetLastError()).find("MOK_BACKWARD_PATH=unfused"), std::string::npos) << mokGetLastError();
+  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_TRANSPOSED), mokSuccess) << mokGetLastError();
+  unsetenv("MOK_BACKWARD_PATH");
+  setenv("MOK_FORWARD_PATH", "unfused", 1);
+  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_TRANSPOSED), mokNotSupported);
+  EXPECT_NE(std::string(mokGetLastError()).find("MOK_FORWARD_PATH=unfused"), std::string::npos) << mokGetLastError();
+  EXPECT_EQ(mokCheckSupport(&c, 0), mokSuccess) << mokGetLastError();
+  unsetenv("MOK_FORWARD_PATH");
+  EXPECT_EQ(mokCheckSupport(&c, both), mokSuccess) << mokGetLastError();
 }
 
 TEST(CApiPlan, HostBuildMatchesCapacityAndRejectsBadIds) {

@@ -242,7 +242,7 @@ def test_unsupported_reason_of_transposed_weights():
     # launches, which read row-major weights only; the forward, the CPU and the fused backward
     # take them
     why = X.unsupported_reason(hidden=256, intermediate=256, num_experts=1024, topk=2, device="cuda", transposed=True)
-    assert why is not None and "num_experts = 1024" in why and "row-major weights only" in why
+    assert why is not None and "1024 local experts" in why and "row-major routed weights only" in why
     assert X.unsupported_reason(hidden=256, intermediate=256, num_experts=1024, topk=2, device="cuda",
                                 transposed=True, backward=False) is None
     assert X.unsupported_reason(hidden=256, intermediate=256, num_experts=1024, topk=2, device="cuda") is None
