@@ -95,7 +95,7 @@ case "${STAGE:-suite}" in
     done; echo "at $(el) s" ;;
   swiglu-ncu)
     # ncu of the standalone dgrad-down kinds (qwen3): the SwiGLU one, then the plain one
-    for skip in 2 5; do
+    for skip in ${NCU_SKIPS:-2 5}; do
       timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         --section MemoryWorkloadAnalysis -k regex:grouped_gemm --launch-skip $skip --launch-count 1 -o /tmp/k$skip -f \
         python3 tools/dev/profile_swiglu_kind.py ${NCU_SHAPE:-qwen3} >"$OUT/ncu_run_$skip.log" 2>&1
