@@ -42,7 +42,8 @@ Fall back to grouped_mm, with the reason (the first one that applies is named):
                                    mok.experts.unsupported_reason() names: e.g. more routes per
                                    token than local experts (expert parallelism), on CUDA an
                                    intermediate size its backward does not take, or on CUDA
-                                   transposed weights with more than 512 local experts
+                                   transposed weights where the call would take the separate
+                                   launches (e.g. more than 512 local experts)
 """
 from __future__ import annotations
 
