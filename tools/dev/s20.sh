@@ -94,11 +94,12 @@ case "${STAGE:-suite}" in
         grep -E "floor|ring="
     done; echo "at $(el) s" ;;
   swiglu-ncu)
-    # ncu of the standalone dgrad-down kinds (qwen3): the SwiGLU one, then the plain one
-    for skip in ${NCU_SKIPS:-2 5}; do
+    # ncu of the standalone dgrad-down kinds (qwen3; tools/profile_kinds.py: a warm-up call of
+    # each, then the profiled ones): the SwiGLU one (launch 2), then the plain one (launch 3)
+    for skip in ${NCU_SKIPS:-2 3}; do
       timeout 150 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         --section MemoryWorkloadAnalysis -k regex:grouped_gemm --launch-skip $skip --launch-count 1 -o /tmp/k$skip -f \
-        python3 tools/dev/profile_swiglu_kind.py ${NCU_SHAPE:-qwen3} >"$OUT/ncu_run_$skip.log" 2>&1
+        python3 tools/profile_kinds.py ${NCU_SHAPE:-qwen3} --kinds dgrad_down_swiglu,dgrad_down >"$OUT/ncu_run_$skip.log" 2>&1
       echo "ncu (skip $skip) rc=$? at $(el) s"
       ncu -i /tmp/k$skip.ncu-rep --page details >"$OUT/ncu_details_$skip.txt" 2>>"$OUT/ncu_run_$skip.log"
       ncu -i /tmp/k$skip.ncu-rep --page source --csv --print-source sass >/tmp/k${skip}_src.csv 2>>"$OUT/ncu_run_$skip.log"
