@@ -517,6 +517,11 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     m.ws_down_n = m.ws_gate_n = m.ws_up_n = m.w_down_n;
     m.dy_mn = m.sh_a_mn = m.sh_dh_mn = m.x_mn = m.x_rows_mn;
   }
+  // The dgrad-down epilogues' TMA stores of dg | du and w·a (epilogue_dgrad_swiglu_staged)
+  m.dh_st = tm(b.dh, R, 2 * I, 64);
+  m.wa_st = tm(b.wa, R, I, 64);
+  m.sh_dh_st = Is > 0 && T > 0 ? tm(b.sh_dh, T, 2 * Is, 64) : m.dh_st;
+  m.sh_a_st = Is > 0 && T > 0 ? tm(b.sh_a, T, Is, 64) : m.wa_st;
   // The routed wgrad tiles' TMA-store epilogue (ops_bwd/wgrad.cuh), over maps of the gradients as
   // stored (64 x 64 boxes; rows between experts: out_es / out_rs), where a 2-D map can follow them
   {
@@ -533,10 +538,6 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     const bool ok = El > 0 && storable(p.wg_down, p.wg_down.out) && storable(p.wg_gate_up, p.wg_gate_up.out) &&
                     storable(p.wg_gate_up, p.wg_gate_up.out1);
     p.wgrad_tma = ok ? 1 : 0;
-    m.dh_st = tm(b.dh, R, 2 * I, 64);
-    m.wa_st = tm(b.wa, R, I, 64);
-    m.sh_dh_st = Is > 0 && T > 0 ? tm(b.sh_dh, T, 2 * Is, 64) : m.dh_st;
-    m.sh_a_st = Is > 0 && T > 0 ? tm(b.sh_a, T, Is, 64) : m.wa_st;
     if (ok) {
       m.wg_down_out = stack_map(p.wg_down, p.wg_down.out, &p.wg_down_pitch);
       m.wg_gate_out = stack_map(p.wg_gate_up, p.wg_gate_up.out, &p.wg_gate_up_pitch);

@@ -215,29 +215,29 @@ TEST(CApiConfig, CheckSupportNamesWhatTransposedWeightsNeed) {
   if (!mokHasCuda()) GTEST_SKIP() << "libmok without its CUDA part";
   c.device = 0;
   const int32_t both = MOK_SUPPORT_BACKWARD | MOK_SUPPORT_TRANSPOSED;
-  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_BACKWARD), mokSuccess) << mokGetLastError();   // row-major
-  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_TRANSPOSED), mokSuccess) << mokGetLastError();  // the fused forward
-  EXPECT_EQ(mokCheckSupport(&c, both), mokNotSupported);
-  const std::string why = mokGetLastError();
-  EXPECT_NE(why.find("1024 local experts"), std::string::npos) << why;
-  EXPECT_NE(why.find("row-major routed weights only"), std::string::npos) << why;
+  auto refused = [&](int32_t flags, const char* why) {
+    EXPECT_EQ(mokCheckSupport(&c, flags), mokNotSupported) << why;
+    EXPECT_NE(std::string(mokGetLastError()).find(why), std::string::npos) << mokGetLastError();
+  };
+  auto taken = [&](int32_t flags) { EXPECT_EQ(mokCheckSupport(&c, flags), mokSuccess) << mokGetLastError(); };
+  taken(MOK_SUPPORT_BACKWARD);    // row-major: the separate launches read it
+  taken(MOK_SUPPORT_TRANSPOSED);  // the fused forward
+  refused(both, "1024 local experts");
+  refused(both, "row-major routed weights only");
   c.num_experts = 8;
-  EXPECT_EQ(mokCheckSupport(&c, both), mokSuccess) << mokGetLastError();
+  taken(both);
   c.num_blocks = 1;  // no comm block beside a compute block: the separate launches
-  EXPECT_EQ(mokCheckSupport(&c, both), mokNotSupported);
-  EXPECT_NE(std::string(mokGetLastError()).find("a grid of 1 block"), std::string::npos) << mokGetLastError();
+  refused(both, "a grid of 1 block");
   c.num_blocks = 0;
   setenv("MOK_BACKWARD_PATH", "unfused", 1);
-  EXPECT_EQ(mokCheckSupport(&c, both), mokNotSupported);
-  EXPECT_NE(std::string(mokGetLastError()).find("MOK_BACKWARD_PATH=unfused"), std::string::npos) << mokGetLastError();
-  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_TRANSPOSED), mokSuccess) << mokGetLastError();
+  refused(both, "MOK_BACKWARD_PATH=unfused");
+  taken(MOK_SUPPORT_TRANSPOSED);
   unsetenv("MOK_BACKWARD_PATH");
   setenv("MOK_FORWARD_PATH", "unfused", 1);
-  EXPECT_EQ(mokCheckSupport(&c, MOK_SUPPORT_TRANSPOSED), mokNotSupported);
-  EXPECT_NE(std::string(mokGetLastError()).find("MOK_FORWARD_PATH=unfused"), std::string::npos) << mokGetLastError();
-  EXPECT_EQ(mokCheckSupport(&c, 0), mokSuccess) << mokGetLastError();
+  refused(MOK_SUPPORT_TRANSPOSED, "MOK_FORWARD_PATH=unfused");
+  taken(0);
   unsetenv("MOK_FORWARD_PATH");
-  EXPECT_EQ(mokCheckSupport(&c, both), mokSuccess) << mokGetLastError();
+  taken(both);
 }
 
 TEST(CApiPlan, HostBuildMatchesCapacityAndRejectsBadIds) {

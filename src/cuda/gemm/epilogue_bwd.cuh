@@ -210,8 +210,7 @@ __device__ __forceinline__ bool produce_swiglu_h(StageStorageT<T, P>& s, Pipelin
 
 // The 4-byte pair of row r's channels n8 * 8 + 2t, +1 of an h pass box (128-byte rows, swizzled)
 __device__ __forceinline__ uint32_t h_pass_pair(const __nv_bfloat16* box, int r, int n8, int t) {
-  const uint8_t* row = reinterpret_cast<const uint8_t*>(box) + r * 128;
-  return *reinterpret_cast<const uint32_t*>(row + ((n8 ^ (r & 7)) << 4) + 4 * t);
+  return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(box) + swizzled_word(r, n8, t));
 }
 
 // The epilogue of one consumer's 64 rows of a cooperative tile with h from the stage ring: the
@@ -273,7 +272,7 @@ __device__ __forceinline__ bool epilogue_dgrad_swiglu_staged(const float (&acc)[
       for (int half = 0; half < 2; ++half) {
         const int r = fragment_row(consumer, half);
         auto put = [&](__nv_bfloat16* box, int n8, uint32_t v) {
-          *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(box) + r * 128 + ((n8 ^ (r & 7)) << 4) + 4 * t) = v;
+          *reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(box) + swizzled_word(r, n8, t)) = v;
         };
 #pragma unroll
         for (int b = 0; b < kPassBlocks; b += 2)

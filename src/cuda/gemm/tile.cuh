@@ -278,6 +278,13 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineSta
 // Fragment layout (wgmma D): thread (warp w, lane l) holds, for n8 in [0, 32), columns
 // n8*8 + (l%4)*2 + {0,1} of rows w*16 + l/4 (regs n8*4 + {0,1}) and +8 (regs n8*4 + {2,3}).
 
+// The byte offset, in a 64-row box of 128-byte rows in TMA's 128-byte swizzle (the 16-byte chunk
+// c of row r at c ^ r % 8), of the 4-byte word t of row r's chunk c: what a lane of a quad reads
+// or writes of the fragment's n8 block c, conflict-free.
+__device__ __forceinline__ uint32_t swizzled_word(int r, int chunk, int t) {
+  return static_cast<uint32_t>(r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * t);
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);

@@ -298,8 +298,7 @@ __device__ __forceinline__ bool wgrad_tile_storable(const WgradParams& p, const 
          !w.store_acc && w.main_grad == nullptr;
 }
 // One consumer's 64 x 256 half of the tile, bf16, into buf as four 64 x 64 boxes in the
-// 128-byte swizzle of a TMA map (the 16-byte chunk of row r at chunk ^ (r % 8)): conflict-free
-// 4-byte stores.  Then the warpgroup's first thread stores the boxes at (col, row) of `map`
+// 128-byte swizzle of a TMA map (swizzled_word): conflict-free 4-byte stores.  Then the warpgroup's first thread stores the boxes at (col, row) of `map`
 // (an asynchronous bulk group; the caller waits for its reads before reusing buf).
 template <int kRegs>
 __device__ __forceinline__ void store_half_tma(const float (&acc)[kRegs], uint8_t* buf, const CUtensorMap* map,
@@ -311,7 +310,7 @@ __device__ __forceinline__ void store_half_tma(const float (&acc)[kRegs], uint8_
 #pragma unroll
     for (int n8 = 0; n8 < kRegs / 4; ++n8) {
       const int box = n8 / 8, chunk = n8 % 8;
-      *reinterpret_cast<uint32_t*>(buf + box * 8192 + r * 128 + ((chunk ^ (r % 8)) * 16) + (lane % 4) * 4) =
+      *reinterpret_cast<uint32_t*>(buf + box * 8192 + swizzled_word(r, chunk, lane % 4)) =
           pack_bf16x2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
     }
   }

@@ -118,13 +118,19 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
   // reserves the stages after the K loop (no load: a plain arrival), the consumers write, store,
   // wait for the stores' reads and release them.  Every other tile: the register epilogue.
   static constexpr bool kRingEpilogue = !kShared;
+  // Whether the tile (w, its target to) takes the TMA stores: the producer's and the consumers' test
+  template <class Pol>
+  __device__ __forceinline__ static bool tma_tile(const BackwardParams& p, const Task& t, const gemm::WgradTile& w,
+                                                  const gemm::WgradTarget& to) {
+    return !kShared && p.wgrad_tma && t.k_blocks != 0 &&
+           gemm::wgrad_tile_storable<kSwapped<Pol::kTransposed> && !kDown>(target(p), w, to);
+  }
   template <class Pol>
   __device__ __forceinline__ static bool tma_tile(const BackwardParams& p, const Task& t) {
     constexpr bool kSplitN = kSwapped<Pol::kTransposed> && !kDown;
-    if (kShared || !p.wgrad_tma || t.k_blocks == 0) return false;
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
-    return gemm::wgrad_tile_storable<kSplitN>(wp, w, gemm::wgrad_target_at<kSplitN>(wp, w, t.slot));
+    return tma_tile<Pol>(p, t, w, gemm::wgrad_target_at<kSplitN>(wp, w, t.slot));
   }
   template <class Pol, class Stages, class Stage, class MapsArg>
   __device__ __forceinline__ static bool produce_epilogue(Stages& s, Stage& stage, const MapsArg&,
@@ -142,14 +148,14 @@ struct WgradOp : OpBase<kKindV, gemm::Operands::kMNMajor> {
   __device__ __forceinline__ static bool epilogue_ring(const float (&acc)[kRegs], int consumer, const BackwardParams& p,
                                                        const Geometry& g, const TaskCounts& c, const Task& t,
                                                        const Ring& r) {
-    if (!tma_tile<Pol>(p, t)) {
-      epilogue<Pol>(acc, consumer, p, g, c, t);
-      return true;
-    }
     constexpr bool kSplitN = kSwapped<Pol::kTransposed> && !kDown;
     const gemm::WgradParams& wp = target(p);
     const gemm::WgradTile w = wgrad_tile(t, wp.num_n_blocks);
     const gemm::WgradTarget to = gemm::wgrad_target_at<kSplitN>(wp, w, t.slot);
+    if (!tma_tile<Pol>(p, t, w, to)) {
+      epilogue<Pol>(acc, consumer, p, g, c, t);
+      return true;
+    }
     // The two reserved stages (both consumers wait for and release both); this consumer's is its
     // index's
     auto second = r.stage;
