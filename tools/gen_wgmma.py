@@ -38,6 +38,9 @@ def main():
     for a_type, b_type, k in KINDS:
         for n in SHAPES:
             print(wrapper(n, a_type, b_type, k))
+    # N = 192: the ping-pong tiles of 128 x 192 (bf16, K-major and B N-major)
+    print(wrapper(192, "bf16", "bf16", 16))
+    print(wrapper(192, "bf16", "bf16", 16, TRANSPOSED[0]))
     for transpose in TRANSPOSED:
         for n in (128, 256):
             print(wrapper(n, "bf16", "bf16", 16, transpose))

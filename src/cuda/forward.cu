@@ -9,9 +9,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <sstream>
-#include <string>
 
 #include "cuda/cuda_api.hpp"
 #include "cuda/comm/combine.cuh"
@@ -234,9 +232,10 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.timeout_record = ws.errors + kRouteErrorWords;
 
   // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones), all
-  // K-major: A boxes of BLOCK_M rows, B halves of BLOCK_N / 2; transposed routed weights
-  // N-major, boxes of BLOCK_K rows (their K) as stored
-  constexpr int kA = fused::kBlockM, kB = fused::kHalfN;
+  // K-major: A boxes of BLOCK_M rows, B halves of the policy's tile N / 2; transposed routed
+  // weights N-major, boxes of BLOCK_K rows (their K) as stored
+  constexpr int kA = fused::kBlockM;
+  const int kB = w.transposed ? fused::ForwardPolicyBf16Transposed::kTileHalfN : fused::ForwardPolicyBf16::kTileHalfN;
   const int kRoutedB = w.transposed ? fused::kBlockK : kB;
   fused::Maps m{};
   m.ring = gemm::tensor_map_2d(ws.ring, ws.ring_rows, H, kA);
@@ -256,7 +255,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
     m.ws_down = m.w_down;
   }
   MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
-  fused::launch_for_orientation(
+  fused::launch_for_orientation<fused::ForwardPolicyBf16, fused::ForwardPolicyBf16Transposed>(
       w.transposed, ws.grid, stream, [](auto pol) { return fused::fused_forward_kernel<decltype(pol)>; },
       [](auto pol) { return fused::kFusedSmemBytes<decltype(pol)>; }, m, p);
 }

@@ -399,6 +399,8 @@ def test_trace_records_every_role(gen, monkeypatch):
     assert roles == {0, 1, 2, 3, 4, 5}, f"roles recorded: {sorted(roles)}"
     assert (ev[:, 1] >= ev[:, 0]).all(), "an event ends before it begins"
     tiles = ev[ev[:, 2] == 3]
-    # Every shared tile: ceil(700/128) row blocks x (256/128 gate/up + 512/256 down).
+    # Every shared tile: ceil(700/128) row blocks x (gate/up tiles of 96 channels: ceil(256/96),
+    # down tiles of 192 columns: ceil(512/192)), the row-major forward's 128 x 192 tiles
+    # (src/cuda/fused/policy.cuh, ForwardPolicyBf16)
     shared = tiles[(tiles[:, 3] == 0) | (tiles[:, 3] == 2)]
-    assert shared.shape[0] == 6 * (2 + 2)
+    assert shared.shape[0] == 6 * (3 + 3)

@@ -118,6 +118,16 @@ struct ForwardDir : DirBase<ForwardTypes<Pol>> {
     }
     return gemm::consume_tile(s, stage, k_blocks, consumer, acc, wait);
   }
+  // Ping-pong tiles (roles/consumers.cuh; row-major weights: every op K-major): every slab of
+  // the tile, after_waits() once its stage waits have passed
+  template <class AfterWaits>
+  __device__ __forceinline__ static bool consume_slabs(typename Pol::Stages& s, typename Pol::Stage& stage,
+                                                       const Task&, int32_t k_blocks, int consumer,
+                                                       float (&acc)[Pol::Tile::kSlabs][Pol::Tile::kAccRegs],
+                                                       const gemm::WaitContext& wait, AfterWaits after_waits) {
+    static_assert(!Pol::kTransposed, "ping-pong forward tiles: row-major weights, K-major operands");
+    return gemm::consume_tile<gemm::Operands::kKMajor>(s, stage, k_blocks, consumer, acc, wait, after_waits);
+  }
 };
 
 }  // namespace mok::cuda::fused

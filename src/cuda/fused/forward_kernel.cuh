@@ -45,10 +45,11 @@ __device__ __forceinline__ auto ForwardDir<Pol>::setup(Shared& sh, const Params&
   int32_t* gather_ready = p.counters + static_cast<int>(Counter::kHeader);
   const int32_t num_blocks = p.expert_offset[p.num_local] / kBlockM;
   g = Geometry::make(num_blocks, p.ring_blocks, p.minibatch_blocks);
-  // Tiles per row block: gate/up tiles of BLOCK_N / 2 channels (gate and up), down tiles of
-  // BLOCK_N columns; the last of each may be partial
-  counts = TaskCounts{gemm::tiles_of(p.inter, kHalfN), gemm::tiles_of(p.hidden, kBlockN),
-                      gemm::tiles_of(p.shared_inter, kHalfN), gemm::tiles_of(p.hidden, kBlockN), p.shared_blocks};
+  // Tiles per row block: gate/up tiles of the policy's N / 2 channels (gate and up), down tiles
+  // of N columns; the last of each may be partial
+  counts = TaskCounts{gemm::tiles_of(p.inter, Pol::kTileHalfN), gemm::tiles_of(p.hidden, Pol::kTileN),
+                      gemm::tiles_of(p.shared_inter, Pol::kTileHalfN), gemm::tiles_of(p.hidden, Pol::kTileN),
+                      p.shared_blocks};
   const bool comm = static_cast<int32_t>(blockIdx.x) < p.num_comm;
   if (threadIdx.x == 0) {
     int32_t num_tasks = 0;

@@ -85,8 +85,8 @@ using Maps = MapsWith<>;
 // The hand-offs between a fused kernel's roles, two slots each (gemm::Pipeline):
 //   tasks  producer -> consumers + signaler: the task in tasks[slot] (full: the producer's
 //          arrival; empty: both consumer warpgroups' leaders and the signaler)
-//   done   consumer leaders -> signaler: a tile's stores are issued (full: both leaders;
-//          empty: the signaler, once it took the tile)
+//   done   consumer leaders -> signaler: a tile's stores are issued (full: both leaders, or the
+//          owner of a ping-pong tile; empty: the signaler, once it took the tile)
 struct RoleRings {
   gemm::Pipeline<2> tasks;
   gemm::Pipeline<2> done;
@@ -111,10 +111,11 @@ inline constexpr size_t kFusedSmemBytes = sizeof(FusedSharedT<typename Policy::S
 // signaler tile done, and the comm warps' staging rows.  Thread 0, before the block barrier.
 template <class SharedT>
 __device__ __forceinline__ void init_role_barriers(SharedT& sh) {
-  using C = TileConfig;
+  using C = typename decltype(sh.stages)::Tile;
   sh.stages.init_barriers();
   sh.rings.tasks.init(1, C::kConsumers + 1);
-  sh.rings.done.init(C::kConsumers, 1);
+  // A tile's done: both warpgroups of a cooperative tile, its owner of a ping-pong one
+  sh.rings.done.init(C::kPingPong ? 1 : C::kConsumers, 1);
   for (int w = 0; w < static_cast<int>(sizeof(sh.gather_bar) / sizeof(sh.gather_bar[0])); ++w)
     ptx::mbar_init(&sh.gather_bar[w], 1);
   ptx::fence_mbar_init();
@@ -165,12 +166,13 @@ struct EpilogueRing {
   const MapsT& maps;  // the kernel's tensor maps (an epilogue that stores with TMA)
 };
 
-// The shared expert's output tile (token block `block`, N block `n_block`) into out [tokens, ld]:
-// what the forward's shared down and the backward's shared dgrad gate/up store.
+// The shared expert's output tile (token block `block`, N block `n_block` of 2 kRegs columns: the
+// tile's N) into out [tokens, ld]: what the forward's shared down and the backward's shared dgrad
+// gate/up store.
 template <int kRegs>
 __device__ __forceinline__ void store_token_tile(const float (&acc)[kRegs], int consumer, __nv_bfloat16* out,
                                                  int64_t ld, int64_t num_tokens, int32_t block, int32_t n_block) {
-  gemm::epilogue_store(acc, consumer, out, ld, int64_t{block} * kBlockM, num_tokens, int64_t{n_block} * kBlockN);
+  gemm::epilogue_store(acc, consumer, out, ld, int64_t{block} * kBlockM, num_tokens, int64_t{n_block} * (2 * kRegs));
 }
 
 // The counter waits of a task (the producer) or of a row block's gather (a comm warp:

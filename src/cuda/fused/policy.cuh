@@ -3,8 +3,14 @@
 // one (forward_dir.cuh, backward_dir.cuh); the host picks the instantiation per call.
 //
 //   Precision   gemm::PrecisionBf16 (gemm/tile.cuh: the operand element, the MMA step, what a
-//               stage and the tensor maps hold besides the operands); the tile shape, its stage
-//               ring and the accumulator follow from it
+//               stage and the tensor maps hold besides the operands)
+//   TileT       the tile shape (gemm/config.hpp: N, the consumers' schedule), of the precision's
+//               operand bytes; its stage ring and the accumulator follow from it.  The backward's
+//               is 128 x 256 cooperative (tile_sizes.cuh, the tile counts of its schedule); the
+//               row-major forward's 128 x 192 ping-pong (ForwardPolicyBf16: each consumer
+//               warpgroup owns whole tiles in turn, so one's epilogue runs under the other's K
+//               loop; 3.6-5.5 % faster than cooperative 128 x 256 on plain tiles, docs/perf.md
+//               session 21)
 //   kTransposed false: the routed weights are row-major matrices as nn.Linear keeps them
 //               (w_gate, w_up [E, I, H], w_down [E, H, I]: K contiguous in the forward);
 //               true: column-major ones, i.e. stored [E, H, 2I] / [E, I, H] (Hugging Face's
@@ -21,10 +27,12 @@
 
 namespace mok::cuda::fused {
 
-template <class PrecisionT, bool kTransposedV>
+template <class PrecisionT, bool kTransposedV, class TileT = gemm::TileShape<kBlockM, kBlockN, PrecisionT::kElemBytes>>
 struct Policy {
   using Precision = PrecisionT;
-  using Tile = gemm::TileShape<kBlockM, kBlockN, Precision::kElemBytes>;
+  using Tile = TileT;
+  static constexpr int kTileN = Tile::kBlockN;      // columns of a store or scatter tile
+  static constexpr int kTileHalfN = kTileN / 2;     // channels of a gate/up tile (its B halves' rows)
   using Stages = gemm::StageStorageT<Tile, Precision>;  // the stage ring
   using Stage = gemm::PipelineState<Tile::kStages>;     // a role's place in it
   using ScaleMaps = typename Precision::ScaleMaps;      // beside the direction's operand maps
@@ -32,15 +40,21 @@ struct Policy {
   // NOTES: the tile counts of the schedules (tile_sizes.cuh) are the bf16 tile's; a precision
   // with another K per k-block or tile takes them from here first
   static_assert(Tile::kBlockK == kBlockK, "the schedules' k-blocks are this precision's");
+  static_assert(Tile::kBlockM == kBlockM && Tile::kElemBytes == Precision::kElemBytes, "a tile of the plan's row blocks");
 };
 using PolicyBf16 = Policy<gemm::PrecisionBf16, false>;
 using PolicyBf16Transposed = Policy<gemm::PrecisionBf16, true>;
+// The forward's: row-major weights in 128 x 192 ping-pong tiles; transposed ones (N-major B:
+// a gate/up tile's halves are whole 64-column boxes) in the backward's 128 x 256
+using ForwardPolicyBf16 = Policy<gemm::PrecisionBf16, false, gemm::TileConfigPingPong192>;
+using ForwardPolicyBf16Transposed = PolicyBf16Transposed;
 static_assert(sizeof(PolicyBf16::Stages) == sizeof(gemm::StageStorage), "bf16 stages hold no scales");
 
 // The host's launch of a fused kernel, instantiated for the routed weights' orientation:
 // kernel_of(Pol{}) is the kernel of policy Pol, smem_of(Pol{}) its dynamic shared memory
 // (forward.cu, backward.cu); args are its parameters.
-template <class KernelOf, class SmemOf, class... Args>
+template <class RowMajor = PolicyBf16, class Transposed = PolicyBf16Transposed, class KernelOf, class SmemOf,
+          class... Args>
 void launch_for_orientation(bool transposed, int grid, cudaStream_t stream, KernelOf kernel_of, SmemOf smem_of,
                             const Args&... args) {
   auto launch = [&](auto policy) {
@@ -51,9 +65,9 @@ void launch_for_orientation(bool transposed, int grid, cudaStream_t stream, Kern
     MOK_CUDA_CHECK(cudaGetLastError());
   };
   if (transposed)
-    launch(PolicyBf16Transposed{});
+    launch(Transposed{});
   else
-    launch(PolicyBf16{});
+    launch(RowMajor{});
 }
 
 }  // namespace mok::cuda::fused

@@ -18,10 +18,10 @@ enum class Operands : int32_t {
 
 // One tile shape of the engine: BLOCK_M x BLOCK_N outputs, two consumer warpgroups of 64 rows
 // each, operands of kElemBytes (2: bf16, 1: fp8 e4m3), K-steps of one 128-byte swizzle row of
-// them (64 bf16, 128 e4m3).  The stage ring is as deep as ~192 KB of shared memory allows.  The
+// them (64 bf16, 128 e4m3).  The stage ring is as deep as 200 KB of shared memory allows.  The
 // shape is a parameter of every building block in tile.cuh; the kernels name the one they run
 // (TileConfig, 128 x 256 bf16, unless a launch asks for another: the dgrad-down epilogue and
-// the fp8 path want 128 x 128).  What the consumers issue per stage is the MMA policy
+// the fp8 path want 128 x 128, the fused forward 128 x 192 ping-pong).  What the consumers issue per stage is the MMA policy
 // (tile.cuh: MmaBf16, MmaE4m3), chosen by the operand bytes.
 // kPingPong: the schedule of the consumers.  false (cooperative): both warpgroups share every
 // tile, 64 rows each, and read every stage.  true (ping-pong): each warpgroup owns whole tiles in
@@ -43,10 +43,10 @@ struct TileShape {
   static constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;        // 16 KB
   static constexpr int kBHalfBytes = (kBlockN / 2) * kBlockK * kElemBytes;  // 16 KB at N = 256
   static constexpr int kStageBytes = kATileBytes + 2 * kBHalfBytes; // 48 KB at N = 256
-  static constexpr int kStages = (192 * 1024) / kStageBytes;        // 4 at N = 256, 6 at N = 128
+  static constexpr int kStages = (200 * 1024) / kStageBytes;        // 4 at N = 256, 6 at N = 128, 5 at 192
   static constexpr int kAccRegs = kBlockN / 2;                      // fp32 per thread of a slab (64 x N / 128)
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
-  static_assert(kBlockN == 128 || kBlockN == 256, "wgmma N of the generated wrappers");
+  static_assert(kBlockN == 128 || kBlockN == 192 || kBlockN == 256, "wgmma N of the generated wrappers");
   static_assert(kElemBytes == 1 || kElemBytes == 2, "operands: bf16 (2 bytes) or fp8 e4m3 (1 byte)");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536,
                 "register budgets exceed the register file");
@@ -55,7 +55,8 @@ using TileConfig = TileShape<128, 256>;
 using TileConfigN128 = TileShape<128, 128>;
 using TileConfigE4m3 = TileShape<128, 128, 1>;  // fp8 operands: the seam of the fp8 recipes
 using TileConfigPingPong = TileShape<128, 128, 2, true>;  // 128 x 128 tiles, a warpgroup each
-static_assert(TileConfig::kStages == 4, "the forward's measured configuration");
+using TileConfigPingPong192 = TileShape<128, 192, 2, true>;  // 128 x 192 tiles, a warpgroup each (the fused forward)
+static_assert(TileConfig::kStages == 4 && TileConfigPingPong192::kStages == 5, "the measured configurations");
 
 // Channels of I per router-gradient partial of the dgrad-down SwiGLU epilogue (epilogue_bwd.cuh):
 // the same for every tile shape, so the partials do not depend on it.

@@ -38,14 +38,16 @@ __device__ __forceinline__ uint64_t desc_mnmajor_sw128(const void* smem, uint32_
 // The m64nNk16 bf16 MMA of a tile N (128 or 256), by operand orientation.
 template <int N>
 __device__ __forceinline__ void mma_bf16(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 256, "generated wrappers: N = 128 or 256");
+  static_assert(N == 128 || N == 192 || N == 256, "generated wrappers: N = 128, 192 or 256");
   if constexpr (N == 256) mma_m64n256k16_bf16(d, a, b, accumulate);
+  else if constexpr (N == 192) mma_m64n192k16_bf16(d, a, b, accumulate);
   else mma_m64n128k16_bf16(d, a, b, accumulate);
 }
 template <int N>
 __device__ __forceinline__ void mma_bf16_tb(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 256, "generated wrappers: N = 128 or 256");
+  static_assert(N == 128 || N == 192 || N == 256, "generated wrappers: N = 128, 192 or 256");
   if constexpr (N == 256) mma_m64n256k16_bf16_tb(d, a, b, accumulate);
+  else if constexpr (N == 192) mma_m64n192k16_bf16_tb(d, a, b, accumulate);
   else mma_m64n128k16_bf16_tb(d, a, b, accumulate);
 }
 template <int N>

@@ -21,16 +21,17 @@ struct Down : OpBase<TaskKind::kDown, CounterArray::kDownDone, gemm::Operands::k
   __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     // Two neighbouring halves of w_down's rows, or (transposed) its columns in one K range
-    const int32_t e_row = p.block_expert[t.block] * p.down_pitch, n0 = t.n_block * kBlockN, kb = k_blocks(p, g, c, t);
+    const int32_t e_row = p.block_expert[t.block] * p.down_pitch, n0 = t.n_block * Pol::kTileN;
+    const int32_t kb = k_blocks(p, g, c, t);
     return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &maps.act, &maps.w_down, &maps.w_down,
-                g.ring_row(t.block), Pol::kTransposed ? e_row : e_row + n0, Pol::kTransposed ? n0 : kHalfN,
+                g.ring_row(t.block), Pol::kTransposed ? e_row : e_row + n0, Pol::kTransposed ? n0 : Pol::kTileHalfN,
                 Pol::kTransposed ? kb : kHalvesApart, kb, 0};
   }
   template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry&, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_scatter(acc, consumer, [&](uint32_t rec) { return home_slots(p, rec); }, p.hidden,
-                           p.rows + int64_t{t.block} * kBlockM, p.topk, int64_t{t.n_block} * kBlockN);
+                           p.rows + int64_t{t.block} * kBlockM, p.topk, int64_t{t.n_block} * Pol::kTileN);
   }
 #endif
 };

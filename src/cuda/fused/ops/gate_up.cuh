@@ -23,7 +23,7 @@ struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone, gemm::Opera
   __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     // The gate and up halves: rows of w_gate and w_up, or (transposed) their columns
-    const int32_t e_row = p.block_expert[t.block] * p.gate_up_pitch, ch = t.n_block * kHalfN;
+    const int32_t e_row = p.block_expert[t.block] * p.gate_up_pitch, ch = t.n_block * Pol::kTileHalfN;
     return Load{static_cast<int32_t>(kOpsFor<Pol::kTransposed>), &maps.ring, &maps.w_gate, &maps.w_up,
                 g.ring_row(t.block), Pol::kTransposed ? e_row : e_row + ch, Pol::kTransposed ? ch : 0, kHalvesApart,
                 k_blocks(p, g, c, t), 0};
@@ -32,11 +32,11 @@ struct GateUp : OpBase<TaskKind::kGateUp, CounterArray::kGateUpDone, gemm::Opera
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
                                                   const Geometry& g, const TaskCounts&, const TaskInfo& t) {
     gemm::epilogue_swiglu(acc, consumer, p.act, p.inter, g.ring_row(t.block), int64_t{p.ring_blocks} * kBlockM,
-                          int64_t{t.n_block} * kHalfN);
+                          int64_t{t.n_block} * Pol::kTileHalfN);
     // Training: the pre-activations too, at the block's plan rows (the backward's h)
     if (p.saved_h)
       gemm::epilogue_gate_up_preact(acc, consumer, p.saved_h, 2 * int64_t{p.inter}, int64_t{t.block} * kBlockM,
-                                    int64_t{t.block + 1} * kBlockM, int64_t{t.n_block} * kHalfN);
+                                    int64_t{t.block + 1} * kBlockM, int64_t{t.n_block} * Pol::kTileHalfN);
   }
 #endif
 };

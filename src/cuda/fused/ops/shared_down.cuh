@@ -21,7 +21,7 @@ struct SharedDown : OpBase<TaskKind::kSharedDown, CounterArray::kNone> {
   __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
     return Load{static_cast<int32_t>(kOps), &maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM,
-                t.n_block * kBlockN, kHalfN, kHalvesApart, k_blocks(p, g, c, t), 0};
+                t.n_block * Pol::kTileN, Pol::kTileHalfN, kHalvesApart, k_blocks(p, g, c, t), 0};
   }
   template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,

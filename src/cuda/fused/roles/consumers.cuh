@@ -7,11 +7,14 @@
 namespace mok::cuda::fused {
 
 // ---- consumers: MMAs and epilogues of the producer's tasks -------------------------------------
+// Cooperative tiles (the policy's Tile::kPingPong false): both warpgroups take every task, 64 rows
+// of its tile each.
 template <class Dir>
-__device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const typename Dir::MapsT& maps,
-                                              const typename Dir::Params& p,
-                                              const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
-                                              int consumer, const gemm::WaitContext& wait) {
+__device__ __forceinline__ void consume_tasks_cooperative(typename Dir::Shared& sh, const typename Dir::MapsT& maps,
+                                                          const typename Dir::Params& p,
+                                                          const typename Dir::GeometryT& g,
+                                                          const typename Dir::Counts& counts, int consumer,
+                                                          const gemm::WaitContext& wait) {
   const bool leader = threadIdx.x % kWarpgroupThreads == 0;
   typename Dir::Stage stage;
   gemm::PipelineState<2> handoff, done_state;
@@ -56,6 +59,89 @@ __device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const ty
   // The warpgroup's last TMA stores (epilogues that store through the stage ring) complete before
   // the end phase (and the kernel's end)
   if (threadIdx.x % kWarpgroupThreads == 0) ptx::bulk_wait<0>();
+}
+
+// Ping-pong tiles: the warpgroups own the tasks in turn (consumer c the tasks c, c + 2, ... of the
+// block's sequence), every row of each (Tile::kSlabs slabs of 64), so that one's epilogue runs
+// under the other's K loop.  Both still take every task from the hand-off ring, in order: the
+// other's tile's stages pass by (the producer fills them in task order), and only the owner
+// hands the finished tile to the signaler (the done ring counts one arrival; with two slots and
+// tasks alternating, each warpgroup's tiles use one slot).  The turn barriers of the stage ring
+// (gemm::StageStorageT::turn) keep a warpgroup from waiting on its next tile's stages before the
+// other has passed every stage wait of the tile between: an mbarrier's parity cannot tell phase
+// p from p + 2.  No op of a ping-pong direction reads stages in its epilogue (kRingEpilogue).
+template <class Dir>
+__device__ __forceinline__ void consume_tasks_ping_pong(typename Dir::Shared& sh, const typename Dir::MapsT& maps,
+                                                        const typename Dir::Params& p,
+                                                        const typename Dir::GeometryT& g,
+                                                        const typename Dir::Counts& counts, int consumer,
+                                                        const gemm::WaitContext& wait) {
+  using Tile = typename Dir::Tile;
+  const bool leader = threadIdx.x % kWarpgroupThreads == 0;
+  typename Dir::Stage stage;
+  gemm::PipelineState<2> handoff, done_state;
+  const int warp_in_group = __shfl_sync(0xffffffffu, (threadIdx.x / 32) % 4, 0);
+  const uint32_t bar_id = static_cast<uint32_t>(NamedBarrier::kConsumer0) + consumer;
+  constexpr uint32_t bar_threads = kWarpgroupThreads;
+  float acc[Tile::kSlabs][Tile::kAccRegs];
+  int taken = 0;  // tasks of the block so far: consumer taken % 2 owns the next
+  uint32_t turn_phase = 0;
+  for (;;) {
+    // Take the next task from the producer (both warpgroups take every task)
+    if (!sh.rings.tasks.consumer_wait(handoff, wait, WaitSite::kTaskSlotFull, consumer)) break;
+    typename Dir::Task info = sh.tasks[handoff.index];
+    info.kind = __shfl_sync(0xffffffffu, info.kind, 0);
+    info.block = __shfl_sync(0xffffffffu, info.block, 0);
+    info.n_block = __shfl_sync(0xffffffffu, info.n_block, 0);
+    ptx::named_barrier_sync(bar_id, bar_threads);
+    if (leader) sh.rings.tasks.consumer_release(handoff.index);
+    handoff.advance();
+    if (info.kind == Dir::kDone) break;
+    const int32_t k_blocks = __shfl_sync(0xffffffffu, Dir::k_blocks(p, g, counts, info), 0);
+    if ((taken++ & 1) != consumer) {
+      // The other warpgroup's tile: its stages pass by, and its done slot
+      stage.advance(k_blocks);
+      done_state.advance();
+      continue;
+    }
+    // Every tile but the block's first: the other warpgroup has passed its tile's stage waits
+    if (taken > 1) {
+      if (!gemm::wait_barrier_warp(&sh.stages.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer))
+        break;
+      turn_phase ^= 1u;
+    }
+    const auto pass_turn = [&] {
+      if (leader) ptx::mbar_arrive(&sh.stages.turn[consumer ^ 1]);
+    };
+    if (!Dir::consume_slabs(sh.stages, stage, info, k_blocks, consumer, acc, wait, pass_turn)) break;
+#pragma unroll
+    for (int j = 0; j < Tile::kSlabs; ++j) {
+      const bool epilogue_ok = Dir::epilogue(acc[j], j, p, g, counts, info,
+                                             EpilogueRing<typename Dir::Stages, typename Dir::MapsT>{sh.stages, stage, wait, bar_id, maps});
+      if (!__shfl_sync(0xffffffffu, epilogue_ok, 0)) return;
+    }
+    // Hand the finished tile to the signaler (its stores ordered before the arrive)
+    ptx::fence_proxy_async_global();
+    ptx::named_barrier_sync(bar_id, bar_threads);
+    if (warp_in_group == 0) {
+      if (!sh.rings.done.template producer_acquire<true>(done_state, wait, WaitSite::kDoneSlotFree, done_state.index))
+        break;
+      if (leader) sh.rings.done.producer_commit(done_state);
+    }
+    done_state.advance();
+  }
+}
+
+// The consumer warpgroups' role: the policy's tile schedule picks the loop
+template <class Dir>
+__device__ __forceinline__ void consume_tasks(typename Dir::Shared& sh, const typename Dir::MapsT& maps,
+                                              const typename Dir::Params& p,
+                                              const typename Dir::GeometryT& g, const typename Dir::Counts& counts,
+                                              int consumer, const gemm::WaitContext& wait) {
+  if constexpr (Dir::Tile::kPingPong)
+    consume_tasks_ping_pong<Dir>(sh, maps, p, g, counts, consumer, wait);
+  else
+    consume_tasks_cooperative<Dir>(sh, maps, p, g, counts, consumer, wait);
 }
 
 }  // namespace mok::cuda::fused
