@@ -41,6 +41,7 @@ def main():
     # N = 192: the ping-pong tiles of 128 x 192 (bf16, K-major and B N-major)
     print(wrapper(192, "bf16", "bf16", 16))
     print(wrapper(192, "bf16", "bf16", 16, TRANSPOSED[0]))
+    print(wrapper(192, "bf16", "bf16", 16, TRANSPOSED[1]))
     for transpose in TRANSPOSED:
         for n in (128, 256):
             print(wrapper(n, "bf16", "bf16", 16, transpose))

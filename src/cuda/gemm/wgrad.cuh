@@ -76,15 +76,16 @@ struct WgradParams {
 // Fills p's tiling from mo, no and out_split, and the strides left 0 with the contiguous ones
 // ([E, rows, No] per output, rows = out_split or Mo); split outputs of contiguous tensors need
 // halves of one size.
+template <class T = TileConfig>
 inline void wgrad_layout(WgradParams& p) {
   const int parts = p.out_split > 0 ? 2 : 1;
   const int64_t part = p.out_split > 0 ? p.out_split : (p.split_n ? p.no : p.mo);
   const int64_t rows = p.split_n ? p.mo : part, cols = p.split_n ? part : p.no;  // of one output
   p.m_part = rows;
-  p.m_part_blocks = tiles_of(rows, TileConfig::kBlockM);
+  p.m_part_blocks = tiles_of(rows, T::kBlockM);
   p.num_m_blocks = (p.split_n ? 1 : parts) * p.m_part_blocks;
   p.n_part = cols;
-  p.n_part_blocks = tiles_of(cols, TileConfig::kBlockN);
+  p.n_part_blocks = tiles_of(cols, T::kBlockN);
   p.num_n_blocks = (p.split_n ? parts : 1) * p.n_part_blocks;
   if (p.out_rs == 0) p.out_rs = cols;
   if (p.out_es == 0) p.out_es = rows * p.out_rs;
@@ -100,26 +101,26 @@ struct WgradTile {
 // The first output row (of all Mo) of m-block m, and how many of its 128 rows exist; the first
 // column (of all No) of n-block n, and how many of its 256 columns exist (kSplitN: split_n's
 // parts; without it the columns are one part).
-template <bool kSplitN = false>
+template <bool kSplitN = false, class T = TileConfig>
 __device__ __forceinline__ int64_t wgrad_row0(const WgradParams& p, int32_t m) {
-  if constexpr (kSplitN) return int64_t{m} * TileConfig::kBlockM;
+  if constexpr (kSplitN) return int64_t{m} * T::kBlockM;
   const int32_t part = m / p.m_part_blocks;
-  return part * p.m_part + int64_t{m - part * p.m_part_blocks} * TileConfig::kBlockM;
+  return part * p.m_part + int64_t{m - part * p.m_part_blocks} * T::kBlockM;
 }
-template <bool kSplitN = false>
+template <bool kSplitN = false, class T = TileConfig>
 __device__ __forceinline__ int32_t wgrad_valid_rows(const WgradParams& p, int32_t m) {
-  const int64_t left = (kSplitN ? p.mo : (m / p.m_part_blocks + 1) * p.m_part) - wgrad_row0<kSplitN>(p, m);
-  return left < TileConfig::kBlockM ? static_cast<int32_t>(left) : TileConfig::kBlockM;
+  const int64_t left = (kSplitN ? p.mo : (m / p.m_part_blocks + 1) * p.m_part) - wgrad_row0<kSplitN, T>(p, m);
+  return left < T::kBlockM ? static_cast<int32_t>(left) : T::kBlockM;
 }
-template <bool kSplitN = false>
+template <bool kSplitN = false, class T = TileConfig>
 __device__ __forceinline__ int64_t wgrad_col0(const WgradParams& p, int32_t n) {
-  if constexpr (!kSplitN) return int64_t{n} * TileConfig::kBlockN;
+  if constexpr (!kSplitN) return int64_t{n} * T::kBlockN;
   const int32_t part = n / p.n_part_blocks;
-  return part * p.n_part + int64_t{n - part * p.n_part_blocks} * TileConfig::kBlockN;
+  return part * p.n_part + int64_t{n - part * p.n_part_blocks} * T::kBlockN;
 }
-template <bool kSplitN = false>
+template <bool kSplitN = false, class T = TileConfig>
 __device__ __forceinline__ int64_t wgrad_valid_cols(const WgradParams& p, int32_t n) {
-  return (kSplitN ? (n / p.n_part_blocks + 1) * p.n_part : p.no) - wgrad_col0<kSplitN>(p, n);
+  return (kSplitN ? (n / p.n_part_blocks + 1) * p.n_part : p.no) - wgrad_col0<kSplitN, T>(p, n);
 }
 
 // The call's first expert and its tile count (experts [first, first + n) of expert_range).
@@ -152,12 +153,13 @@ __device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int first_
   return wgrad_tile_at<kTables>(p, first_expert + e_local, tc.m, tc.n);
 }
 
-// Producer: one stage per k-block, A's two boxes and B's four at the k-block's rows.
-__device__ __forceinline__ bool produce_tile_wgrad(StageStorage& s, PipelineState<TileConfig::kStages>& stage,
+// Producer: one stage per k-block, A's kBlockM / 64 boxes and B's kBlockN / 64 at the k-block's rows.
+template <class T = TileConfig>
+__device__ __forceinline__ bool produce_tile_wgrad(StageStorageT<T>& s, PipelineState<T::kStages>& stage,
                                                    const CUtensorMap* map_a, const CUtensorMap* map_b,
                                                    const WgradParams& p, const WgradTile& t, const WaitContext& wait) {
-  using C = TileConfig;
-  const int32_t a_col = static_cast<int32_t>(wgrad_row0(p, t.m_block));
+  using C = T;
+  const int32_t a_col = static_cast<int32_t>(wgrad_row0<false, T>(p, t.m_block));
   return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
     const int32_t row = t.row0 + kb * C::kBlockK;
 #pragma unroll
@@ -209,17 +211,18 @@ __device__ __forceinline__ WgradTarget wgrad_target(const WgradParams& p, const 
 // or out takes a loop of bf16 stores alone (the standalone launches: 2-5 % faster kinds, docs/
 // perf.md session 14); the fused backward compiles without it (its wgrad tiles through the
 // fast path made the whole kernel 1-2 % slower, measured 8 of 8 times, not understood).
-template <bool kZero, bool kTables, bool kFast = true, bool kSplitN = false>
-__device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig::kAccRegs], int consumer,
+// consumer: the 64-row slab of the tile the accumulator holds (T: the tile shape).
+template <bool kZero, bool kTables, bool kFast = true, bool kSplitN = false, class T = TileConfig>
+__device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[T::kAccRegs], int consumer,
                                                   const WgradParams& p, const WgradTile& t, const WgradTarget& w) {
-  using C = TileConfig;
+  using C = T;
   const bool accumulate = w.accumulate, store_acc = w.store_acc;
   __nv_bfloat16* const out = w.out;
   float* const main_grad = w.main_grad;
-  const int64_t tile_row0 = wgrad_row0<kSplitN>(p, t.m_block);
-  const int32_t valid_rows = wgrad_valid_rows<kSplitN>(p, t.m_block);
-  const int64_t col0 = wgrad_col0<kSplitN>(p, t.n_block);
-  const int64_t cols = wgrad_valid_cols<kSplitN>(p, t.n_block);  // the tile's columns in its part
+  const int64_t tile_row0 = wgrad_row0<kSplitN, T>(p, t.m_block);
+  const int32_t valid_rows = wgrad_valid_rows<kSplitN, T>(p, t.m_block);
+  const int64_t col0 = wgrad_col0<kSplitN, T>(p, t.n_block);
+  const int64_t cols = wgrad_valid_cols<kSplitN, T>(p, t.n_block);  // the tile's columns in its part
   const int64_t out_col0 = col0 - w.col_base;  // in its output
   if (kFast && !accumulate && !store_acc && !main_grad) {
     // The common tile (a final piece without fp32 in or out): bf16(sum) alone, without the
@@ -283,10 +286,10 @@ __device__ __forceinline__ void epilogue_wgrad_to(const float (&acc)[TileConfig:
   }
 }
 
-template <bool kZero, bool kTables>
-__device__ __forceinline__ void epilogue_wgrad(const float (&acc)[TileConfig::kAccRegs], int consumer,
+template <bool kZero, bool kTables, class T = TileConfig>
+__device__ __forceinline__ void epilogue_wgrad(const float (&acc)[T::kAccRegs], int consumer,
                                                const WgradParams& p, const WgradTile& t) {
-  epilogue_wgrad_to<kZero, kTables>(acc, consumer, p, t, wgrad_target<kTables>(p, t));
+  epilogue_wgrad_to<kZero, kTables, true, false, T>(acc, consumer, p, t, wgrad_target<kTables>(p, t));
 }
 
 // The fused backward's TMA-store epilogue (ops_bwd/wgrad.cuh).  Whether tile t takes it: a whole tile (kSplitN: of its part), final,
@@ -323,13 +326,15 @@ __device__ __forceinline__ void store_half_tma(const float (&acc)[kRegs], uint8_
   }
 }
 
-template <bool kTables>
-__global__ void __launch_bounds__(TileConfig::kThreads, 1)
+// T: the tile shape (config.hpp), 128 x 256 cooperative unless the launch asks for another; a
+// ping-pong shape's consumers own the tiles in turn (grouped_gemm.cuh), every row of each.
+template <bool kTables, class T = TileConfig>
+__global__ void __launch_bounds__(T::kThreads, 1)
     grouped_wgrad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                          const WgradParams p) {
-  using C = TileConfig;
+  using C = T;
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<StageStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& s = *reinterpret_cast<StageStorageT<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   // 0 producer, 1 and 2 consumers
   const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
@@ -351,7 +356,7 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
     PipelineState<C::kStages> stage;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
       const WgradTile t = wgrad_tile<kTables>(p, e0, tile);
-      if ((!kTables || t.mode >= 0) && !produce_tile_wgrad(s, stage, &map_a, &map_b, p, t, wait)) return;
+      if ((!kTables || t.mode >= 0) && !produce_tile_wgrad<T>(s, stage, &map_a, &map_b, p, t, wait)) return;
     }
     return;
   }
@@ -360,7 +365,9 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
   ptx::setmaxnreg_inc<C::kConsumerRegs>();
   const int consumer = role - 1;
   PipelineState<C::kStages> stage;
-  float acc[C::kAccRegs];
+  float acc[C::kSlabs][C::kAccRegs];
+  int taken = 0;  // ping-pong: tiles of this call so far; consumer taken % 2 owns the next
+  uint32_t turn_phase = 0;
   // NOTES: each tile's fields (two dependent global loads) are read one tile ahead, so their
   // latency passes under the previous tile's MMAs instead of stalling both warpgroups.
   WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile<kTables>(p, e0, blockIdx.x) : WgradTile{};
@@ -371,19 +378,51 @@ __global__ void __launch_bounds__(TileConfig::kThreads, 1)
       t = next_t;
       continue;
     }
+    if constexpr (C::kPingPong) {
+      // The other warpgroup's tile: its stages pass by (the producer fills tiles in order)
+      if ((taken++ & 1) != consumer) {
+        stage.advance(t.num_k_blocks);
+        t = next_t;
+        continue;
+      }
+    }
     if (t.num_k_blocks == 0) {
-      // An expert with no rows: its gradient is zero (plus what acc already holds)
-      // NOTES: zeroing the accumulator registers here instead makes ptxas spill them.
-      epilogue_wgrad<true, kTables>(acc, consumer, p, t);
+      // An expert with no rows: its gradient is zero (plus what acc already holds).  NOTES:
+      // zeroing the accumulator registers here instead makes ptxas spill them.  Ping-pong: no
+      // stage is waited on, so the other warpgroup's turn is passed on at once.
+      if constexpr (C::kPingPong) {
+        if (taken > 1) {
+          if (!wait_barrier_warp(&s.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer)) return;
+          turn_phase ^= 1u;
+        }
+        if (threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
+      }
+#pragma unroll
+      for (int j = 0; j < C::kSlabs; ++j)
+        epilogue_wgrad<true, kTables, T>(acc[j], C::kPingPong ? j : consumer, p, t);
       t = next_t;
       continue;
     }
-    if (!consume_tile<Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
-    epilogue_wgrad<false, kTables>(acc, consumer, p, t);
+    if constexpr (C::kPingPong) {
+      // Every tile but the block's first: the other consumer's K loop of the tile before has
+      // passed its stage waits (StageStorageT::turn)
+      if (taken > 1) {
+        if (!wait_barrier_warp(&s.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer)) return;
+        turn_phase ^= 1u;
+      }
+    }
+    const auto pass_turn = [&] {
+      if (C::kPingPong && threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
+    };
+    if (!consume_tile<Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, pass_turn)) return;
+#pragma unroll
+    for (int j = 0; j < C::kSlabs; ++j) epilogue_wgrad<false, kTables, T>(acc[j], C::kPingPong ? j : consumer, p, t);
     t = next_t;
   }
 }
 
-inline constexpr size_t kWgradSmemBytes = kStageStorageBytes + 1024;  // + alignment slack
+template <class T>
+inline constexpr size_t kWgradSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
+inline constexpr size_t kWgradSmemBytes = kWgradSmemBytesT<TileConfig>;
 
 }  // namespace mok::gemm

@@ -52,8 +52,9 @@ __device__ __forceinline__ void mma_bf16_tb(float (&d)[N / 2], uint64_t a, uint6
 }
 template <int N>
 __device__ __forceinline__ void mma_bf16_tatb(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 256, "generated wrappers: N = 128 or 256");
+  static_assert(N == 128 || N == 192 || N == 256, "generated wrappers: N = 128, 192 or 256");
   if constexpr (N == 256) mma_m64n256k16_bf16_tatb(d, a, b, accumulate);
+  else if constexpr (N == 192) mma_m64n192k16_bf16_tatb(d, a, b, accumulate);
   else mma_m64n128k16_bf16_tatb(d, a, b, accumulate);
 }
 

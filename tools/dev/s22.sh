@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Session 22's device calls (issue 22).  STAGE=wgrad: the standalone wgrad kinds on 128 x 192
+# ping-pong tiles (MOK_TMP_WGRAD_TILE=pp192) against 128 x 256 cooperative: the grouped-wgrad
+# float64 tests under each, the --gemm A/B (bits checked against the base), and the backward at
+# the sustained clock.  STAGE=suite: tools/gpu_check.sh.  Logs under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+if [ ! -f build/lib/libmok.so ]; then
+  cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+    ninja -C build ${TARGETS:-} >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+  echo "== built at $(el) s"
+fi
+case "${STAGE:-suite}" in
+  wgrad)
+    for v in base pp192; do
+      MOK_TMP_WGRAD_TILE=$v timeout 120 python3 -m pytest -q tests/python/test_gpu.py -k "wgrad" >"$OUT/pytest_$v.log" 2>&1
+      echo "pytest wgrad $v rc=$? $(tail -1 "$OUT/pytest_$v.log") at $(el) s"; grep -E "^FAILED|Error" "$OUT/pytest_$v.log" | head
+    done
+    for shape in ${SHAPES:-qwen3 dsv3}; do
+      timeout 150 python3 tools/sustained.py $shape --gemm --variants "base,pp192:MOK_TMP_WGRAD_TILE=pp192" 2>&1 |
+        tee "$OUT/gemm_$shape.log" | grep -E "dense|wgrad|differs|Error" ; echo "at $(el) s"
+    done
+    for shape in ${BWD_SHAPES:-qwen3 dsv3}; do
+      timeout 110 python3 tools/sustained.py $shape --backward 2>&1 | tee "$OUT/bwd_$shape.log" | grep -E 'floor|ring=|unfused|differs|Error'
+      echo "at $(el) s"
+    done ;;
+  suite)
+    OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
+esac
