@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Session 22's device calls (issue 22).  STAGE=wgrad: the standalone wgrad kinds on 128 x 192
-# ping-pong tiles (MOK_TMP_WGRAD_TILE=pp192) against 128 x 256 cooperative: the grouped-wgrad
-# float64 tests under each, the --gemm A/B (bits checked against the base), and the backward at
-# the sustained clock.  STAGE=suite: tools/gpu_check.sh.  Logs under $OUT.
+# Session 22's device calls (issue 22).  STAGE=wgrad (run 1, on the tree of its commit): the
+# standalone wgrad kinds on 128 x 192 ping-pong tiles (MOK_TMP_WGRAD_TILE=pp192, since removed)
+# against 128 x 256 cooperative: the grouped-wgrad float64 tests under each, the --gemm A/B (bits
+# checked against the base), and the backward at the sustained clock.  STAGE=suite:
+# tools/gpu_check.sh, then the GEMM kinds and the backward at the sustained clock (PERF=0: not).
+# Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
@@ -29,5 +31,12 @@ case "${STAGE:-suite}" in
       echo "at $(el) s"
     done ;;
   suite)
-    OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh; echo "suite rc=$? at $(el) s" ;;
+    OUT="$OUT" SANITIZER="${SANITIZER:-1}" bash tools/gpu_check.sh > "$OUT/suite.log" 2>&1; rc=$?
+    grep -vE "^\s*\(" "$OUT/suite.log" | tail -40; echo "suite rc=$rc at $(el) s"
+    [ "${PERF:-1}" = 1 ] || exit 0
+    for shape in qwen3 dsv3; do
+      timeout 100 python3 tools/sustained.py $shape --gemm 2>&1 | tee "$OUT/gemm_$shape.log" | grep -E "dense|mok" ; echo "at $(el) s"
+      timeout 110 python3 tools/sustained.py $shape --backward 2>&1 | tee "$OUT/bwd_$shape.log" | grep -E 'floor|ring=|unfused|differs|Error'
+      echo "at $(el) s"
+    done ;;
 esac

@@ -3,8 +3,6 @@
 #include <cuda.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <mutex>
 
 #include "cuda/cuda_check.hpp"
@@ -291,8 +289,8 @@ void load_backward_kernels() {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, false>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigN128, true>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigPingPong, true>));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false>));
-  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false, TileConfigPingPong192>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true, TileConfigPingPong192>));
 }
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
@@ -339,27 +337,21 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.out_rs = g.out_row_stride;
   p.mg_es = g.mg_expert_stride;
   p.mg_rs = g.mg_row_stride;
+  // 128 x 192 ping-pong tiles: 1.00-1.06 of the dense rate against 0.84-0.95 at 128 x 256
+  // cooperative, the same bits (docs/perf.md session 22)
+  using T = TileConfigPingPong192;
+  wgrad_layout<T>(p);
+  const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
+  MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
   // The per-expert tables (the backward's macrobatch loop) in a kernel of their own: the plain
   // launch keeps the code it had
   const bool tables = g.expert_mode || g.expert_range || g.acc_slot || g.out_split > 0;
-  auto launch = [&](auto tile) {
-    using T = decltype(tile);
-    wgrad_layout<T>(p);
-    const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
-    MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad: " << tiles << " tiles");
-    auto* kernel = tables ? grouped_wgrad_kernel<true, T> : grouped_wgrad_kernel<false, T>;
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kWgradSmemBytesT<T>)));
-    const int grid = static_cast<int>(std::min<int64_t>(g.num_blocks > 0 ? g.num_blocks : sms, tiles));
-    kernel<<<grid, T::kThreads, kWgradSmemBytesT<T>, stream>>>(map_a, map_b, p);
-    MOK_CUDA_CHECK(cudaGetLastError());
-  };
-  // EXPERIMENT (session 22): MOK_TMP_WGRAD_TILE=pp192, 128 x 192 ping-pong tiles
-  const char* tmp_tile = std::getenv("MOK_TMP_WGRAD_TILE");
-  if (tmp_tile && std::string(tmp_tile) == "pp192")
-    launch(TileConfigPingPong192{});
-  else
-    launch(TileConfig{});
+  auto* kernel = tables ? grouped_wgrad_kernel<true, T> : grouped_wgrad_kernel<false, T>;
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kWgradSmemBytesT<T>)));
+  const int grid = static_cast<int>(std::min<int64_t>(g.num_blocks > 0 ? g.num_blocks : sms, tiles));
+  kernel<<<grid, T::kThreads, kWgradSmemBytesT<T>, stream>>>(map_a, map_b, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace mok::gemm

@@ -15,9 +15,12 @@
 // stored).  With out_split, each part's rows are tiled on their own, so that no tile spans
 // both parts.
 //
-// Tile 128 (Mo) x 256 (No), four stages of 48 KB: A as two 64 (Mo) x 64 (K) TMA boxes
-// (consumer warpgroup w reads box w: its 64 rows), B as four 64 (No) x 64 (K) boxes, both
-// read through the wgmma transpose bits (mma_m64n256k16_bf16_tatb).  Tiles (e, m, n) are
+// Tiles of any shape T (config.hpp): the standalone launch's 128 (Mo) x 192 (No) ping-pong, five
+// stages of 40 KB, each consumer warpgroup owning whole tiles in turn; the fused backward's
+// tiles are its policy's (128 x 192 ping-pong, or 128 x 256 cooperative with transposed
+// weights).  A arrives as two 64 (Mo) x 64 (K) TMA boxes (slab j of the tile reads box j), B as
+// N / 64 boxes of 64 (No) x 64 (K), both read through the wgmma transpose bits
+// (mma_bf16_tatb).  Tiles (e, m, n) are
 // walked expert-major, each expert's (m, n) grid in the N-grouped raster; every tile is owned
 // by one block, so the fp32 read-add-write of `acc` and `main_grad` needs no atomics and is
 // deterministic.
@@ -326,9 +329,9 @@ __device__ __forceinline__ void store_half_tma(const float (&acc)[kRegs], uint8_
   }
 }
 
-// T: the tile shape (config.hpp), 128 x 256 cooperative unless the launch asks for another; a
-// ping-pong shape's consumers own the tiles in turn (grouped_gemm.cuh), every row of each.
-template <bool kTables, class T = TileConfig>
+// T: the tile shape (config.hpp; the launch's: 128 x 192 ping-pong); a ping-pong shape's
+// consumers own the tiles in turn (grouped_gemm.cuh), every row of each.
+template <bool kTables, class T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_wgrad_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                          const WgradParams p) {
@@ -423,6 +426,5 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 template <class T>
 inline constexpr size_t kWgradSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
-inline constexpr size_t kWgradSmemBytes = kWgradSmemBytesT<TileConfig>;
 
 }  // namespace mok::gemm
