@@ -4,6 +4,8 @@
 # against 128 x 256 cooperative: the grouped-wgrad float64 tests under each, the --gemm A/B (bits
 # checked against the base), and the backward at the sustained clock.  STAGE=suite:
 # tools/gpu_check.sh, then the GEMM kinds and the backward at the sustained clock (PERF=0: not).
+# STAGE=exp: the tree with tools/dev/experiments/$PATCH applied, built in /tmp/exp: its backward
+# and SwiGLU-kind GPU tests (EXP_TESTS: pytest -k), then its backward at the sustained clock.
 # Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,6 +19,19 @@ if [ ! -f build/lib/libmok.so ]; then
   echo "== built at $(el) s"
 fi
 case "${STAGE:-suite}" in
+  exp)
+    rm -rf /tmp/exp && mkdir -p /tmp/exp && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/exp &&
+      (cd /tmp/exp && patch -p1 -s < "tools/dev/experiments/$PATCH") || { echo "patch does not apply"; exit 1; }
+    cd /tmp/exp && { cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build_exp.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build_exp.log" 2>&1 || { echo "experiment build failed"; tail -30 "$OUT/build_exp.log"; exit 1; }; }
+    echo "== experiment built at $(el) s"
+    timeout 240 python3 -m pytest -q -x tests/python/test_gpu_backward.py tests/python/test_gpu.py -k "${EXP_TESTS:-backward or swiglu}" \
+      >"$OUT/exp_pytest.log" 2>&1; echo "experiment pytest rc=$? $(tail -1 "$OUT/exp_pytest.log") at $(el) s"
+    grep -E "^FAILED|Error|rror:" "$OUT/exp_pytest.log" | head -10
+    for shape in ${SHAPES:-qwen3 dsv3}; do
+      timeout 110 python3 tools/sustained.py $shape --backward 2>&1 | tee "$OUT/exp_bwd_$shape.log" | grep -E 'floor|ring=|unfused|differs|Error'
+      echo "at $(el) s"
+    done ;;
   wgrad)
     for v in base pp192; do
       MOK_TMP_WGRAD_TILE=$v timeout 120 python3 -m pytest -q tests/python/test_gpu.py -k "wgrad" >"$OUT/pytest_$v.log" 2>&1
