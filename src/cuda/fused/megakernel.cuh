@@ -24,9 +24,9 @@ namespace mok::cuda::fused {
 
 template <class Dir>
 __device__ __forceinline__ void run_megakernel(const typename Dir::MapsT& maps, const typename Dir::Params& p) {
-  static_assert(Dir::kProducerRegs * kWarpgroupThreads + Dir::kConsumerRegs * kConsumerThreads <= 65536 &&
+  static_assert(Dir::kProducerRegs * kWarpgroupThreads + Dir::kConsumerRegs * kConsumerThreads <= gemm::kRegisterPool &&
                     Dir::kProducerRegs % 8 == 0 && Dir::kConsumerRegs % 8 == 0,
-                "register budgets: multiples of 8 within the register file");
+                "register budgets: multiples of 8 within what the launch allocates (gemm::kRegisterPool)");
   extern __shared__ uint8_t smem_raw[];
   auto& sh = *reinterpret_cast<typename Dir::Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                       ~uintptr_t{1023});
