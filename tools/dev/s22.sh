@@ -23,21 +23,21 @@ if [ "${STAGE:-suite}" != exp ] && [ ! -f build/lib/libmok.so ]; then
 fi
 case "${STAGE:-suite}" in
   exp2)
-    for v in pp192 pp128; do
+    for v in ${VARIANTS:-pp192 pp128}; do
       rm -rf /tmp/x_$v && mkdir -p /tmp/x_$v && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$v &&
         (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) || { echo "patch does not apply"; exit 1; }
     done
-    sed -i 's/using BackwardPolicyBf16 = ForwardPolicyBf16;/using BackwardPolicyBf16 = Policy<gemm::PrecisionBf16, false, gemm::TileConfigPingPong>;/' \
+    [ -d /tmp/x_pp128 ] && sed -i 's/using BackwardPolicyBf16 = ForwardPolicyBf16;/using BackwardPolicyBf16 = Policy<gemm::PrecisionBf16, false, gemm::TileConfigPingPong>;/' \
       /tmp/x_pp128/src/cuda/fused/policy.cuh
-    for v in pp192 pp128; do
+    for v in ${VARIANTS:-pp192 pp128}; do
       (cd /tmp/x_$v && cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build_$v.log" 2>&1 &&
         ninja -C build -j8 mok >>"$OUT/build_$v.log" 2>&1; echo "build $v rc=$? at $(el) s") &
     done; wait
-    for v in pp192 pp128; do
+    for v in ${VARIANTS:-pp192 pp128}; do
       (cd /tmp/x_$v && timeout 70 python3 tools/dev/bwd_smoke.py 2>&1 | tail -8 | sed "s/^/$v: /")
     done; echo "at $(el) s"
     for shape in ${SHAPES:-qwen3 dsv3}; do
-      for v in pp192 pp128; do
+      for v in ${VARIANTS:-pp192 pp128}; do
         (cd /tmp/x_$v && timeout 60 python3 tools/sustained.py $shape --backward --rounds 10 2>&1 | tee "$OUT/bwd_${v}_$shape.log" |
           grep -E 'floor|bwd ring=[0-9]* +|bwd ring=.*transposed|bwd unfused|differs|rror' | sed "s/^/$v: /")
       done; echo "at $(el) s"
