@@ -7,8 +7,10 @@
 # STAGE=exp: the tree with tools/dev/experiments/$PATCH applied, built in /tmp/exp: its backward
 # and SwiGLU-kind GPU tests (EXP_TESTS: pytest -k), then its backward at the sustained clock.
 # STAGE=exp2: the same patch twice, as it is (pp192) and with the backward's policy at 128 x 128
-# ping-pong (pp128), built side by side: each one's smoke test (tools/dev/bwd_smoke.py) and its
-# backward at the sustained clock on SHAPES.
+# ping-pong (pp128), built side by side (VARIANTS: which): each one's smoke test
+# (tools/dev/bwd_smoke.py) and its backward at the sustained clock on SHAPES.  DIAG=1 then: the
+# first variant's backward under larger minibatches (MB_VARIANTS, sustained.py --variants) and
+# timing-ring traces of its backward and of the tree's own (cooperative) on qwen3.
 # Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -41,7 +43,20 @@ case "${STAGE:-suite}" in
         (cd /tmp/x_$v && timeout 60 python3 tools/sustained.py $shape --backward --rounds 10 2>&1 | tee "$OUT/bwd_${v}_$shape.log" |
           grep -E 'floor|bwd ring=[0-9]* +|bwd ring=.*transposed|bwd unfused|differs|rror' | sed "s/^/$v: /")
       done; echo "at $(el) s"
-    done ;;
+    done
+    [ "${DIAG:-0}" = 1 ] || exit 0
+    set -- ${VARIANTS:-pp192 pp128}; v=$1
+    (cd /tmp/x_$v && timeout 100 python3 tools/sustained.py qwen3 --backward --rounds 10 \
+      --variants "${MB_VARIANTS:-base,m77:MOK_BACKWARD_MINIBATCH=9856,m154:MOK_BACKWARD_MINIBATCH=19712}" 2>&1 |
+      tee "$OUT/bwd_mb_$v.log" | grep -E 'floor|\[|differs|rror' | sed "s/^/$v: /"); echo "at $(el) s"
+    (cd /tmp/x_$v && mkdir -p "$OUT/tr_$v" && timeout 100 python3 tools/trace_forward.py qwen3 --backward --ring-all --warm 30 \
+      --out "$OUT/tr_$v" > "$OUT/trace_$v.log" 2>&1; grep -E "traced|combine|grid barrier|tiles busy|kind" "$OUT/trace_$v.log" | head -20)
+    if [ ! -f build/lib/libmok.so ]; then
+      cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 && ninja -C build mok >>"$OUT/build.log" 2>&1
+    fi
+    mkdir -p "$OUT/tr_coop" && timeout 100 python3 tools/trace_forward.py qwen3 --backward --ring-all --warm 30 --out "$OUT/tr_coop" \
+      > "$OUT/trace_coop.log" 2>&1; grep -E "traced|combine|grid barrier|tiles busy|kind" "$OUT/trace_coop.log" | head -20
+    echo "at $(el) s" ;;
   exp)
     rm -rf /tmp/exp && mkdir -p /tmp/exp && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/exp &&
       (cd /tmp/exp && patch -p1 -s < "tools/dev/experiments/$PATCH") || { echo "patch does not apply"; exit 1; }
