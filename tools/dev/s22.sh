@@ -6,8 +6,9 @@
 # tools/gpu_check.sh, then the GEMM kinds and the backward at the sustained clock (PERF=0: not).
 # STAGE=exp: the tree with tools/dev/experiments/$PATCH applied, built in /tmp/exp: its backward
 # and SwiGLU-kind GPU tests (EXP_TESTS: pytest -k), then its backward at the sustained clock.
-# STAGE=exp2: the same patch twice, as it is (pp192) and with the backward's policy at 128 x 128
-# ping-pong (pp128), built side by side (VARIANTS: which): each one's smoke test
+# STAGE=exp2: the ping-pong backward patch, as it is (pp192) and with the backward's policy at
+# 128 x 128 ping-pong (pp128), and variants named dyn* with bwd_pp192_dynamic.patch instead
+# (dynamic ownership of ping-pong tiles), built side by side (VARIANTS: which): each one's smoke test
 # (tools/dev/bwd_smoke.py) and its backward at the sustained clock on SHAPES.  DIAG=1 then: the
 # first variant's backward under larger minibatches (MB_VARIANTS, sustained.py --variants) and
 # timing-ring traces of its backward and of the tree's own (cooperative) on qwen3.
@@ -26,8 +27,9 @@ fi
 case "${STAGE:-suite}" in
   exp2)
     for v in ${VARIANTS:-pp192 pp128}; do
+      patch_file=bwd_pp192.patch; [ "${v#dyn}" != "$v" ] && patch_file=bwd_pp192_dynamic.patch
       rm -rf /tmp/x_$v && mkdir -p /tmp/x_$v && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$v &&
-        (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) || { echo "patch does not apply"; exit 1; }
+        (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/$patch_file) || { echo "patch does not apply"; exit 1; }
     done
     [ -d /tmp/x_pp128 ] && sed -i 's/using BackwardPolicyBf16 = ForwardPolicyBf16;/using BackwardPolicyBf16 = Policy<gemm::PrecisionBf16, false, gemm::TileConfigPingPong>;/' \
       /tmp/x_pp128/src/cuda/fused/policy.cuh
