@@ -13,12 +13,7 @@
 # --variants for the backward), timing-ring traces of TRACE_SHAPES, and (NCU=1, if the call is
 # young enough: NCU_BEFORE_S) ncu's warp states and per-instruction stall samples of the qwen3
 # fused backward.  Logs under $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source "$(dirname "$0")/device_env.sh"
 if [ "${STAGE:-suite}" = exp ]; then
   # The experiment's copy of the tree, built beside the tree's own build
   rm -rf /tmp/exp && mkdir -p /tmp/exp && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/exp &&

@@ -5,12 +5,7 @@
 # in one run, outputs checked equal) and runs the GPU tests the forward touches; STAGE=final:
 # compute-sanitizer (memcheck, racecheck) on the virtual-EP test as tools/gpu_check.sh runs it,
 # the trace test and test_experts.  Logs under $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source "$(dirname "$0")/device_env.sh"
 cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
   ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; grep -E "error" "$OUT/build.log" | head -20; exit 1; }
 echo "== built at $(el) s"

@@ -13,12 +13,7 @@
 # first variant's backward under larger minibatches (MB_VARIANTS, sustained.py --variants) and
 # timing-ring traces of its backward and of the tree's own (cooperative) on qwen3.
 # Logs under $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export MOK_GEMM_TIMEOUT_S=10 PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source "$(dirname "$0")/device_env.sh"
 if [ "${STAGE:-suite}" != exp ] && [ "${STAGE:-suite}" != exp2 ] && [ ! -f build/lib/libmok.so ]; then
   cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
     ninja -C build ${TARGETS:-} >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
