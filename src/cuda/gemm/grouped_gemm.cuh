@@ -32,8 +32,6 @@ namespace mok::gemm {
 
 enum class Role : int32_t { kProducer = 0, kConsumer0 = 1, kConsumer1 = 2 };
 
-template <class T>
-inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
 inline constexpr size_t kGemmSmemBytes = kGemmSmemBytesT<TileConfig>;
 static_assert(kGemmSmemBytes <= 227 * 1024 && kGemmSmemBytesT<TileConfigN128> <= 227 * 1024,
               "shared storage exceeds the 227 KB a block can have");
@@ -128,8 +126,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     return tile < num_tiles ? p.block_expert[raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group).m] : -1;
   };
   int expert = expert_of(blockIdx.x);
-  int taken = 0;  // ping-pong: tiles with an expert so far; consumer taken % 2 owns the next
-  uint32_t turn_phase = 0;
+  PingPongTurns turns;  // ping-pong: over the tiles with an expert
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const TileCoord tc = raster(tile, p.max_m_blocks, p.num_n_blocks, p.n_group);
     const int m_block = tc.m, n_block = tc.n;
@@ -138,20 +135,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if (this_expert < 0) continue;
     if constexpr (C::kPingPong) {
       // The other warpgroup's tile: its stages pass by (the producer fills tiles in order)
-      if ((taken++ & 1) != consumer) {
+      if (!turns.owns(consumer)) {
         stage.advance(p.num_k_blocks);
         continue;
       }
-      // Every tile but the block's first: the other consumer's K loop of the tile before has
-      // passed its stage waits (StageStorageT::turn)
-      if (taken > 1) {
-        if (!wait_barrier_warp(&s.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer)) return;
-        turn_phase ^= 1u;
-      }
+      if (!turns.wait(s, consumer, wait)) return;
     }
     constexpr Operands kOps = kBNMajor ? Operands::kBNMajor : Operands::kKMajor;
     const auto pass_turn = [&] {
-      if (C::kPingPong && threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
+      if constexpr (C::kPingPong) PingPongTurns::pass(s, consumer);
     };
     if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, pass_turn)) return;
     // Epilogue straight from registers, a 64-row slab at a time

@@ -348,9 +348,9 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   const bool tables = g.expert_mode || g.expert_range || g.acc_slot || g.out_split > 0;
   auto* kernel = tables ? grouped_wgrad_kernel<true, T> : grouped_wgrad_kernel<false, T>;
   MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kWgradSmemBytesT<T>)));
+                                      static_cast<int>(kGemmSmemBytesT<T>)));
   const int grid = static_cast<int>(std::min<int64_t>(g.num_blocks > 0 ? g.num_blocks : sms, tiles));
-  kernel<<<grid, T::kThreads, kWgradSmemBytesT<T>, stream>>>(map_a, map_b, p);
+  kernel<<<grid, T::kThreads, kGemmSmemBytesT<T>, stream>>>(map_a, map_b, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

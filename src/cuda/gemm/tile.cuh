@@ -156,6 +156,32 @@ using StageStorage = StageStorageT<TileConfig>;
 template <class T>
 inline constexpr size_t kStageStorageBytesT = sizeof(StageStorageT<T>);
 inline constexpr size_t kStageStorageBytes = kStageStorageBytesT<TileConfig>;
+// The dynamic shared memory of a standalone kernel of tile shape T (grouped_gemm.cuh, wgrad.cuh)
+template <class T>
+inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
+
+// A ping-pong consumer warpgroup's turns (StageStorageT::turn), in the order the producer fills
+// the tiles: owns() counts a tile and says whether this warpgroup owns it (tiles alternate);
+// before its tile's stage waits the owner wait()s until the other warpgroup has passed every
+// stage wait of the tile before (every tile but the block's first), and once its own have
+// passed it pass()es the turn on.  So a warpgroup waits on stages at most one phase ahead of
+// their barriers (an mbarrier's parity cannot tell phase p from p + 2).
+struct PingPongTurns {
+  int taken = 0;  // tiles so far
+  uint32_t phase = 0;
+  __device__ __forceinline__ bool owns(int consumer) { return (taken++ & 1) == consumer; }
+  template <class S>
+  __device__ __forceinline__ bool wait(S& s, int consumer, const WaitContext& ctx) {
+    if (taken <= 1) return true;
+    if (!wait_barrier_warp(&s.turn[consumer], phase, ctx, WaitSite::kPingPongTurn, consumer)) return false;
+    phase ^= 1u;
+    return true;
+  }
+  template <class S>
+  __device__ __forceinline__ static void pass(S& s, int consumer) {
+    if (threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
+  }
+};
 
 // Where one tile's operands come from.
 struct TileLoad {

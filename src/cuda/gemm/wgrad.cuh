@@ -369,8 +369,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int consumer = role - 1;
   PipelineState<C::kStages> stage;
   float acc[C::kSlabs][C::kAccRegs];
-  int taken = 0;  // ping-pong: tiles of this call so far; consumer taken % 2 owns the next
-  uint32_t turn_phase = 0;
+  PingPongTurns turns;  // ping-pong: over this call's tiles
   // NOTES: each tile's fields (two dependent global loads) are read one tile ahead, so their
   // latency passes under the previous tile's MMAs instead of stalling both warpgroups.
   WgradTile t = static_cast<int>(blockIdx.x) < num_tiles ? wgrad_tile<kTables>(p, e0, blockIdx.x) : WgradTile{};
@@ -383,40 +382,27 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     if constexpr (C::kPingPong) {
       // The other warpgroup's tile: its stages pass by (the producer fills tiles in order)
-      if ((taken++ & 1) != consumer) {
+      if (!turns.owns(consumer)) {
         stage.advance(t.num_k_blocks);
         t = next_t;
         continue;
       }
+      if (!turns.wait(s, consumer, wait)) return;
     }
+    const auto pass_turn = [&] {
+      if constexpr (C::kPingPong) PingPongTurns::pass(s, consumer);
+    };
     if (t.num_k_blocks == 0) {
-      // An expert with no rows: its gradient is zero (plus what acc already holds).  NOTES:
-      // zeroing the accumulator registers here instead makes ptxas spill them.  Ping-pong: no
-      // stage is waited on, so the other warpgroup's turn is passed on at once.
-      if constexpr (C::kPingPong) {
-        if (taken > 1) {
-          if (!wait_barrier_warp(&s.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer)) return;
-          turn_phase ^= 1u;
-        }
-        if (threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
-      }
+      // An expert with no rows: its gradient is zero (plus what acc already holds); no stage
+      // is waited on, so the turn passes on at once.  NOTES: zeroing the accumulator registers
+      // here instead makes ptxas spill them.
+      pass_turn();
 #pragma unroll
       for (int j = 0; j < C::kSlabs; ++j)
         epilogue_wgrad<true, kTables, T>(acc[j], C::kPingPong ? j : consumer, p, t);
       t = next_t;
       continue;
     }
-    if constexpr (C::kPingPong) {
-      // Every tile but the block's first: the other consumer's K loop of the tile before has
-      // passed its stage waits (StageStorageT::turn)
-      if (taken > 1) {
-        if (!wait_barrier_warp(&s.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer)) return;
-        turn_phase ^= 1u;
-      }
-    }
-    const auto pass_turn = [&] {
-      if (C::kPingPong && threadIdx.x % 128 == 0) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
-    };
     if (!consume_tile<Operands::kMNMajor>(s, stage, t.num_k_blocks, consumer, acc, wait, pass_turn)) return;
 #pragma unroll
     for (int j = 0; j < C::kSlabs; ++j) epilogue_wgrad<false, kTables, T>(acc[j], C::kPingPong ? j : consumer, p, t);
@@ -424,7 +410,5 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
 }
 
-template <class T>
-inline constexpr size_t kWgradSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
 
 }  // namespace mok::gemm

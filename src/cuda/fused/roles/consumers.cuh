@@ -103,27 +103,19 @@ __device__ __forceinline__ void consume_tasks_ping_pong(typename Dir::Shared& sh
   ConsumerHandoffs<Dir> rings{sh, consumer};
   typename Dir::Stage stage;
   float acc[Tile::kSlabs][Tile::kAccRegs];
-  int taken = 0;  // tasks of the block so far: consumer taken % 2 owns the next
-  uint32_t turn_phase = 0;
+  gemm::PingPongTurns turns;  // over the block's tasks
   for (;;) {
     typename Dir::Task info;
     if (!rings.take(info, wait) || info.kind == Dir::kDone) break;
     const int32_t k_blocks = __shfl_sync(0xffffffffu, Dir::k_blocks(p, g, counts, info), 0);
-    if ((taken++ & 1) != consumer) {
+    if (!turns.owns(consumer)) {
       // The other warpgroup's tile: its stages pass by, and its done slot
       stage.advance(k_blocks);
       rings.done_state.advance();
       continue;
     }
-    // Every tile but the block's first: the other warpgroup has passed its tile's stage waits
-    if (taken > 1) {
-      if (!gemm::wait_barrier_warp(&sh.stages.turn[consumer], turn_phase, wait, WaitSite::kPingPongTurn, consumer))
-        break;
-      turn_phase ^= 1u;
-    }
-    const auto pass_turn = [&] {
-      if (rings.leader) ptx::mbar_arrive(&sh.stages.turn[consumer ^ 1]);
-    };
+    if (!turns.wait(sh.stages, consumer, wait)) break;
+    const auto pass_turn = [&] { gemm::PingPongTurns::pass(sh.stages, consumer); };
     if (!Dir::consume_slabs(sh.stages, stage, info, k_blocks, consumer, acc, wait, pass_turn)) break;
     bool ok = true;
 #pragma unroll
