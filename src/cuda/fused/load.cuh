@@ -32,60 +32,83 @@ struct Load {
 };
 
 // The producer's loads of one tile, k-block by k-block; after_first() once the first k-block is
-// issued (or at once for a tile of no k-blocks).  False on a timed-out wait.
+// issued (or at once for a tile of no k-blocks).  False on a timed-out wait.  NOTES: one loop
+// per orientation, and the first k-block peeled off it with after_first() (the backward's next
+// task's claim and decode) between: with the decode and the three orientations inside one loop,
+// the ping-pong backward's producer (40 registers) reloaded ten spilled words from local memory
+// every k-block and became the kernel's limit (docs/perf.md, session 23).
 template <class Stages, class Stage, class AfterFirst>
 __device__ __forceinline__ bool produce_load(Stages& s, Stage& stage, const Load& l, const gemm::WaitContext& wait,
                                              AfterFirst&& after_first) {
   // The halves of B: rows of a K-major stage, whole boxes of an N-major one
   constexpr int kTileN = Stages::Tile::kBlockN, kHalf = kTileN / 2;
-  static_assert(kTileN % (2 * kBoxCols) == 0, "an N-major B half is whole boxes");
-  if (l.num_k_blocks == 0) {
+  // An N-major B half read from its own map is whole boxes (kHalvesApart below; only the
+  // transposed-weight policies load so, policy.cuh checks their tiles); a tile of 192 columns
+  // reads N-major B from one map
+  constexpr bool kWholeBoxHalves = kTileN % (2 * kBoxCols) == 0;
+  const int32_t n = l.num_k_blocks;
+  if (n == 0) {
     after_first();
     return true;
   }
-  const int32_t ops = l.ops;
-  return gemm::produce_stages(s, stage, l.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
-    // (the K split: past it the second map, its K from 0 again; computed in each branch, where
-    // it is used: hoisted, it cost the backward's producer 24 bytes more spills)
-    if (ops == static_cast<int32_t>(gemm::Operands::kKMajor)) {
-      ptx::tma_load_2d(s.a[i], l.a, full, kb * kBlockK, l.a_row);
-      if (l.k_split == kHalvesApart) {
-        ptx::tma_load_2d(s.b[i], l.b0, full, kb * kBlockK, l.b_row);
-        ptx::tma_load_2d(s.b[i] + kHalf * kBlockK, l.b1, full, kb * kBlockK, l.b_row + l.b_aux);
-      } else {
-        const bool second = kb >= l.k_split;
-        const CUtensorMap* const map = second ? l.b1 : l.b0;
-        const int32_t k = (second ? kb - l.k_split : kb) * kBlockK;
-        ptx::tma_load_2d(s.b[i], map, full, k, l.b_row);
-        ptx::tma_load_2d(s.b[i] + kHalf * kBlockK, map, full, k, l.b_row + l.b_aux);
-      }
-    } else if (ops == static_cast<int32_t>(gemm::Operands::kBNMajor)) {
-      ptx::tma_load_2d(s.a[i], l.a, full, kb * kBlockK, l.a_row);
-      constexpr int kBoxes = kTileN / kBoxCols, kHalfBoxes = kBoxes / 2;
-      if (l.k_split == kHalvesApart) {
-        const int32_t k_row = l.b_row + kb * kBlockK;
+  // The k-blocks [0, 1), then after_first(), then [1, n)
+  auto run = [&](auto issue) {
+    if (!gemm::produce_stages(s, stage, 0, 1, wait, issue)) return false;
+    after_first();
+    return gemm::produce_stages(s, stage, 1, n, wait, issue);
+  };
+  if (l.ops == static_cast<int32_t>(gemm::Operands::kKMajor)) {
+    const CUtensorMap *const a = l.a, *const b0 = l.b0, *const b1 = l.b1;
+    const int32_t a_row = l.a_row, b_row = l.b_row, b_aux = l.b_aux, k_split = l.k_split;
+    if (k_split == kHalvesApart)
+      return run([=, &s](int kb, int i, uint64_t* full) {
+        ptx::tma_load_2d(s.a[i], a, full, kb * kBlockK, a_row);
+        ptx::tma_load_2d(s.b[i], b0, full, kb * kBlockK, b_row);
+        ptx::tma_load_2d(s.b[i] + kHalf * kBlockK, b1, full, kb * kBlockK, b_row + b_aux);
+      });
+    // The K split: past it the second map, its K from 0 again
+    return run([=, &s](int kb, int i, uint64_t* full) {
+      ptx::tma_load_2d(s.a[i], a, full, kb * kBlockK, a_row);
+      const bool second = kb >= k_split;
+      const CUtensorMap* const map = second ? b1 : b0;
+      const int32_t k = (second ? kb - k_split : kb) * kBlockK;
+      ptx::tma_load_2d(s.b[i], map, full, k, b_row);
+      ptx::tma_load_2d(s.b[i] + kHalf * kBlockK, map, full, k, b_row + b_aux);
+    });
+  }
+  if (l.ops == static_cast<int32_t>(gemm::Operands::kBNMajor)) {
+    constexpr int kBoxes = kTileN / kBoxCols, kHalfBoxes = kBoxes / 2;
+    const CUtensorMap *const a = l.a, *const b0 = l.b0, *const b1 = l.b1;
+    const int32_t a_row = l.a_row, b_row = l.b_row, b_aux = l.b_aux, k_split = l.k_split;
+    if (kWholeBoxHalves && k_split == kHalvesApart)
+      return run([=, &s](int kb, int i, uint64_t* full) {
+        ptx::tma_load_2d(s.a[i], a, full, kb * kBlockK, a_row);
+        const int32_t k_row = b_row + kb * kBlockK;
 #pragma unroll
         for (int c = 0; c < kBoxes; ++c)
-          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, c < kHalfBoxes ? l.b0 : l.b1, full,
-                           l.b_aux + (c % kHalfBoxes) * kBoxCols, k_row);
-      } else {
-        const bool second = kb >= l.k_split;
-        const CUtensorMap* const map = second ? l.b1 : l.b0;
-        const int32_t k_row = l.b_row + (second ? kb - l.k_split : kb) * kBlockK;
+          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, c < kHalfBoxes ? b0 : b1, full,
+                           b_aux + (c % kHalfBoxes) * kBoxCols, k_row);
+      });
+    return run([=, &s](int kb, int i, uint64_t* full) {
+      ptx::tma_load_2d(s.a[i], a, full, kb * kBlockK, a_row);
+      const bool second = kb >= k_split;
+      const CUtensorMap* const map = second ? b1 : b0;
+      const int32_t k_row = b_row + (second ? kb - k_split : kb) * kBlockK;
 #pragma unroll
-        for (int c = 0; c < kBoxes; ++c)
-          ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, map, full, l.b_aux + c * kBoxCols, k_row);
-      }
-    } else {
-      const int32_t row = l.a_row + kb * kBlockK;
+      for (int c = 0; c < kBoxes; ++c)
+        ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, map, full, b_aux + c * kBoxCols, k_row);
+    });
+  }
+  const CUtensorMap *const a = l.a, *const b = l.b0;
+  const int32_t a_row = l.a_row, a_col = l.a_col, b_aux = l.b_aux;
+  return run([=, &s](int kb, int i, uint64_t* full) {
+    const int32_t row = a_row + kb * kBlockK;
 #pragma unroll
-      for (int c = 0; c < kBlockM / kBoxCols; ++c)
-        ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, l.a, full, l.a_col + c * kBoxCols, row);
+    for (int c = 0; c < kBlockM / kBoxCols; ++c)
+      ptx::tma_load_2d(s.a[i] + c * gemm::kNChunkElems, a, full, a_col + c * kBoxCols, row);
 #pragma unroll
-      for (int c = 0; c < kTileN / kBoxCols; ++c)
-        ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, l.b0, full, l.b_aux + c * kBoxCols, row);
-    }
-    if (kb == 0) after_first();
+    for (int c = 0; c < kTileN / kBoxCols; ++c)
+      ptx::tma_load_2d(s.b[i] + c * gemm::kNChunkElems, b, full, b_aux + c * kBoxCols, row);
   });
 }
 

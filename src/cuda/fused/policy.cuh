@@ -41,6 +41,9 @@ struct Policy {
   // with another K per k-block or tile takes them from here first
   static_assert(Tile::kBlockK == kBlockK, "the schedules' k-blocks are this precision's");
   static_assert(Tile::kBlockM == kBlockM && Tile::kElemBytes == Precision::kElemBytes, "a tile of the plan's row blocks");
+  // Transposed gate/up weights are loaded as two N-major halves from their own maps, each whole
+  // boxes of kBoxCols columns (load.cuh)
+  static_assert(!kTransposed || Tile::kBlockN % (2 * kBlockK) == 0, "transposed weights need tiles of whole-box halves");
 };
 using PolicyBf16 = Policy<gemm::PrecisionBf16, false>;
 using PolicyBf16Transposed = Policy<gemm::PrecisionBf16, true>;

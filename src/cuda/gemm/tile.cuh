@@ -194,12 +194,13 @@ struct TileLoad {
   int32_t num_k_blocks;
 };
 
-// The producer's loop: for each k-block, wait for an empty stage, arm its full barrier with
-// the stage's bytes and issue `load(kb, stage_index, full)`.  False on a timed-out wait.
+// The producer's loop: for each k-block of [first, last), wait for an empty stage, arm its full
+// barrier with the stage's bytes and issue `load(kb, stage_index, full)`.  False on a timed-out
+// wait.
 template <class T, class P, typename Load>
-__device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
-                                               int num_k_blocks, const WaitContext& wait, Load load) {
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
+__device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage, int first,
+                                               int last, const WaitContext& wait, Load load) {
+  for (int kb = first; kb < last; ++kb) {
     // Wait for empty slot
     if (!s.pipe.producer_acquire(stage, wait)) return false;
     uint64_t* full = s.pipe.full_barrier(stage);
@@ -208,6 +209,11 @@ __device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineS
     stage.advance();
   }
   return true;
+}
+template <class T, class P, typename Load>
+__device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
+                                               int num_k_blocks, const WaitContext& wait, Load load) {
+  return produce_stages(s, stage, 0, num_k_blocks, wait, load);
 }
 
 // Producer of a forward tile: activations and both weight halves per stage.

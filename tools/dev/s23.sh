@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Session 23's device calls (issue 22, the backward bar).  STAGE=prof: the tree (cooperative
+# backward) and VARIANTS of the ping-pong backward (dyn: bwd_pp192_dynamic.patch, pp192:
+# bwd_pp192.patch) built side by side; for each, the fused backward kernel's SASS (local-memory
+# instructions and where they sit beside the HGMMAs) and one ncu profile of its qwen3 backward
+# (ring for every row: SOL, warp states, per-instruction stall samples as CSV).  STAGE=ab: variants
+# timed side by side (below).  Logs under $OUT, packed into $OUT/logs.tar.xz.
+source "$(dirname "$0")/device_env.sh"
+ROOT=$PWD
+case "${STAGE:-prof}" in
+  prof)
+    VS="base ${VARIANTS:-dyn}"
+    for v in $VS; do
+      rm -rf /tmp/x_$v && mkdir -p /tmp/x_$v && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$v
+      case $v in
+        base) ;;
+        dyn*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192_dynamic.patch) || { echo "patch $v"; exit 1; } ;;
+        pp192*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) || { echo "patch $v"; exit 1; } ;;
+      esac
+      [ -n "${SED_CMD:-}" ] && [ "$v" != base ] && (cd /tmp/x_$v && eval "$SED_CMD")
+    done
+    for v in $VS; do
+      (cd /tmp/x_$v && cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build_$v.log" 2>&1 &&
+        ninja -C build -j8 mok >>"$OUT/build_$v.log" 2>&1; echo "build $v rc=$? at $(el) s") &
+    done; wait
+    for v in $VS; do
+      cd /tmp/x_$v
+      lib=$(ls build/lib/libmok.so* | head -1)
+      cuobjdump -sass "$lib" > /tmp/sass_$v.txt 2>/dev/null
+      python3 - "$v" /tmp/sass_$v.txt <<'PY' | tee "$OUT/sass_$v.summary"
+import re, sys
+v, path = sys.argv[1], sys.argv[2]
+funcs, cur = {}, None
+for line in open(path, errors="replace"):
+    m = re.match(r"\s+Function : (\S+)", line)
+    if m:
+        cur = m.group(1); funcs[cur] = []; continue
+    if cur and re.match(r"\s+/\*[0-9a-f]{4,}\*/", line):
+        funcs[cur].append(line.strip())
+for name, ins in funcs.items():
+    if "fused_backward" not in name and "fused_forward" not in name:
+        continue
+    ops = [re.sub(r"^/\*[0-9a-f]+\*/\s*", "", s) for s in ins]
+    n_hg = sum("HGMMA" in o for o in ops)
+    ldl = sum(re.search(r"\bLDL\b", o) is not None for o in ops)
+    stl = sum(re.search(r"\bSTL\b", o) is not None for o in ops)
+    warp_sync = sum("WARPSYNC" in o or "WARPGROUP.DEPBAR" in o for o in ops)
+    # local-memory instructions within 40 instructions of an HGMMA (the K loops)
+    hg = [i for i, o in enumerate(ops) if "HGMMA" in o]
+    near = sum(1 for i, o in enumerate(ops) if re.search(r"\b(LDL|STL)\b", o) and any(abs(i - j) < 40 for j in hg))
+    print(f"{v}: {name[:90]} instrs={len(ops)} HGMMA={n_hg} LDL={ldl} STL={stl} local-near-HGMMA={near} "
+          f"WARPGROUP.DEPBAR/ARRIVE={warp_sync}")
+PY
+      xz -T4 -c /tmp/sass_$v.txt > "$OUT/sass_$v.txt.xz"
+    done
+    echo "sass at $(el) s"
+    for v in $VS; do
+      cd /tmp/x_$v
+      timeout 240 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
+        -k regex:fused_backward --launch-skip 2 --launch-count 1 -o /tmp/ncu_$v -f \
+        python3 tools/dev/bwd_once.py ${NCU_SHAPE:-qwen3} --warm 2 > "$OUT/ncu_run_$v.log" 2>&1
+      echo "ncu $v rc=$? at $(el) s"; tail -3 "$OUT/ncu_run_$v.log"
+      ncu -i /tmp/ncu_$v.ncu-rep --page details --csv > "$OUT/ncu_details_$v.csv" 2>&1
+      ncu -i /tmp/ncu_$v.ncu-rep --page source --csv --print-source sass > /tmp/ncu_src_$v.csv 2>&1
+      xz -T4 -c /tmp/ncu_src_$v.csv > "$OUT/ncu_src_$v.csv.xz"; ls -la /tmp/ncu_src_$v.csv
+      grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued|Issue Slots|Stall" "$OUT/ncu_details_$v.csv" | head -12
+    done
+    echo "at $(el) s" ;;
+  ab)
+    # VARIANTS: base (the tree), old (the tree with $OLD_PATCH reversed), dyn, pp192;
+    # each one's smoke test (ping-pong ones) and its backward at the sustained clock on SHAPES
+    VS="${VARIANTS:-base dyn pp192}"
+    for v in $VS; do
+      rm -rf /tmp/x_$v && mkdir -p /tmp/x_$v && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$v
+      case $v in
+        old) (cd /tmp/x_$v && patch -R -p1 -s < "$OLD_PATCH") || { echo "patch $v"; exit 1; } ;;
+        dyn*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192_dynamic.patch) || { echo "patch $v"; exit 1; } ;;
+        pp192*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) || { echo "patch $v"; exit 1; } ;;
+      esac
+    done
+    for v in $VS; do
+      (cd /tmp/x_$v && cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build_$v.log" 2>&1 &&
+        ninja -C build -j5 mok >>"$OUT/build_$v.log" 2>&1; echo "build $v rc=$? at $(el) s") &
+    done; wait
+    for v in $VS; do
+      case $v in dyn*|pp*) (cd /tmp/x_$v && timeout 70 python3 tools/dev/bwd_smoke.py 2>&1 | tail -3 | sed "s/^/$v: /") ;; esac
+    done; echo "at $(el) s"
+    for shape in ${SHAPES:-qwen3 dsv3}; do
+      for v in $VS; do
+        (cd /tmp/x_$v && timeout 90 python3 tools/sustained.py $shape --backward --rounds ${ROUNDS:-10} 2>&1 | tee "$OUT/bwd_${v}_$shape.log" |
+          grep -E 'floor|bwd ring=[0-9]* +|bwd ring=.*transposed|bwd unfused|differs|rror' | sed "s/^/$v: /")
+      done; echo "at $(el) s"
+    done
+    if [ "${TRACE:-1}" = 1 ]; then
+      for v in $VS; do
+        (cd /tmp/x_$v && mkdir -p "$OUT/tr_$v" && timeout 60 python3 tools/trace_forward.py qwen3 --backward --ring-all --warm 20 \
+          --out "$OUT/tr_$v" > "$OUT/trace_$v.log" 2>&1; grep -E "fused backward|tiles |tiles busy" "$OUT/trace_$v.log" | sed "s/^/$v: /")
+      done
+    fi
+    echo "at $(el) s" ;;
+esac
+# The device returns at most eight files a call: everything else under $OUT in one archive
+(cd "$OUT" && find . -type f ! -name logs.tar.xz | tar -cJf logs.tar.xz -T - && find . -type f ! -name logs.tar.xz -delete)
