@@ -3,6 +3,7 @@ under load for a while, so all of them see the same (power-capped) clock.
 
     python3 tools/sustained.py [shape] [--heat-s 3] [--rounds 20]
     python3 tools/sustained.py [shape] --gemm     # the backward's GEMM kinds, mok vs torch._grouped_mm
+    python3 tools/sustained.py [shape] --fp8      # the block-scaled fp8 forward kinds, vs dense fp8 and bf16
     python3 tools/sustained.py [shape] --backward # the layer's backward, mok vs the torch autograd pipeline
     python3 tools/sustained.py [shape] --gemm --variants base,g4:MOK_TILE_N_GROUP=4,g16:MOK_TILE_N_GROUP=16
                                                   # mok under several knob settings, all interleaved
@@ -157,6 +158,97 @@ def gemm_kinds(args, H, I, k, E, T):
             m = ms[f"mok[{vname}] " + name]
             print(f"  {name:15} {vname:8} mok {m:.3f} ms ({flops / m / 1e9:.0f} TFLOP/s, "
                   f"{flops / m / 1e9 / dense:.2f} of dense)  torch {t:.3f} ms  torch/mok {t / m:.3f}")
+
+
+def gemm_fp8(args, H, I, k, E, T):
+    """The block-scaled fp8 forward kinds (ops.grouped_mm_fp8, DeepSeek-V3's recipe) at the
+    sustained clock, interleaved with: the dense fp8 and bf16 8192^3 matmuls (torch._scaled_mm
+    with per-tensor scales, torch.mm), mok's bf16 kinds, and torch._scaled_grouped_mm (rowwise
+    scales) where this torch has it.  Uniform routing (T·k/E rows per expert); fp8 operands and
+    scales from mok.fp8's quantisers (not timed: the layer will quantise inside its kernels)."""
+    from mok import fp8
+    dev = torch.device("cuda")
+    rows = T * k // E // 128 * 128
+    M = rows * E
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(M, H, device=dev, generator=g).bfloat16()
+    act = torch.randn(M, I, device=dev, generator=g).bfloat16()
+    wg = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
+    wu = (torch.randn(E, I, H, device=dev, generator=g) / H ** 0.5).bfloat16()
+    wd = (torch.randn(E, H, I, device=dev, generator=g) / I ** 0.5).bfloat16()
+    be = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(rows // 128)
+    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * rows
+    (qx, sx), (qa, sa) = fp8.quantize_rows(x), fp8.quantize_rows(act)
+    (qg, sg), (qu, su), (qd, sd) = fp8.quantize_blocks(wg), fp8.quantize_blocks(wu), fp8.quantize_blocks(wd)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    y_gu8, y_d8, y_gu, y_d = torch.empty(M, I, **bf), torch.empty(M, H, **bf), torch.empty(M, I, **bf), torch.empty(M, H, **bf)
+    mm_a = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    mm_b = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    one = torch.ones((), device=dev)
+    mm_a8, mm_b8 = mm_a.to(torch.float8_e4m3fn), mm_b.to(torch.float8_e4m3fn)
+    knobs = parse_variants(args.variants)
+    fp8_kinds = {"gate/up": lambda: ops.grouped_mm_fp8(qx, sx, qg, sg, be, qu, su, out=y_gu8, kind="gate_up"),
+                 "down": lambda: ops.grouped_mm_fp8(qa, sa, qd, sd, be, out=y_d8)}
+    variants = {
+        "dense bf16 8192^3": lambda: torch.mm(mm_a, mm_b),
+        "dense fp8 8192^3": lambda: torch._scaled_mm(mm_a8, mm_b8.t(), one, one, out_dtype=torch.bfloat16),
+        "mok bf16 gate/up": lambda: ops.grouped_mm(x, wg, be, wu, out=y_gu),
+        "mok bf16 down": lambda: ops.grouped_mm(act, wd, be, out=y_d),
+    }
+    for vname, env in knobs.items():
+        for name, fn in fp8_kinds.items():
+            variants[f"mok[{vname}] fp8 {name}"] = with_env(env, fn)
+    # Every knob's fp8 output equals the first's (the tile changes the schedule, not the bits)
+    for name, out in (("gate/up", y_gu8), ("down", y_d8)):
+        ref = None
+        for vname, env in knobs.items():
+            out.fill_(float("nan"))
+            with_env(env, fp8_kinds[name])()
+            if ref is None:
+                ref = out.clone()
+            elif not torch.equal(out, ref):
+                raise SystemExit(f"fp8 {name}: variant {vname} differs from {next(iter(knobs))}")
+    if hasattr(torch, "_scaled_grouped_mm"):
+        # rowwise: a scale per row of the activations and per output column of each expert
+        def rowwise(t):
+            s = t.float().abs().amax(-1).clamp(min=1e-12) / fp8.E4M3_MAX
+            return (t.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
+        (rx, rsx), (ra, rsa) = rowwise(x), rowwise(act)
+        (rgu, rsgu), (rd, rsd) = rowwise(torch.cat([wg, wu], 1)), rowwise(wd)
+        variants["torch rowwise fp8 gate/up"] = lambda: torch._scaled_grouped_mm(
+            rx, rgu.transpose(-2, -1), rsx, rsgu, offs=offs, out_dtype=torch.bfloat16)
+        variants["torch rowwise fp8 down"] = lambda: torch._scaled_grouped_mm(
+            ra, rd.transpose(-2, -1), rsa, rsd, offs=offs, out_dtype=torch.bfloat16)
+    # fp8 against bf16 on the same inputs: the recipe's error, reported (docs/precision.md)
+    fp8_kinds["gate/up"]()
+    fp8_kinds["down"]()
+    variants["mok bf16 gate/up"]()
+    variants["mok bf16 down"]()
+    for name, a8, a16 in (("gate/up", y_gu8, y_gu), ("down", y_d8, y_d)):
+        rel = ((a8.float() - a16.float()).norm() / a16.float().norm()).item()
+        print(f"  fp8 {name} against bf16: relative Frobenius difference {rel:.2e}")
+    for name, fn in list(variants.items()):
+        try:
+            fn()
+        except Exception as e:  # a torch without that fp8 path on this card: reported, not timed
+            print(f"  {name}: not timed ({type(e).__name__}: {e})")
+            del variants[name]
+    ms = interleaved(variants, args.heat_s, args.rounds)
+    dense16 = 2 * 8192 ** 3 / ms["dense bf16 8192^3"] / 1e9
+    dense8 = 2 * 8192 ** 3 / ms["dense fp8 8192^3"] / 1e9 if "dense fp8 8192^3" in ms else float("nan")
+    print(f"{args.shape} fp8 GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved "
+          f"rounds); dense fp8 {dense8:.0f} TFLOP/s, bf16 {dense16:.0f}; {E} experts x {rows} rows")
+    flops = {"gate/up": 4 * M * H * I, "down": 2 * M * H * I}
+    for name, f in flops.items():
+        m16 = ms[f"mok bf16 {name}"]
+        for vname in knobs:
+            m8 = ms[f"mok[{vname}] fp8 {name}"]
+            line = (f"  {name:8} {vname:6} mok fp8 {m8:.3f} ms ({f / m8 / 1e9:.0f} TFLOP/s, "
+                    f"{f / m8 / 1e9 / dense8:.2f} of dense fp8)  mok bf16 {m16:.3f} ms (bf16/fp8 {m16 / m8:.2f})")
+            if f"torch rowwise fp8 {name}" in ms:
+                t = ms[f"torch rowwise fp8 {name}"]
+                line += f"  torch rowwise fp8 {t:.3f} ms (torch/mok {t / m8:.2f})"
+            print(line)
 
 
 def backward_rows(args, H, I, k, E, T):
@@ -377,6 +469,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--gemm", action="store_true", help="the backward's GEMM kinds instead of the forward")
     ap.add_argument("--backward", action="store_true", help="the layer's backward and forward+backward")
+    ap.add_argument("--fp8", action="store_true", help="the block-scaled fp8 forward GEMM kinds")
     ap.add_argument("--explore", action="store_true",
                     help="with --backward: the default calls repeated (the noise floor of the A/Bs)")
     ap.add_argument("--explore-v5", action="store_true",
@@ -392,6 +485,8 @@ def main():
     H, I, k, E, T = SHAPES[args.shape]
     if args.gemm:
         return gemm_kinds(args, H, I, k, E, T)
+    if args.fp8:
+        return gemm_fp8(args, H, I, k, E, T)
     if args.backward:
         return backward_rows(args, H, I, k, E, T)
     dev = torch.device("cuda")

@@ -364,6 +364,20 @@ MOK_API mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacit
 MOK_API mokResult_t mokPlanBuild(const mokConfig_t* config, const mokPlanArgs_t* args, void* stream);
 
 MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream);
+/* The forward kinds (mokGemmDown, mokGemmGateUp, mokGemmGateUpPreact) in fp8 with block scales
+ * (DeepSeek-V3's recipe, precision fp8_block; docs/precision.md): args as for mokGroupedGemm but
+ * a [M, K] and b0 / b1 [E, N, K] float8_e4m3fn, contiguous, and their fp32 scales:
+ *   a_scales   [K/128, M]             row m's scale over K columns [128 kb, 128 kb + 128) at [kb, m]
+ *   b0_scales  [E, ceil(N/128), K/128] the scale of each 128 x 128 block of b0[e] (rows, K)
+ *   b1_scales  the same for b1 (gate/up kinds; ignored for down)
+ * out = Σ over k-blocks of (the k-block's e4m3 products, summed on the tensor cores) · a scale ·
+ * b scale, promoted into fp32 once per k-block (fma, k-block order), then the kind's epilogue in
+ * bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0 (a_scales' rows are 16-byte aligned).  CUDA tensors. */
+typedef struct mokGemmBlockScales_t {
+  mokTensor_t a, b0, b1;
+} mokGemmBlockScales_t;
+MOK_API mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
+                                              void* stream);
 MOK_API mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream);
 
 /* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)

@@ -1,6 +1,6 @@
 """mok: a deterministic mixture-of-experts training layer (C++/CUDA core, PyTorch front)."""
 from . import _lib
-from . import experts, functional, nn, ops
+from . import experts, fp8, functional, nn, ops
 from .functional import MoKConfig
 
 __version__ = _lib.version_string()
@@ -23,4 +23,4 @@ def has_cuda() -> bool:
     return _lib.has_cuda()
 
 
-__all__ = ["functional", "ops", "nn", "experts", "MoKConfig", "has_cuda", "cmake_prefix_path", "__version__"]
+__all__ = ["functional", "ops", "nn", "experts", "fp8", "MoKConfig", "has_cuda", "cmake_prefix_path", "__version__"]

@@ -154,6 +154,10 @@ class mokGroupedGemmArgs(ctypes.Structure):
                 ("h", mokTensor), ("row_weight", mokTensor), ("wa", mokTensor), ("dtw_partials", mokTensor)]
 
 
+class mokGemmBlockScales(ctypes.Structure):
+    _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor)]
+
+
 class mokGroupedWgradArgs(ctypes.Structure):
     _fields_ = [("a", mokTensor), ("b", mokTensor), ("expert_offset", mokTensor), ("expert_count", mokTensor),
                 ("out", mokTensor), ("acc", mokTensor), ("main_grad", mokTensor),
@@ -200,6 +204,7 @@ def _load() -> ctypes.CDLL:
 
 # Entry points of the EP >= 2 symmetric-memory path (C ABI 0.3), name -> (restype, argtypes).
 OPTIONAL_SIGNATURES = {
+    "mokGroupedGemmBlockScaled": (c_int, [POINTER(mokGroupedGemmArgs), POINTER(mokGemmBlockScales), c_void_p]),
     "mokForwardSave": (c_int, [c_void_p, POINTER(mokForwardArgs), POINTER(mokSaved), c_void_p]),
     "mokBackwardSaved": (c_int, [c_void_p, POINTER(mokBackwardArgs), POINTER(mokSaved), c_void_p]),
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),
@@ -329,6 +334,7 @@ def stream_of(device_idx: int) -> Optional[int]:
 BF16 = (torch.bfloat16,)
 FP32 = (torch.float32,)
 INT32 = (torch.int32,)
+E4M3 = (torch.float8_e4m3fn,)
 IDS = (torch.int32, torch.int64)
 
 

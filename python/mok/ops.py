@@ -266,6 +266,50 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
     return out
 
 
+def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, block_expert: Tensor,
+                   b1: Optional[Tensor] = None, b1_scales: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                   kind: Optional[str] = None) -> Tensor:
+    """The forward kinds of grouped_mm in fp8 with block scales (DeepSeek-V3's recipe,
+    docs/precision.md), on CUDA tensors: a [M, K] and b0 / b1 [E, N, K] float8_e4m3fn with fp32
+    scales a_scales [K/128, M] (per row and 128 of K, k-block-major) and b*_scales [E, ceil(N/128),
+    K/128] (per 128 x 128 block): what mok.fp8.quantize_rows / quantize_blocks return.  Each
+    k-block's e4m3 sum is scaled into the fp32 result once; then kind's epilogue as in
+    grouped_mm ("down", "gate_up", "gate_up_preact"; default "gate_up" with b1, "down" without),
+    out bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0."""
+    if kind is None:
+        kind = "gate_up" if b1 is not None else "down"
+    if kind not in ("down", "gate_up", "gate_up_preact"):
+        raise ValueError(f"kind must be 'down', 'gate_up' or 'gate_up_preact' in fp8, got {kind!r}")
+    _lib.expect_tensor(a, "a", _lib.E4M3, ndim=2)
+    _lib.expect_tensor(a_scales, "a_scales", _lib.FP32, ndim=2)
+    _lib.expect_tensor(b0, "b0", _lib.E4M3, ndim=3)
+    _lib.expect_tensor(b0_scales, "b0_scales", _lib.FP32, ndim=3)
+    _lib.expect_tensor(block_expert, "block_expert", _lib.INT32, ndim=1)
+    two_b = kind != "down"
+    if two_b and (b1 is None or b1_scales is None):
+        raise ValueError(f"kind {kind!r} needs b1 and b1_scales")
+    if not two_b and (b1 is not None or b1_scales is not None):
+        raise ValueError("kind 'down' takes b0 and b0_scales only")
+    if two_b:
+        _lib.expect_tensor(b1, "b1", _lib.E4M3, ndim=3)
+        _lib.expect_tensor(b1_scales, "b1_scales", _lib.FP32, ndim=3)
+    n = b0.shape[1]
+    if out is None:
+        out = torch.empty(a.shape[0], 2 * n if kind == "gate_up_preact" else n, dtype=torch.bfloat16, device=a.device)
+    _lib.expect_tensor(out, "out", _lib.BF16, ndim=2)
+    views = _lib.Views()
+    args = _lib.mokGroupedGemmArgs(views(a, "a", _lib.E4M3), views(b0, "b0", _lib.E4M3),
+                                   views(b1 if two_b else b0, "b1", _lib.E4M3),
+                                   views(block_expert, "block_expert", _lib.INT32), views(out, "out", _lib.BF16),
+                                   _lib.GEMM_KINDS[kind], 0, views(None, "h"), views(None, "row_weight"),
+                                   views(None, "wa"), views(None, "dtw_partials"))
+    scales = _lib.mokGemmBlockScales(views(a_scales, "a_scales", _lib.FP32), views(b0_scales, "b0_scales", _lib.FP32),
+                                     views(b1_scales if two_b else b0_scales, "b1_scales", _lib.FP32))
+    fn = _lib.symbol("mokGroupedGemmBlockScaled")
+    _lib.check(fn(ctypes.byref(args), ctypes.byref(scales), _lib.stream_of(_lib.device_index(a.device))))
+    return out
+
+
 def grouped_wgrad(a: Tensor, b: Tensor, expert_offset: Tensor, expert_count: Tensor,
                   out: Optional[Tensor] = None, acc: Optional[Tensor] = None, main_grad: Optional[Tensor] = None,
                   accumulate: bool = False, store_acc: bool = False) -> Optional[Tensor]:

@@ -364,6 +364,42 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   });
 }
 
+mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
+                                      void* stream) {
+  return guarded("mokGroupedGemmBlockScaled", [&] {
+    MOK_CHECK_ARG(args != nullptr && scales != nullptr, "args or scales is NULL");
+    const int64_t kind = args->kind;
+    MOK_CHECK_ARG(kind == mokGemmDown || kind == mokGemmGateUp || kind == mokGemmGateUpPreact,
+                  "kind = " << kind << ": the block-scaled fp8 kinds are 0 (down), 1 (gate/up) and 5 (gate/up "
+                                       "pre-activations)");
+    const int32_t dev = args->a.device;
+    MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, N, K]");
+    const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0], N = args->b0.shape[1];
+    const int64_t blocks = (M + 127) / 128, k_blocks = K / 128, n_blocks = (N + 127) / 128;
+    MOK_CHECK_ARG(K > 0 && K % 128 == 0, "K = " << K << " must be a positive multiple of 128 (the scales' blocks)");
+    MOK_CHECK_ARG(N > 0 && N % 64 == 0, "N = " << N << " must be a positive multiple of 64");
+    MOK_CHECK_ARG(M > 0 && M % 4 == 0, "M = " << M << " must be a positive multiple of 4 (a_scales rows, 16-byte aligned)");
+    mok::check_tensor(args->a, "a", {mokFloat8E4M3}, {M, K}, dev);
+    mok::check_tensor(args->b0, "b0", {mokFloat8E4M3}, {E, N, K}, dev);
+    const bool two_b = kind != mokGemmDown;
+    if (two_b) mok::check_tensor(args->b1, "b1", {mokFloat8E4M3}, {E, N, K}, dev);
+    mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
+    const bool preact = kind == mokGemmGateUpPreact;
+    mok::check_tensor(args->out, preact ? "out (h)" : "out", {mokBFloat16}, {M, preact ? 2 * N : N}, dev);
+    mok::check_tensor(scales->a, "a_scales", {mokFloat32}, {k_blocks, M}, dev);
+    mok::check_tensor(scales->b0, "b0_scales", {mokFloat32}, {E, n_blocks, k_blocks}, dev);
+    if (two_b) mok::check_tensor(scales->b1, "b1_scales", {mokFloat32}, {E, n_blocks, k_blocks}, dev);
+    MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemmBlockScaled runs on CUDA tensors");
+    mok::cuda::GroupedGemmCall call{args->a.data, M, K, args->b0.data, two_b ? args->b1.data : args->b0.data, E, N,
+                                    static_cast<const int32_t*>(args->block_expert.data), static_cast<int32_t>(blocks),
+                                    args->out.data, static_cast<int32_t>(kind), static_cast<int32_t>(args->num_blocks)};
+    call.a_scales = static_cast<const float*>(scales->a.data);
+    call.b0_scales = static_cast<const float*>(scales->b0.data);
+    call.b1_scales = static_cast<const float*>((two_b ? scales->b1 : scales->b0).data);
+    mok::cuda::grouped_gemm(call, stream);
+  });
+}
+
 mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream) {
   return guarded("mokGroupedWgrad", [&] {
     MOK_CHECK_ARG(args != nullptr, "args is NULL");

@@ -73,6 +73,8 @@ struct GroupedGemmCall {
   const int32_t* block_expert; int32_t num_m_blocks;
   void* out; int32_t kind; int32_t num_blocks;
   const void* h = nullptr; const float* row_weight = nullptr; void* wa = nullptr; float* dtw_partials = nullptr;
+  // e4m3 operands with block scales (mokGroupedGemmBlockScaled): all three set, or none
+  const float* a_scales = nullptr; const float* b0_scales = nullptr; const float* b1_scales = nullptr;
 };
 void grouped_gemm(const GroupedGemmCall& call, void* stream);
 

@@ -478,6 +478,17 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
       MOK_FAIL(mokInvalidArgument, "grouped GEMM kind = " << call.kind << " is not a mokGemmKind_t");
   }
   g.num_blocks = call.num_blocks;
+  if (call.a_scales != nullptr) {
+    // e4m3 with block scales (PrecisionE4m3Block): 128 x 128 tiles, or 128 x 256 under the
+    // measuring knob
+    g = gemm::with_tile_n(g, env::get_int(env::kTmpFp8Tile) == 256 ? 256 : 128);
+    g.operand_bytes = 1;
+    g.a_scales = call.a_scales;
+    g.b0_scales = call.b0_scales;
+    g.b1_scales = call.b1_scales;
+    gemm::launch_grouped_gemm(g, static_cast<cudaStream_t>(stream));
+    return;
+  }
   gemm::launch_grouped_gemm(gemm::with_kind_tile(g), static_cast<cudaStream_t>(stream));
 }
 

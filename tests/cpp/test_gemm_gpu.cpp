@@ -309,39 +309,51 @@ TEST(GemmGpu, WgradTiles) {
 // multiples of 1/4 in [-4, 4] (exact in e4m3), so every product and the fp32 sum over K are
 // exact and out must be bf16(the float64 sum) bit for bit; a -1 block stays unwritten; twice
 // bitwise.
+// count e4m3 operands, multiples of 1/4 in [-4, 4] (exact in e4m3, and so is any sum of their
+// products over a k-block), as bytes and as their values
+template <typename V>
+void fill_e4m3_quarters(std::mt19937_64& rng, size_t count, std::vector<uint8_t>* bytes, std::vector<V>* values) {
+  std::uniform_int_distribution<int> quarter(-16, 16);
+  bytes->resize(count);
+  values->resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    const __nv_fp8_e4m3 v(static_cast<float>(quarter(rng)) * 0.25f);
+    (*bytes)[i] = v.__x;
+    (*values)[i] = static_cast<V>(static_cast<float>(v));
+  }
+}
+
+// g launched into out1 and then out2 (e4m3 operands: operand_bytes = 1); both outputs, read back
+std::pair<std::vector<bf16_t>, std::vector<bf16_t>> launch_e4m3_twice(gemm::GroupedGemmArgs g, DeviceBuffer& out1,
+                                                                      DeviceBuffer& out2) {
+  g.operand_bytes = 1;
+  for (DeviceBuffer* out : {&out1, &out2}) {
+    g.out = out->ptr;
+    try {
+      gemm::launch_grouped_gemm(g, nullptr);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what();
+    }
+  }
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return {out1.get<bf16_t>(), out2.get<bf16_t>()};
+}
+
 TEST(GemmGpu, E4m3OperandsThroughTheMmaPolicy) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const int64_t E = 2, K = 384, N = 256;
   const std::vector<int32_t> blk = {1, 0, 1, -1};
   const int64_t M = static_cast<int64_t>(blk.size()) * 128;
   std::mt19937_64 rng(fresh_seed());
-  std::uniform_int_distribution<int> quarter(-16, 16);
-  auto fill = [&](size_t count, std::vector<uint8_t>* bytes, std::vector<double>* values) {
-    bytes->resize(count);
-    values->resize(count);
-    for (size_t i = 0; i < count; ++i) {
-      const __nv_fp8_e4m3 v(static_cast<float>(quarter(rng)) * 0.25f);
-      (*bytes)[i] = v.__x;
-      (*values)[i] = static_cast<double>(static_cast<float>(v));
-    }
-  };
   std::vector<uint8_t> a, b;
   std::vector<double> av, bv;
-  fill(static_cast<size_t>(M * K), &a, &av);
-  fill(static_cast<size_t>(E * N * K), &b, &bv);
+  fill_e4m3_quarters(rng, static_cast<size_t>(M * K), &a, &av);
+  fill_e4m3_quarters(rng, static_cast<size_t>(E * N * K), &b, &bv);
   DeviceBuffer da(a), db(b), dblk(blk), dout(static_cast<size_t>(M * N) * 2), dout2(static_cast<size_t>(M * N) * 2);
-  for (DeviceBuffer* out : {&dout, &dout2}) {
-    gemm::GroupedGemmArgs g = gemm::with_tile_n(
-        gemm::down_args(da.ptr, M, K, db.ptr, E, N, static_cast<const int32_t*>(dblk.ptr), 4, out->ptr), 128);
-    g.operand_bytes = 1;
-    try {
-      gemm::launch_grouped_gemm(g, nullptr);
-    } catch (const std::exception& e) {
-      FAIL() << e.what();
-    }
-  }
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto got = dout.get<bf16_t>(), again = dout2.get<bf16_t>();
+  const auto [got, again] = launch_e4m3_twice(
+      gemm::with_tile_n(gemm::down_args(da.ptr, M, K, db.ptr, E, N, static_cast<const int32_t*>(dblk.ptr), 4, nullptr),
+                        128),
+      dout, dout2);
   int64_t wrong = 0;
   for (int64_t r = 0; r < M; ++r) {
     const int e = blk[static_cast<size_t>(r / 128)];
@@ -359,6 +371,109 @@ TEST(GemmGpu, E4m3OperandsThroughTheMmaPolicy) {
   }
   EXPECT_EQ(wrong, 0) << "elements differing from bf16(the exact sum) (or written in the -1 block)";
   EXPECT_EQ(got, again) << "not bitwise reproducible";
+}
+
+// The block-scaled fp8 kinds (PrecisionE4m3Block, DeepSeek-V3's recipe): A scaled per row and
+// 128 of K, B per 128 x 128 block, the k-block's e4m3 sum promoted into fp32 once per k-block.
+// Operands are multiples of 1/4 in [-4, 4] (each k-block's e4m3 sum exact, as above) and the
+// scales arbitrary fp32, so out must equal, bit for bit, the recipe computed on the host in
+// fp32: acc = fma(partial, float(sa · sb), acc) per k-block from acc = 0, then bf16.  The down
+// kind (one B block a tile) and the gate/up kind without the SwiGLU (two B halves from two
+// scale tensors: h = [g | u]); a -1 block stays unwritten; twice bitwise.
+void check_e4m3_block_scaled(bool gate_up, int32_t tile_n) {
+  // down: N = H out of K = I; gate/up: I = N out of K = H (384: a partial last 256-wide tile)
+  const int64_t E = 3, K = 512, N = 384;
+  const std::vector<int32_t> blk = {2, 0, 1, -1, 2};
+  const int64_t M = static_cast<int64_t>(blk.size()) * 128, KB = K / 128, NB = (N + 127) / 128;
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_real_distribution<float> scale(0.25f, 4.0f);
+  auto fill = [&](size_t count, std::vector<uint8_t>* bytes, std::vector<float>* values) {
+    fill_e4m3_quarters(rng, count, bytes, values);
+  };
+  auto scales = [&](size_t count) {
+    std::vector<float> v(count);
+    for (auto& x : v) x = scale(rng);
+    return v;
+  };
+  std::vector<uint8_t> a, b0, b1;
+  std::vector<float> av, b0v, b1v;
+  fill(static_cast<size_t>(M * K), &a, &av);
+  fill(static_cast<size_t>(E * N * K), &b0, &b0v);
+  fill(static_cast<size_t>(E * N * K), &b1, &b1v);
+  const std::vector<float> sa = scales(static_cast<size_t>(KB * M)), sb0 = scales(static_cast<size_t>(E * NB * KB)),
+                           sb1 = gate_up ? scales(static_cast<size_t>(E * NB * KB)) : sb0;
+  const int64_t out_cols = gate_up ? 2 * N : N;
+  DeviceBuffer da(a), db0(b0), db1(gate_up ? b1 : b0), dblk(blk), dsa(sa), dsb0(sb0), dsb1(sb1);
+  DeviceBuffer dout(static_cast<size_t>(M * out_cols) * 2), dout2(static_cast<size_t>(M * out_cols) * 2);
+  const auto* be = static_cast<const int32_t*>(dblk.ptr);
+  const int32_t mb = static_cast<int32_t>(blk.size());
+  gemm::GroupedGemmArgs g = gate_up ? gemm::gate_up_preact_args(da.ptr, M, K, db0.ptr, db1.ptr, E, N, be, mb, nullptr)
+                                    : gemm::down_args(da.ptr, M, K, db0.ptr, E, N, be, mb, nullptr);
+  g = gemm::with_tile_n(g, tile_n);
+  g.a_scales = static_cast<const float*>(dsa.ptr);
+  g.b0_scales = static_cast<const float*>(dsb0.ptr);
+  g.b1_scales = static_cast<const float*>(dsb1.ptr);
+  const auto [got, again] = launch_e4m3_twice(g, dout, dout2);
+  // The recipe on the host, in fp32 (row r of A against row n of expert e's B, of b or its scales)
+  auto recipe = [&](int64_t r, int e, int64_t n, const std::vector<float>& bv, const std::vector<float>& sb) {
+    float acc = 0.0f;
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      double part = 0;  // exact (and so the device's k-block sum)
+      for (int64_t k = kb * 128; k < kb * 128 + 128; ++k)
+        part += static_cast<double>(av[static_cast<size_t>(r * K + k)]) * bv[static_cast<size_t>((e * N + n) * K + k)];
+      const float s = sa[static_cast<size_t>(kb * M + r)] * sb[static_cast<size_t>((e * NB + n / 128) * KB + kb)];
+      acc = std::fma(static_cast<float>(part), s, acc);
+    }
+    return acc;
+  };
+  int64_t wrong = 0, checked = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    const int e = blk[static_cast<size_t>(r / 128)];
+    for (int64_t c = 0; c < out_cols; ++c) {
+      const bf16_t o = got[static_cast<size_t>(r * out_cols + c)];
+      if (e < 0) {
+        wrong += o != 0xFFFF;
+        continue;
+      }
+      const bool up = gate_up && c >= N;
+      const float want = recipe(r, e, up ? c - N : c, up ? b1v : b0v, up ? sb1 : sb0);
+      wrong += o != float_to_bf16(want);
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0);
+  EXPECT_EQ(wrong, 0) << "elements differing from the block-scaled recipe in fp32 (or written in the -1 block)";
+  EXPECT_EQ(got, again) << "not bitwise reproducible";
+}
+
+TEST(GemmGpu, E4m3BlockScaledDown) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_e4m3_block_scaled(false, 128);
+  check_e4m3_block_scaled(false, 256);
+}
+
+TEST(GemmGpu, E4m3BlockScaledGateUp) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  check_e4m3_block_scaled(true, 128);
+  check_e4m3_block_scaled(true, 256);
+}
+
+// Block scales are all three or none, and A's rows a multiple of 4 (its scales' TMA rows)
+TEST(GemmGpu, E4m3BlockScalesChecked) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<int32_t> blk = {0};
+  DeviceBuffer da(std::vector<uint8_t>(128 * 128)), db(std::vector<uint8_t>(128 * 128)), dblk(blk),
+      ds(std::vector<float>(128)), dout(static_cast<size_t>(128 * 128) * 2);
+  gemm::GroupedGemmArgs g = gemm::with_tile_n(
+      gemm::down_args(da.ptr, 128, 128, db.ptr, 1, 128, static_cast<const int32_t*>(dblk.ptr), 1, dout.ptr), 128);
+  g.operand_bytes = 1;
+  g.a_scales = static_cast<const float*>(ds.ptr);
+  try {
+    gemm::launch_grouped_gemm(g, nullptr);
+    FAIL() << "a_scales without b0_scales / b1_scales was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("b0_scales"), std::string::npos) << e.what();
+  }
 }
 
 // The engine at its second tile shape, 128 x 128 (six stages; the dgrad-down epilogue and

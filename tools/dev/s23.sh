@@ -4,7 +4,8 @@
 # bwd_pp192.patch) built side by side; for each, the fused backward kernel's SASS (local-memory
 # instructions and where they sit beside the HGMMAs) and one ncu profile of its qwen3 backward
 # (ring for every row: SOL, warp states, per-instruction stall samples as CSV).  STAGE=ab: variants
-# timed side by side (below).  Logs under $OUT, packed into $OUT/logs.tar.xz.
+# timed side by side (below).  STAGE=fp8: the block-scaled fp8 GEMM step's GPU tests and its
+# kinds at the sustained clock.  Logs under $OUT, packed into $OUT/logs.tar.xz.
 source "$(dirname "$0")/device_env.sh"
 ROOT=$PWD
 case "${STAGE:-prof}" in
@@ -66,6 +67,22 @@ PY
       grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued|Issue Slots|Stall" "$OUT/ncu_details_$v.csv" | head -12
     done
     echo "at $(el) s" ;;
+  fp8)
+    # The block-scaled fp8 GEMM step (issue 23): its C++ and Python GPU tests, then the fp8
+    # kinds at the sustained clock on SHAPES
+    if [ ! -x build/tests/cpp/test_gemm_gpu ]; then
+      cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+        ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+      echo "== built at $(el) s"
+    fi
+    timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*E4m3*' > "$OUT/gtest_fp8.log" 2>&1
+    echo "gtest fp8 rc=$? $(grep -E 'PASSED|FAILED' "$OUT/gtest_fp8.log" | tr '\n' ' ')"; grep -E "Failure|expected|differing" "$OUT/gtest_fp8.log" | head -8
+    timeout 120 python3 -m pytest -q tests/python/test_fp8_ops.py tests/python/test_fp8.py > "$OUT/pytest_fp8.log" 2>&1
+    echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED|Error" "$OUT/pytest_fp8.log" | head -8
+    for shape in ${SHAPES:-dsv3 qwen3}; do
+      timeout 150 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-t128,t256:MOK_TMP_FP8_TILE=256}" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -8
+      echo "at $(el) s"
+    done ;;
   ab)
     # VARIANTS: base (the tree), old (the tree with $OLD_PATCH reversed), dyn, pp192;
     # each one's smoke test (ping-pong ones) and its backward at the sustained clock on SHAPES

@@ -1,5 +1,5 @@
 """Local-memory traffic inside the loops of a kernel's SASS (cuobjdump -sass output): for each
-innermost loop that issues TMA loads (the producer's) or wgmma (the consumers' K loops), its
+innermost loop that issues TMA loads (the producer's) or wgmma (HGMMA, QGMMA: the consumers' K loops), its
 length and its LDL / STL counts.  python3 tools/dev/sass_loops.py SASS.txt [name-substring]"""
 import re
 import sys
@@ -45,7 +45,7 @@ def main():
             # a producer's k-block loop: TMA loads and the full barrier's expect-tx arrival (the
             # elect loops around a single UTMALDG have no arrival)
             tma = any("UTMALDG" in o for o in body) and any("SYNCS.ARRIVE" in o for o in body)
-            kind = "tma" if tma else ("hgmma" if any("HGMMA" in o for o in body) else None)
+            kind = "tma" if tma else ("gmma" if any("GMMA" in o for o in body) else None)
             if kind is None or any(lo <= a and b <= hi for a, b in seen):
                 continue  # not a K loop, or encloses an inner one already listed
             seen.add((lo, hi))

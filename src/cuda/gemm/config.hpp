@@ -60,6 +60,7 @@ struct TileShape {
 using TileConfig = TileShape<128, 256>;
 using TileConfigN128 = TileShape<128, 128>;
 using TileConfigE4m3 = TileShape<128, 128, 1>;  // fp8 operands: the seam of the fp8 recipes
+using TileConfigE4m3Wide = TileShape<128, 256, 1>;  // fp8, block-scaled: a B half per 128-column part
 using TileConfigPingPong = TileShape<128, 128, 2, true>;  // 128 x 128 tiles, a warpgroup each
 using TileConfigPingPong192 = TileShape<128, 192, 2, true>;  // 128 x 192 tiles, a warpgroup each (the fused forward)
 static_assert(TileConfig::kStages == 4 && TileConfigPingPong192::kStages == 5, "the measured configurations");

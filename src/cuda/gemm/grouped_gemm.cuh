@@ -54,6 +54,13 @@ struct GroupedGemmParams {
   int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
+  // Block-scaled precisions (PrecisionE4m3Block): the scales of B's 128 x 128 blocks, of b0's
+  // and b1's, [experts, sb_rows_per_expert, sb_k] fp32 (block (r / 128, kb) of an expert's B
+  // rows r); A's come through the kernel's scale map
+  const float* sb0;
+  const float* sb1;
+  int32_t sb_rows_per_expert;
+  int32_t sb_k;
 };
 
 // The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
@@ -72,13 +79,18 @@ using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdP
 // T: the tile shape (config.hpp), 128 x 256 unless the launch asks for another.
 // kSwiGLUBwd (with kBNMajor: the dgrad-down kind): the one epilogue is epilogue_dgrad_swiglu
 // (epilogue_bwd.cuh), a kernel of its own so that the other kinds' code is not touched.
-template <bool kBNMajor, class T = TileConfig, bool kSwiGLUBwd = false>
+// Prec: the operands' precision (tile.cuh), the tile's bytes' unless block-scaled; map_sa:
+// A's scales of a block-scaled precision (map_a otherwise, unused).
+template <bool kBNMajor, class T = TileConfig, bool kSwiGLUBwd = false, class Prec = PrecisionOf<T>>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
-                        const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParamsOf<kSwiGLUBwd> p) {
+                        const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParamsOf<kSwiGLUBwd> p,
+                        const __grid_constant__ CUtensorMap map_sa) {
   using C = T;
+  static_assert(!Prec::kBlockScaled || (!kBNMajor && !kSwiGLUBwd), "block-scaled kinds: the K-major forward ones");
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<StageStorageT<T>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& s =
+      *reinterpret_cast<StageStorageT<T, Prec>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const Role role = static_cast<Role>(__shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0));
   const WaitContext wait{ptx::globaltimer_ns() + p.timeout_ns, p.timeout_record};
   const int num_tiles = p.max_m_blocks * p.num_n_blocks;
@@ -90,6 +102,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b0);
     ptx::prefetch_tensormap(&map_b1);
+    if constexpr (Prec::kBlockScaled) ptx::prefetch_tensormap(&map_sa);
   }
   __syncthreads();
 
@@ -108,7 +121,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         if (!produce_tile_nmajor(s, stage, load, wait)) return;
       } else {
         const TileLoad load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM,
-                            expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks};
+                            expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks,
+                            &map_sa};
         if (!produce_tile(s, stage, load, wait)) return;
       }
     }
@@ -145,7 +159,19 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const auto pass_turn = [&] {
       if constexpr (C::kPingPong) PingPongTurns::pass(s, consumer);
     };
-    if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, pass_turn)) return;
+    if constexpr (Prec::kBlockScaled) {
+      // The scales of the tile's two B halves' blocks (rows n_block·b_n_step and + b_half_offset
+      // of the expert's, in b0 and b1)
+      // (a half past the expert's rows, of a partial last tile, reads its last block: unused)
+      const auto block = [&](int row) { return min(row / 128, p.sb_rows_per_expert - 1); };
+      const float* sb0 = p.sb0 + (int64_t{this_expert} * p.sb_rows_per_expert + block(n_block * p.b_n_step)) * p.sb_k;
+      const float* sb1 =
+          p.sb1 + (int64_t{this_expert} * p.sb_rows_per_expert + block(n_block * p.b_n_step + p.b_half_offset)) * p.sb_k;
+      const auto scale_b = [=](int kb) { return make_float2(__ldg(sb0 + kb), __ldg(sb1 + kb)); };
+      if (!consume_tile_block_scaled(s, stage, p.num_k_blocks, consumer, acc[0], wait, scale_b)) return;
+    } else if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, pass_turn)) {
+      return;
+    }
     // Epilogue straight from registers, a 64-row slab at a time
     const int64_t row0 = static_cast<int64_t>(m_block) * C::kBlockM;
 #pragma unroll

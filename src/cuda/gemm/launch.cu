@@ -163,7 +163,7 @@ GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
 
 // One grouped-GEMM launch of tile shape T: N-major B (dgrad) or K-major (forward), one block
 // per SM (or g.num_blocks), each taking tiles blockIdx.x, +gridDim.x, ...
-template <class T, bool kBNMajor, bool kSwiGLUBwd = false>
+template <class T, bool kBNMajor, bool kSwiGLUBwd = false, class Prec = PrecisionOf<T>>
 void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   constexpr int kBytes = T::kElemBytes;
   const CUtensorMap map_a = tensor_map_2d(g.a, g.a_rows, g.k, T::kBlockM, kBytes);
@@ -182,11 +182,21 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   GroupedGemmParamsOf<kSwiGLUBwd> p;
   if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g);
   else p = common_params(g);
-  constexpr size_t smem = kGemmSmemBytesT<T>;
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd>,
+  CUtensorMap map_sa = map_a;
+  if constexpr (Prec::kBlockScaled) {
+    const int64_t k_blocks = g.k / T::kBlockK;
+    map_sa = tensor_map_scales(g.a_scales, k_blocks, g.a_rows, T::kBlockM);
+    p.sb0 = g.b0_scales;
+    p.sb1 = g.b1_scales;
+    p.sb_rows_per_expert = static_cast<int32_t>(tiles_of(g.b_rows_per_expert, 128));
+    p.sb_k = static_cast<int32_t>(k_blocks);
+  }
+  constexpr size_t smem = kStageStorageBytesT<T, Prec> + 1024;  // + alignment slack
+  static_assert(smem <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd, Prec>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, g.max_m_blocks * g.num_n_blocks);
-  grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p);
+  grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd, Prec><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p, map_sa);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -263,12 +273,27 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   if (g.operand_bytes == 1) {
     // e4m3 operands: K-major only (fp8 wgmma has no transpose bits), 128 x 128 tiles
     MOK_CHECK_ARG(!g.b_n_major && !swiglu_bwd, "grouped GEMM (e4m3): the forward kinds only (K-major operands)");
-    MOK_CHECK_ARG(g.tile_n == 128, "grouped GEMM (e4m3): tile N = " << g.tile_n << "; e4m3 runs 128 x 128 tiles (with_tile_n)");
     MOK_CHECK_ARG(g.k % TileConfigE4m3::kBlockK == 0, "grouped GEMM (e4m3): K = " << g.k << " must be a multiple of 128");
+    const int scales = (g.a_scales != nullptr) + (g.b0_scales != nullptr) + (g.b1_scales != nullptr);
+    MOK_CHECK_ARG(scales == 0 || scales == 3, "grouped GEMM (e4m3): block scales need a_scales, b0_scales and b1_scales ("
+                                                   << scales << " of 3 given)");
+    MOK_CHECK_ARG(g.tile_n == 128 || (scales == 3 && g.tile_n == 256),
+                  "grouped GEMM (e4m3): tile N = " << g.tile_n
+                                                   << "; e4m3 runs 128 x 128 tiles, and 128 x 256 with block scales (with_tile_n)");
+    if (scales == 3) {
+      MOK_CHECK_ARG(g.a_rows % 4 == 0 && aligned16(g.a_scales),
+                    "grouped GEMM (e4m3 block scales): a_scales [K/128, a_rows] needs a_rows % 4 == 0 (a_rows = "
+                        << g.a_rows << ") and 16-byte alignment");
+      MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(g.b0_scales) & 3u) == 0 && (reinterpret_cast<uintptr_t>(g.b1_scales) & 3u) == 0,
+                    "grouped GEMM (e4m3 block scales): b0_scales and b1_scales must be 4-byte aligned");
+    }
     if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
     int device = 0, sms = 0;
     MOK_CUDA_CHECK(cudaGetDevice(&device));
     MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (scales == 3 && g.tile_n == 256)
+      return launch_tiles<TileConfigE4m3Wide, false, false, PrecisionE4m3Block>(g, sms, stream);
+    if (scales == 3) return launch_tiles<TileConfigE4m3, false, false, PrecisionE4m3Block>(g, sms, stream);
     return launch_tiles<TileConfigE4m3, false>(g, sms, stream);
   }
   if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;

@@ -44,8 +44,17 @@ struct GroupedGemmArgs {
   int32_t tile_n = 256;
   bool ping_pong = false;  // tile_n 128: each consumer warpgroup owns whole tiles (TileConfigPingPong)
   // Operand bytes: 2 (bf16), or 1: a and b e4m3 (K-major kinds only, 128 x 128 tiles of
-  // TileConfigE4m3, K % 128 == 0, no scales: the seam of the fp8 recipes).
+  // TileConfigE4m3, K % 128 == 0).
   int32_t operand_bytes = 2;
+  // e4m3 with block scales (DeepSeek-V3's recipe, PrecisionE4m3Block), all three or none:
+  //   a_scales   [K / 128, a_rows] fp32: row r's scale of K columns [128 kb, 128 kb + 128) at
+  //              kb · a_rows + r (k-block-major, so a tile's 128 rows are one TMA box; a_rows % 4 == 0)
+  //   b0_scales  [num_experts, ceil(b_rows_per_expert / 128), K / 128] fp32: the 128 x 128
+  //   b1_scales  blocks of b0 and b1 (b1_scales == b0_scales when b1 == b0)
+  // out = Σ over k-blocks of (the k-block's e4m3 products summed) · a_scale · b_scale, in fp32.
+  const float* a_scales = nullptr;
+  const float* b0_scales = nullptr;
+  const float* b1_scales = nullptr;
   // Epilogue::kDgradSwiGLU (dgrad_down_swiglu_args): out is dh [a_rows, 2I]; these as in
   // gemm/epilogue_bwd.cuh, row r of each at row r of a.
   const void* h = nullptr;             // [a_rows, 2I] bf16

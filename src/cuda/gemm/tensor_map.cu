@@ -51,6 +51,23 @@ CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_
   return map;
 }
 
+CUtensorMap tensor_map_scales(const float* base, int64_t rows, int64_t cols, int box_cols) {
+  MOK_CHECK_ARG(rows > 0 && cols > 0 && cols % 4 == 0 && (reinterpret_cast<uintptr_t>(base) & 15u) == 0,
+                "tensor map: scales [" << rows << ", " << cols << "] fp32 need 16-byte aligned rows (cols % 4 == 0)");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 4)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), 1};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims, strides,
+                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ") for [" << rows << ", " << cols
+                                                             << "] fp32 scales at " << base);
+  return map;
+}
+
 int64_t matrix_pitch(const MatrixStack& m) {
   const int64_t row = m.row_stride > 0 ? m.row_stride : m.cols;
   const int64_t expert = m.expert_stride > 0 ? m.expert_stride : m.rows * row;

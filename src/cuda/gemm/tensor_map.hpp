@@ -15,6 +15,10 @@ namespace mok::gemm {
 CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_rows, int elem_bytes = 2,
                           int64_t row_stride = 0);
 
+// 2-D map over [rows, cols] fp32 (cols contiguous, rows cols apart: cols % 4 == 0), boxes of one
+// row by box_cols, no swizzle: the block scales of an operand, a k-block's row of them at a time.
+CUtensorMap tensor_map_scales(const float* base, int64_t rows, int64_t cols, int box_cols);
+
 // A stack of num [rows, cols] bf16 matrices in place, strides s (ref::MatrixStrides, checked
 // by runtime/tensor.hpp check_matrices): one 2-D map whose rows are every row of the stack's
 // span, matrix e's row r at map row e·pitch + r (matrix_pitch).  Frameworks' fused and

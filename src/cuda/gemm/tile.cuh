@@ -104,9 +104,17 @@ struct MmaE4m3 {
 //   StageScales<T>     what a stage of tile shape T holds besides its operands: a block-scaled
 //                      precision's scales of the stage's k-block (NoScales: none)
 //   ScaleMaps          the tensor maps of those scales, beside a kernel's operand maps (NoScales)
-// PrecisionE4m3 is the unscaled seam of the fp8 recipes (the standalone e4m3 launches); a
-// block-scaled one fills StageScales and ScaleMaps and promotes the k-block's sum around Mma.
+//   kBlockScaled       the k-block's sum is promoted into the fp32 accumulator with scales
+//                      (consume_tile_block_scaled), kScaleTxBytes<T> of them in each stage
+// PrecisionE4m3 is the unscaled seam of the fp8 recipes (the standalone e4m3 launches);
+// PrecisionE4m3Block is DeepSeek-V3's block scaling: A scaled per row and 128 of K, B per 128 x
+// 128 block, one fp32 FFMA an element per k-block (128 of K) promoting the fp8 MMAs' partial sum.
 struct NoScales {};
+// A's scales of each stage's k-block, one per tile row (a TMA box of BLOCK_M fp32)
+template <class T>
+struct RowScales {
+  alignas(128) float sa[T::kStages][T::kBlockM];
+};
 struct PrecisionBf16 {
   static constexpr int kElemBytes = 2;
   using Elem = __nv_bfloat16;
@@ -114,6 +122,9 @@ struct PrecisionBf16 {
   template <class T>
   using StageScales = NoScales;
   using ScaleMaps = NoScales;
+  static constexpr bool kBlockScaled = false;
+  template <class T>
+  static constexpr uint32_t kScaleTxBytes = 0;
 };
 struct PrecisionE4m3 {
   static constexpr int kElemBytes = 1;
@@ -122,6 +133,16 @@ struct PrecisionE4m3 {
   template <class T>
   using StageScales = NoScales;
   using ScaleMaps = NoScales;
+  static constexpr bool kBlockScaled = false;
+  template <class T>
+  static constexpr uint32_t kScaleTxBytes = 0;
+};
+struct PrecisionE4m3Block : PrecisionE4m3 {
+  template <class T>
+  using StageScales = RowScales<T>;  // (ScaleMaps: the standalone launches pass A's scale map)
+  static constexpr bool kBlockScaled = true;
+  template <class T>
+  static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);
 };
 // The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
@@ -136,6 +157,11 @@ struct StageStorageT : Prec::template StageScales<T> {
   using Precision = Prec;
   using Elem = typename Prec::Elem;
   static_assert(Prec::kElemBytes == T::kElemBytes, "a tile shape's operand bytes are its precision's");
+  // What a stage's full barrier expects: the operands and the k-block's scales
+  static constexpr uint32_t kTxBytes = T::kStageBytes + Prec::template kScaleTxBytes<T>;
+  // Arrivals that free a stage: one a reader (warpgroup), one a warp of it when each warp reads
+  // the stage's scales itself (block-scaled)
+  static constexpr int kReleases = T::kStageReaders * (Prec::kBlockScaled ? 4 : 1);
   alignas(1024) Elem a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
   alignas(1024) Elem b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
   Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
@@ -145,7 +171,7 @@ struct StageStorageT : Prec::template StageScales<T> {
   uint64_t turn[2];
 
   __device__ void init_barriers() {
-    pipe.init(1, T::kStageReaders);
+    pipe.init(1, kReleases);
     if constexpr (T::kPingPong) {
       ptx::mbar_init(&turn[0], 1);
       ptx::mbar_init(&turn[1], 1);
@@ -153,8 +179,8 @@ struct StageStorageT : Prec::template StageScales<T> {
   }
 };
 using StageStorage = StageStorageT<TileConfig>;
-template <class T>
-inline constexpr size_t kStageStorageBytesT = sizeof(StageStorageT<T>);
+template <class T, class Prec = PrecisionOf<T>>
+inline constexpr size_t kStageStorageBytesT = sizeof(StageStorageT<T, Prec>);
 inline constexpr size_t kStageStorageBytes = kStageStorageBytesT<TileConfig>;
 // The dynamic shared memory of a standalone kernel of tile shape T (grouped_gemm.cuh, wgrad.cuh)
 template <class T>
@@ -192,6 +218,9 @@ struct TileLoad {
   int32_t b_row;
   int32_t b_half_offset;
   int32_t num_k_blocks;
+  // Block-scaled precisions: A's scales, [K / BLOCK_K rows, A's rows] fp32 (the tile's BLOCK_M
+  // scales of a k-block are one box at (a_row, kb))
+  const CUtensorMap* sa = nullptr;
 };
 
 // The producer's loop: for each k-block of [first, last), wait for an empty stage, arm its full
@@ -204,7 +233,7 @@ __device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineS
     // Wait for empty slot
     if (!s.pipe.producer_acquire(stage, wait)) return false;
     uint64_t* full = s.pipe.full_barrier(stage);
-    ptx::mbar_arrive_expect_tx(full, T::kStageBytes);
+    ptx::mbar_arrive_expect_tx(full, StageStorageT<T, P>::kTxBytes);
     load(kb, stage.index, full);
     stage.advance();
   }
@@ -225,6 +254,7 @@ __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineSta
     ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
     ptx::tma_load_2d(s.b[i], t.b0, full, kb * C::kBlockK, t.b_row);
     ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
+    if constexpr (P::kBlockScaled) ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
   });
 }
 
@@ -304,6 +334,66 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineSta
   static_assert(T::kSlabs == 1, "a ping-pong tile has a slab per 64 rows");
   return consume_tile<kOps>(s, stage, num_k_blocks, consumer, reinterpret_cast<float(&)[1][T::kAccRegs]>(acc),
                                     wait);
+}
+
+// Block-scaled consumer warpgroup `consumer` (P::kBlockScaled; cooperative tiles, K-major
+// operands): per k-block (128 of K) and per 128 columns of the tile (a part: one of a 256-wide
+// tile's B halves, or a 128-wide tile's two halves together), the MMAs into a fresh partial
+// sum, then, in fp32,
+//   acc = fma(partial, sa[row] · sb[half], acc)       (sa · sb rounded to fp32 first)
+// with sa the stage's scale of the row (A: per row and k-block) and sb = scale_b(kb) the
+// scales of the k-block's two B halves' 128 x 128 blocks (.x the first half's columns, .y the
+// second's).  So the fp8 MMAs' sum, kept to a partial of 128 products, is promoted once per
+// k-block; one partial of 64 registers serves the parts in turn.  acc starts at zero.  Each
+// warp releases the stage after reading its scales (the stage's barrier counts a release a
+// warp: StageStorageT::kReleases) and its last part's MMAs.  NOTES: a partial is waited for
+// before its promotion (wgmma.wait 0): the other warpgroup's MMAs run meanwhile.
+template <class T, class P, class ScaleB>
+__device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
+                                                          int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
+                                                          const WaitContext& wait, ScaleB scale_b) {
+  static_assert(P::kBlockScaled && !T::kPingPong, "block-scaled tiles are cooperative");
+  static_assert(T::kBlockN % 128 == 0 && T::kBlockK == 128, "block-scaled parts of 128 columns, k-blocks of 128");
+  constexpr int kParts = T::kBlockN / 128, kPartRegs = 64;  // m64n128: 64 fp32 a thread
+  constexpr int kHalfCols = T::kBlockN / 2;                 // columns of a B half
+  const bool warp_leader = threadIdx.x % 32 == 0;
+  const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
+  float part[kPartRegs];
+#pragma unroll
+  for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.0f;
+  float2 sb = scale_b(0);
+  for (int kb = 0; kb < num_k_blocks; ++kb) {
+    if (!s.pipe.consumer_wait(stage, wait)) return false;
+    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * T::kBlockK);
+    const float sa0 = ptx::ld_shared_f32(&s.sa[stage.index][row]), sa1 = ptx::ld_shared_f32(&s.sa[stage.index][row + 8]);
+    const float2 sb_next = kb + 1 < num_k_blocks ? scale_b(kb + 1) : sb;  // under the MMAs
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      // The part's four k32 steps: B rows [128 q, 128 q + 128) of the stage, a fresh sum
+      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index] + q * 128 * T::kBlockK);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < T::kBlockK / 32; ++k) ptx::mma_e4m3<128>(part, desc_a + 2 * k, desc_b + 2 * k, k != 0);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      ptx::fence_regs(part);
+      if (q == kParts - 1 && warp_leader) s.pipe.consumer_release(stage.index);
+#pragma unroll
+      for (int j = 0; j < kPartRegs / 4; ++j) {
+        // columns 128 q + 8 j .. + 7 of the tile: B half (128 q + 8 j) / kHalfCols
+        const bool second = (128 * q + 8 * j) / kHalfCols == 1;
+        const float lo = sa0 * (second ? sb.y : sb.x), hi = sa1 * (second ? sb.y : sb.x);
+        float* const a = acc + (q * (kPartRegs / 4) + j) * 4;
+        a[0] = fmaf(part[j * 4 + 0], lo, a[0]);
+        a[1] = fmaf(part[j * 4 + 1], lo, a[1]);
+        a[2] = fmaf(part[j * 4 + 2], hi, a[2]);
+        a[3] = fmaf(part[j * 4 + 3], hi, a[3]);
+      }
+    }
+    sb = sb_next;
+    stage.advance();
+  }
+  return true;
 }
 
 // ---- epilogues: one consumer's 64 x 256 accumulator tile ------------------------------------

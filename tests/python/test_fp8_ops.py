@@ -1,0 +1,102 @@
+"""mok.ops.grouped_mm_fp8: the block-scaled fp8 forward kinds of the grouped-GEMM engine
+(docs/precision.md).  The argument checks run anywhere (the C side checks the views before it
+rejects CPU tensors); the GPU tests compare with the float64 oracle of the recipe
+(mok.fp8.block_scaled_mm_reference) and run twice bitwise."""
+import pytest
+import torch
+
+import mok
+from mok import fp8, ops
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and mok.has_cuda()), reason="needs a CUDA GPU and libmok's CUDA part")
+lib_has_it = pytest.mark.skipif(not mok._lib.has_symbol("mokGroupedGemmBlockScaled"),
+                                reason="this libmok predates mokGroupedGemmBlockScaled")
+
+
+def _problem(E, N, K, blocks, device, gate_up, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    M = 128 * len(blocks)
+    a = torch.randn(M, K, generator=g).bfloat16()
+    w0 = (torch.randn(E, N, K, generator=g) / K ** 0.5).bfloat16()
+    w1 = (torch.randn(E, N, K, generator=g) / K ** 0.5).bfloat16()
+    qa, sa = fp8.quantize_rows(a)
+    qb0, sb0 = fp8.quantize_blocks(w0)
+    qb1, sb1 = fp8.quantize_blocks(w1)
+    be = torch.tensor(blocks, dtype=torch.int32)
+    t = [qa, sa, qb0, sb0, be] + ([qb1, sb1] if gate_up else [])
+    return [x.to(device) for x in t]
+
+
+@lib_has_it
+def test_arguments_are_checked_before_the_device():
+    qa, sa, qb0, sb0, be, qb1, sb1 = _problem(2, 128, 256, [0, 1], "cpu", True)
+    with pytest.raises(ValueError, match="a must be float8_e4m3fn"):
+        ops.grouped_mm_fp8(qa.float().bfloat16(), sa, qb0, sb0, be)
+    with pytest.raises(ValueError, match="needs b1 and b1_scales"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, kind="gate_up")
+    with pytest.raises(ValueError, match="'down' takes b0"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, b1=qb1, b1_scales=sb1, kind="down")
+    with pytest.raises(ValueError, match=r"a_scales has shape \[256, 2\], expected \[2, 256\]"):
+        ops.grouped_mm_fp8(qa, sa.t().contiguous(), qb0, sb0, be)
+    with pytest.raises(ValueError, match="b1_scales"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, b1=qb1, b1_scales=sb1[:, :, :1].contiguous())
+    with pytest.raises(ValueError, match="on the CPU"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be)
+
+
+def _run(kind, tile, monkeypatch, E=3, N=320, K=512, blocks=(2, 0, 1, -1, 2)):
+    """Two poisoned runs of kind at tile N = tile; the problem and both outputs."""
+    monkeypatch.setenv("MOK_TMP_FP8_TILE", tile)
+    gate_up = kind != "down"
+    t = _problem(E, N, K, list(blocks), "cuda", gate_up)
+    qa, sa, qb0, sb0, be = t[:5]
+    extra = dict(b1=t[5], b1_scales=t[6]) if gate_up else {}
+    M, cols = 128 * len(blocks), 2 * N if kind == "gate_up_preact" else N
+    outs = [ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, kind=kind,
+                               out=torch.full((M, cols), float("nan"), dtype=torch.bfloat16, device="cuda"), **extra)
+            for _ in range(2)]
+    return t, outs
+
+
+@gpu
+@lib_has_it
+@pytest.mark.parametrize("kind", ["down", "gate_up_preact", "gate_up"])
+def test_the_tiles_agree_bit_for_bit(kind, monkeypatch):
+    # 128 x 128 and 128 x 256 tiles sum the same k-block partials and promote them alike
+    _, (a, _) = _run(kind, "128", monkeypatch)
+    _, (b, _) = _run(kind, "256", monkeypatch)
+    live = torch.tensor([2, 0, 1, -1, 2]).repeat_interleave(128).cuda() >= 0
+    assert torch.equal(a[live], b[live])
+
+
+@gpu
+@lib_has_it
+@pytest.mark.parametrize("tile", ["128", "256"])
+@pytest.mark.parametrize("kind", ["down", "gate_up_preact", "gate_up"])
+def test_against_the_float64_recipe(kind, tile, monkeypatch):
+    E, N, K, blocks = 3, 320, 512, [2, 0, 1, -1, 2]
+    # poisoned outputs: every written element is overwritten, the -1 block's stay NaN
+    t, outs = _run(kind, tile, monkeypatch, E, N, K, blocks)
+    qa, sa, qb0, sb0 = t[:4]
+    M, cols = 128 * len(blocks), 2 * N if kind == "gate_up_preact" else N
+    live = torch.tensor(blocks).repeat_interleave(128) >= 0
+    got = outs[0].double().cpu()
+    assert torch.isnan(got[~live]).all(), "the -1 block's rows were written"
+    assert not torch.isnan(got[live]).any(), "rows of a live block were left unwritten"
+    assert torch.equal(outs[0][live.cuda()], outs[1][live.cuda()]), "not bitwise reproducible"
+    want = torch.zeros(M, cols, dtype=torch.float64)
+    for i, e in enumerate(blocks):
+        if e < 0:
+            continue
+        rows = slice(128 * i, 128 * i + 128)
+        ref = lambda qb, sb: fp8.block_scaled_mm_reference(qa[rows].cpu(), sa[:, rows].cpu(), qb[e].cpu(),  # noqa: E731
+                                                           sb[e].cpu())
+        g = ref(qb0, sb0)
+        if kind == "down":
+            want[rows] = g
+        else:
+            u = ref(t[5], t[6])
+            want[rows] = torch.cat([g, u], 1) if kind == "gate_up_preact" else torch.nn.functional.silu(g) * u
+    err = (got[live] - want[live]).abs()
+    # bf16 output rounding, and the tensor cores' fp8 sums within a k-block
+    assert torch.all(err <= want[live].abs() * 2.0 ** -7 + 1e-3 * want[live].abs().max()), err.max()
