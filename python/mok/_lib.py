@@ -155,7 +155,7 @@ class mokGroupedGemmArgs(ctypes.Structure):
 
 
 class mokGemmBlockScales(ctypes.Structure):
-    _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor)]
+    _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor), ("out", mokTensor)]
 
 
 class mokGroupedWgradArgs(ctypes.Structure):

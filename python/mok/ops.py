@@ -268,14 +268,16 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
 
 def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, block_expert: Tensor,
                    b1: Optional[Tensor] = None, b1_scales: Optional[Tensor] = None, out: Optional[Tensor] = None,
-                   kind: Optional[str] = None) -> Tensor:
+                   kind: Optional[str] = None, *, quantize_out: bool = False, out_scales: Optional[Tensor] = None):
     """The forward kinds of grouped_mm in fp8 with block scales (DeepSeek-V3's recipe,
     docs/precision.md), on CUDA tensors: a [M, K] and b0 / b1 [E, N, K] float8_e4m3fn with fp32
     scales a_scales [K/128, M] (per row and 128 of K, k-block-major) and b*_scales [E, ceil(N/128),
     K/128] (per 128 x 128 block): what mok.fp8.quantize_rows / quantize_blocks return.  Each
     k-block's e4m3 sum is scaled into the fp32 result once; then kind's epilogue as in
     grouped_mm ("down", "gate_up", "gate_up_preact"; default "gate_up" with b1, "down" without),
-    out bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0."""
+    out bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0.
+    quantize_out (gate_up, N % 128 == 0): a = silu(g)·u quantised as mok.fp8.quantize_rows does
+    it, from its fp32 value, for the down kind: returns (out e4m3 [M, N], out_scales [N/128, M])."""
     if kind is None:
         kind = "gate_up" if b1 is not None else "down"
     if kind not in ("down", "gate_up", "gate_up_preact"):
@@ -293,21 +295,31 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
     if two_b:
         _lib.expect_tensor(b1, "b1", _lib.E4M3, ndim=3)
         _lib.expect_tensor(b1_scales, "b1_scales", _lib.FP32, ndim=3)
-    n = b0.shape[1]
+    if quantize_out and kind != "gate_up":
+        raise ValueError(f"quantize_out is for kind 'gate_up' (a for the down kind), not {kind!r}")
+    if out_scales is not None and not quantize_out:
+        raise ValueError("out_scales goes with quantize_out=True")
+    m, n = a.shape[0], b0.shape[1]
+    out_dtype = _lib.E4M3 if quantize_out else _lib.BF16
     if out is None:
-        out = torch.empty(a.shape[0], 2 * n if kind == "gate_up_preact" else n, dtype=torch.bfloat16, device=a.device)
-    _lib.expect_tensor(out, "out", _lib.BF16, ndim=2)
+        out = torch.empty(m, 2 * n if kind == "gate_up_preact" else n, dtype=out_dtype[0], device=a.device)
+    _lib.expect_tensor(out, "out", out_dtype, ndim=2)
+    if quantize_out:
+        if out_scales is None:
+            out_scales = torch.empty(n // 128, m, dtype=torch.float32, device=a.device)
+        _lib.expect_tensor(out_scales, "out_scales", _lib.FP32, ndim=2)
     views = _lib.Views()
     args = _lib.mokGroupedGemmArgs(views(a, "a", _lib.E4M3), views(b0, "b0", _lib.E4M3),
                                    views(b1 if two_b else b0, "b1", _lib.E4M3),
-                                   views(block_expert, "block_expert", _lib.INT32), views(out, "out", _lib.BF16),
+                                   views(block_expert, "block_expert", _lib.INT32), views(out, "out", out_dtype),
                                    _lib.GEMM_KINDS[kind], 0, views(None, "h"), views(None, "row_weight"),
                                    views(None, "wa"), views(None, "dtw_partials"))
     scales = _lib.mokGemmBlockScales(views(a_scales, "a_scales", _lib.FP32), views(b0_scales, "b0_scales", _lib.FP32),
-                                     views(b1_scales if two_b else b0_scales, "b1_scales", _lib.FP32))
+                                     views(b1_scales if two_b else b0_scales, "b1_scales", _lib.FP32),
+                                     views(out_scales, "out_scales", _lib.FP32))
     fn = _lib.symbol("mokGroupedGemmBlockScaled")
     _lib.check(fn(ctypes.byref(args), ctypes.byref(scales), _lib.stream_of(_lib.device_index(a.device))))
-    return out
+    return (out, out_scales) if quantize_out else out
 
 
 def grouped_wgrad(a: Tensor, b: Tensor, expert_offset: Tensor, expert_count: Tensor,

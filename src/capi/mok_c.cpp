@@ -132,6 +132,8 @@ void run_forward(const mokConfig_t& c, const mokForwardArgs_t* args, int64_t P, 
 
 void run_backward(const mokConfig_t& c, const mokBackwardArgs_t* args, int64_t P, const char* what) {
   MOK_CHECK_ARG(args != nullptr, what << " args is NULL");
+  MOK_CHECK_ARG(c.precision != mokPrecisionFP8Block,
+                what << ": config.precision = fp8_block (2) has a forward only so far (docs/precision.md)");
   std::vector<mok::ref::RankInputs> ranks;
   std::vector<const mok::bf16_t*> dys;
   std::vector<mok::ref::RankGrads> grads;
@@ -385,7 +387,18 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
     if (two_b) mok::check_tensor(args->b1, "b1", {mokFloat8E4M3}, {E, N, K}, dev);
     mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {blocks}, dev);
     const bool preact = kind == mokGemmGateUpPreact;
-    mok::check_tensor(args->out, preact ? "out (h)" : "out", {mokBFloat16}, {M, preact ? 2 * N : N}, dev);
+    // gate/up may write a quantised for the down kind: e4m3 out and its scales
+    const bool quantized_out = kind == mokGemmGateUp && args->out.dtype == mokFloat8E4M3;
+    if (quantized_out) {
+      MOK_CHECK_ARG(N % 128 == 0, "N = " << N << " must be a multiple of 128 for an e4m3 out (a scale per 128 channels)");
+      MOK_CHECK_ARG(mok::present(scales->out), "an e4m3 out needs scales->out: [N/128, M] = [" << N / 128 << ", " << M
+                                                                                              << "] float32");
+      mok::check_tensor(args->out, "out", {mokFloat8E4M3}, {M, N}, dev);
+      mok::check_tensor(scales->out, "out_scales", {mokFloat32}, {N / 128, M}, dev);
+    } else {
+      MOK_CHECK_ARG(!mok::present(scales->out), "scales->out is for an e4m3 out of the gate/up kind only");
+      mok::check_tensor(args->out, preact ? "out (h)" : "out", {mokBFloat16}, {M, preact ? 2 * N : N}, dev);
+    }
     mok::check_tensor(scales->a, "a_scales", {mokFloat32}, {k_blocks, M}, dev);
     mok::check_tensor(scales->b0, "b0_scales", {mokFloat32}, {E, n_blocks, k_blocks}, dev);
     if (two_b) mok::check_tensor(scales->b1, "b1_scales", {mokFloat32}, {E, n_blocks, k_blocks}, dev);
@@ -396,6 +409,7 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
     call.a_scales = static_cast<const float*>(scales->a.data);
     call.b0_scales = static_cast<const float*>(scales->b0.data);
     call.b1_scales = static_cast<const float*>((two_b ? scales->b1 : scales->b0).data);
+    if (quantized_out) call.out_scales = static_cast<float*>(scales->out.data);
     mok::cuda::grouped_gemm(call, stream);
   });
 }

@@ -75,6 +75,7 @@ struct GroupedGemmCall {
   const void* h = nullptr; const float* row_weight = nullptr; void* wa = nullptr; float* dtw_partials = nullptr;
   // e4m3 operands with block scales (mokGroupedGemmBlockScaled): all three set, or none
   const float* a_scales = nullptr; const float* b0_scales = nullptr; const float* b1_scales = nullptr;
+  float* out_scales = nullptr;  // gate/up: out is a in e4m3, these its scales (Epilogue::kSwiGLUE4m3)
 };
 void grouped_gemm(const GroupedGemmCall& call, void* stream);
 

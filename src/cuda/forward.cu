@@ -481,7 +481,13 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   if (call.a_scales != nullptr) {
     // e4m3 with block scales (PrecisionE4m3Block): 128 x 128 tiles, or 128 x 256 under the
     // measuring knob
-    g = gemm::with_tile_n(g, env::get_int(env::kTmpFp8Tile) == 256 ? 256 : 128);
+    // (an e4m3 out, a quantised per 128 channels: 128 x 256, whose gate half is one block)
+    const bool quantized_out = call.out_scales != nullptr;
+    g = gemm::with_tile_n(g, quantized_out || env::get_int(env::kTmpFp8Tile) == 256 ? 256 : 128);
+    if (quantized_out) {
+      g.epilogue = static_cast<int32_t>(gemm::Epilogue::kSwiGLUE4m3);
+      g.out_scales = call.out_scales;
+    }
     g.operand_bytes = 1;
     g.a_scales = call.a_scales;
     g.b0_scales = call.b0_scales;

@@ -38,6 +38,52 @@ void to_float(const bf16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
+constexpr int64_t kFp8Block = 128;  // fp8_block: the scales' blocks (1 x 128, 128 x 128)
+
+// A [rows, cols] matrix quantised in 128 x 128 blocks (rows, cols multiples of 128): values
+// q [rows, cols] and scales s [rows / 128, cols / 128]
+struct BlockQuantized {
+  std::vector<float> q, s;
+  int64_t cols = 0;
+  const float* row(int64_t r) const { return q.data() + r * cols; }
+  float scale(int64_t r, int64_t kb) const { return s[static_cast<size_t>((r / kFp8Block) * (cols / kFp8Block) + kb)]; }
+};
+BlockQuantized quantize_matrix(const bf16_t* m, int64_t rows, int64_t cols, int64_t ld) {
+  BlockQuantized out;
+  out.cols = cols;
+  out.q.resize(static_cast<size_t>(rows * cols));
+  out.s.resize(static_cast<size_t>((rows / kFp8Block) * (cols / kFp8Block)));
+  std::vector<float> block(static_cast<size_t>(kFp8Block * kFp8Block)), qb(block.size());
+  for (int64_t rb = 0; rb < rows / kFp8Block; ++rb)
+    for (int64_t cb = 0; cb < cols / kFp8Block; ++cb) {
+      for (int64_t r = 0; r < kFp8Block; ++r)
+        to_float(m + (rb * kFp8Block + r) * ld + cb * kFp8Block, &block[static_cast<size_t>(r * kFp8Block)], kFp8Block);
+      out.s[static_cast<size_t>(rb * (cols / kFp8Block) + cb)] = quantize_block(block.data(), qb.data(), kFp8Block * kFp8Block);
+      for (int64_t r = 0; r < kFp8Block; ++r)
+        std::memcpy(&out.q[static_cast<size_t>((rb * kFp8Block + r) * cols + cb * kFp8Block)],
+                    &qb[static_cast<size_t>(r * kFp8Block)], sizeof(float) * kFp8Block);
+    }
+  return out;
+}
+
+// Row vector v [n] (n % 128 == 0) quantised per 128: values q, scales s [n / 128]
+void quantize_row(const float* v, int64_t n, float* q, float* s) {
+  for (int64_t kb = 0; kb < n / kFp8Block; ++kb) s[kb] = quantize_block(v + kb * kFp8Block, q + kb * kFp8Block, kFp8Block);
+}
+
+// Σ over k-blocks of fma(the k-block's e4m3 dot product (fixed order, fp32), sa[kb] · sb, acc):
+// one output of a block-scaled GEMM (row r of b's matrix)
+float dot_block_scaled(const float* qa, const float* sa, const BlockQuantized& b, int64_t r, int64_t n) {
+  float acc = 0.0f;
+  const float* qb = b.row(r);
+  for (int64_t kb = 0; kb < n / kFp8Block; ++kb) {
+    const float part = dot_lanes([qa, kb](int64_t i) { return qa[kb * kFp8Block + i]; },
+                                 [qb, kb](int64_t i) { return qb[kb * kFp8Block + i]; }, kFp8Block);
+    acc = std::fma(part, sa[kb] * b.scale(r, kb), acc);
+  }
+  return acc;
+}
+
 // One expert's weights as row-major matrices: gate/up [I, H], down [H, I], rows *_ld elements
 // apart (column-major weights are read through row-major copies in `packed`).
 struct Expert {
@@ -171,6 +217,44 @@ void expert_forward(const Expert& ex, const std::vector<Row>& rows, const std::v
         out[h] = float_to_bf16(dot_f_bf(af.data(), ex.down + h * ex.down_ld, inter));
     }
   });
+}
+
+// The same in fp8_block (docs/precision.md): the row's x quantised per 128 of H, the weights
+// per 128 x 128 block, g and u block-scaled, a = silu(g) · u in fp32 quantised per 128 of I,
+// the output row block-scaled and rounded to bf16 once.
+template <typename Dst>
+void expert_forward_fp8(const Expert& ex, const std::vector<Row>& rows, const std::vector<RankInputs>& ranks,
+                        int64_t hidden, Dst dst, int num_threads) {
+  const int64_t inter = ex.inter;
+  if (rows.empty()) return;
+  const BlockQuantized gate = quantize_matrix(ex.gate, inter, hidden, ex.gate_ld),
+                       up = quantize_matrix(ex.up, inter, hidden, ex.up_ld),
+                       down = quantize_matrix(ex.down, hidden, inter, ex.down_ld);
+  parallel_for(static_cast<int64_t>(rows.size()), num_threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(static_cast<size_t>(hidden)), qx(xf.size()), sx(static_cast<size_t>(hidden / kFp8Block));
+    std::vector<float> af(static_cast<size_t>(inter)), qa(af.size()), sa(static_cast<size_t>(inter / kFp8Block));
+    for (int64_t ri = begin; ri < end; ++ri) {
+      const Row& row = rows[static_cast<size_t>(ri)];
+      to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf.data(), hidden);
+      quantize_row(xf.data(), hidden, qx.data(), sx.data());
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = dot_block_scaled(qx.data(), sx.data(), gate, i, hidden);
+        const float u = dot_block_scaled(qx.data(), sx.data(), up, i, hidden);
+        af[static_cast<size_t>(i)] = silu(g) * u;
+      }
+      quantize_row(af.data(), inter, qa.data(), sa.data());
+      bf16_t* out = dst(row);
+      for (int64_t h = 0; h < hidden; ++h) out[h] = float_to_bf16(dot_block_scaled(qa.data(), sa.data(), down, h, inter));
+    }
+  });
+}
+
+// The expert's forward in the layer's precision
+template <typename Dst>
+void expert_forward_in(const LayerDims& d, const Expert& ex, const std::vector<Row>& rows,
+                       const std::vector<RankInputs>& ranks, Dst dst, int num_threads) {
+  if (d.fp8_block) expert_forward_fp8(ex, rows, ranks, d.hidden, dst, num_threads);
+  else expert_forward(ex, rows, ranks, d.hidden, dst, num_threads);
 }
 
 bool route_ok(const plan::RoutingView& v, int s, int64_t t, int j) {
@@ -332,6 +416,27 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
 
 }  // namespace
 
+float e4m3_round(float v) {
+  if (std::isnan(v)) return v;
+  const float a = std::fabs(v);
+  if (a >= 448.0f) return std::copysign(448.0f, v);
+  if (a == 0.0f) return v;
+  int e = 0;
+  std::frexp(a, &e);                                    // a in [2^(e-1), 2^e)
+  const int binade = e - 1 < -6 ? -6 : e - 1;           // subnormals: 2^-6's spacing
+  const float step = std::ldexp(1.0f, binade - 3);      // three mantissa bits
+  const float q = std::nearbyint(a / step) * step;      // ties to even (the default rounding mode)
+  return std::copysign(q < 448.0f ? q : 448.0f, v);
+}
+
+float quantize_block(const float* v, float* q, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+  const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+  for (int64_t i = 0; i < n; ++i) q[i] = e4m3_round(v[i] / s);
+  return s;
+}
+
 float dot_fixed(const float* a, const float* b, int64_t n) {
   return dot_lanes([a](int64_t i) { return a[i]; }, [b](int64_t i) { return b[i]; }, n);
 }
@@ -352,20 +457,20 @@ void forward(const LayerDims& d, const std::vector<RankInputs>& ranks, const std
     const auto rows = expert_rows(d, ranks, v, static_cast<int>(r));
     for (int64_t e = 0; e < d.local_experts(); ++e) {
       const Expert ex = expert_of(ranks[static_cast<size_t>(r)], d, e, false);
-      expert_forward(ex, rows[static_cast<size_t>(e)], ranks, H,
-                     [&](const Row& row) {
-                       return &slots[static_cast<size_t>(row.rank)][static_cast<size_t>((row.token * k + row.slot) * H)];
-                     },
-                     num_threads);
+      expert_forward_in(d, ex, rows[static_cast<size_t>(e)], ranks,
+                        [&](const Row& row) {
+                          return &slots[static_cast<size_t>(row.rank)][static_cast<size_t>((row.token * k + row.slot) * H)];
+                        },
+                        num_threads);
     }
   }
   for (int64_t s = 0; s < P; ++s) {
     if (d.shared_intermediate <= 0) break;
     const RankInputs& rk = ranks[static_cast<size_t>(s)];
     const Expert ex = expert_of(rk, d, 0, true);
-    expert_forward(ex, shared_rows(rk, static_cast<int>(s)), ranks, H,
-                   [&](const Row& row) { return &shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },
-                   num_threads);
+    expert_forward_in(d, ex, shared_rows(rk, static_cast<int>(s)), ranks,
+                      [&](const Row& row) { return &shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },
+                      num_threads);
   }
   // Home reduction: ascending j, shared last, one rounding.
   for (int64_t s = 0; s < P; ++s) {

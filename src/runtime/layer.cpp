@@ -53,6 +53,7 @@ ref::LayerDims layer_dims(const mokConfig_t& c) {
   d.num_experts = c.num_experts;
   d.topk = c.topk;
   d.ep_size = c.ep_size;
+  d.fp8_block = c.precision == mokPrecisionFP8Block;
   return d;
 }
 
@@ -63,8 +64,16 @@ void check_config(const mokConfig_t& c) {
                 "config.shared_intermediate = " << c.shared_intermediate << " must be >= 0 (0 = none)");
   MOK_CHECK_ARG(c.ep_size >= 1 && c.ep_size <= kMaxRanks && c.ep_rank >= 0 && c.ep_rank < c.ep_size,
                 "config.ep_size = " << c.ep_size << ", ep_rank = " << c.ep_rank);
-  MOK_CHECK_ARG(c.precision == mokPrecisionBF16,
-                "config.precision = " << c.precision << ": only bf16 (0) is implemented in this build");
+  MOK_CHECK_ARG(c.precision == mokPrecisionBF16 || c.precision == mokPrecisionFP8Block,
+                "config.precision = " << c.precision << ": bf16 (0) and fp8_block (2) are implemented, not mxfp8 (1)");
+  if (c.precision == mokPrecisionFP8Block) {
+    MOK_CHECK_ARG(c.device < 0, "config.precision = fp8_block (2): the CPU reference runs it (the forward); the CUDA "
+                                "kernels do not yet (docs/precision.md)");
+    MOK_CHECK_ARG(c.hidden % 128 == 0 && c.intermediate % 128 == 0 && c.shared_intermediate % 128 == 0,
+                  "config.precision = fp8_block (2): hidden = " << c.hidden << ", intermediate = " << c.intermediate
+                                                                << " and shared_intermediate = " << c.shared_intermediate
+                                                                << " must be multiples of 128 (the scales' blocks)");
+  }
   MOK_CHECK_ARG(c.timeout_s > 0, "config.timeout_s = " << c.timeout_s << " must be positive");
   MOK_CHECK_ARG(c.fwd_num_comm_sms >= 0 && c.bwd_num_comm_sms >= 0, "num_comm_sms must be >= 0");
   MOK_CHECK_ARG(c.num_blocks >= 0, "config.num_blocks = " << c.num_blocks << " must be >= 0 (0 = one block per SM)");

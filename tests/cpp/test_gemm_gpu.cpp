@@ -458,6 +458,105 @@ TEST(GemmGpu, E4m3BlockScaledGateUp) {
   check_e4m3_block_scaled(true, 256);
 }
 
+// The gate/up kind writing a in e4m3 for the down kind (Epilogue::kSwiGLUE4m3, 128 x 256 tiles):
+// against the recipe on the host (g and u bit for bit as above; silu with the host's exp, so a
+// within a few ulp): each (row, 128 channels) block's scale is its max |a| / 448, its largest
+// value lands on 448 exactly, every value on a / scale rounded to e4m3; the -1 block's rows keep
+// their poison; twice bitwise.
+TEST(GemmGpu, E4m3BlockScaledGateUpQuantisesA) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t E = 2, K = 384, N = 384;  // I = N: three scale blocks, one partial 256-wide tile pair
+  const std::vector<int32_t> blk = {1, -1, 0, 1};
+  const int64_t M = static_cast<int64_t>(blk.size()) * 128, KB = K / 128, NB = N / 128;
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_real_distribution<float> scale(0.25f, 4.0f);
+  std::vector<uint8_t> a, b0, b1;
+  std::vector<float> av, b0v, b1v;
+  fill_e4m3_quarters(rng, static_cast<size_t>(M * K), &a, &av);
+  fill_e4m3_quarters(rng, static_cast<size_t>(E * N * K), &b0, &b0v);
+  fill_e4m3_quarters(rng, static_cast<size_t>(E * N * K), &b1, &b1v);
+  auto scales = [&](size_t count) {
+    std::vector<float> v(count);
+    for (auto& x : v) x = scale(rng) / 64.0f;  // |a| around 1: e4m3's normal range
+    return v;
+  };
+  const std::vector<float> sa = scales(static_cast<size_t>(KB * M)), sb0 = scales(static_cast<size_t>(E * NB * KB)),
+                           sb1 = scales(static_cast<size_t>(E * NB * KB));
+  DeviceBuffer da(a), db0(b0), db1(b1), dblk(blk), dsa(sa), dsb0(sb0), dsb1(sb1);
+  DeviceBuffer dq(static_cast<size_t>(M * N)), dq2(static_cast<size_t>(M * N)), ds(static_cast<size_t>(NB * M) * 4),
+      ds2(static_cast<size_t>(NB * M) * 4);
+  std::vector<std::vector<uint8_t>> q;
+  std::vector<std::vector<float>> sc;
+  for (auto [out, out_s] : {std::pair{&dq, &ds}, std::pair{&dq2, &ds2}}) {
+    gemm::GroupedGemmArgs g = gemm::with_tile_n(
+        gemm::gate_up_args(da.ptr, M, K, db0.ptr, db1.ptr, E, N, static_cast<const int32_t*>(dblk.ptr),
+                           static_cast<int32_t>(blk.size()), out->ptr),
+        256);
+    g.operand_bytes = 1;
+    g.epilogue = static_cast<int32_t>(gemm::Epilogue::kSwiGLUE4m3);
+    g.a_scales = static_cast<const float*>(dsa.ptr);
+    g.b0_scales = static_cast<const float*>(dsb0.ptr);
+    g.b1_scales = static_cast<const float*>(dsb1.ptr);
+    g.out_scales = static_cast<float*>(out_s->ptr);
+    try {
+      gemm::launch_grouped_gemm(g, nullptr);
+    } catch (const std::exception& e) {
+      FAIL() << e.what();
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    q.push_back(out->get<uint8_t>());
+    sc.push_back(out_s->get<float>());
+  }
+  EXPECT_EQ(q[0], q[1]) << "not bitwise reproducible";
+  EXPECT_EQ(sc[0], sc[1]) << "not bitwise reproducible";
+  auto recipe = [&](int64_t r, int e, int64_t n, const std::vector<float>& bv, const std::vector<float>& sb) {
+    float acc = 0.0f;
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      double part = 0;
+      for (int64_t k = kb * 128; k < kb * 128 + 128; ++k)
+        part += static_cast<double>(av[static_cast<size_t>(r * K + k)]) * bv[static_cast<size_t>((e * N + n) * K + k)];
+      acc = std::fma(static_cast<float>(part), sa[static_cast<size_t>(kb * M + r)] *
+                                                   sb[static_cast<size_t>((e * NB + n / 128) * KB + kb)], acc);
+    }
+    return acc;
+  };
+  int64_t bad_scale = 0, bad_value = 0, bad_max = 0, written = 0, blocks = 0;
+  for (int64_t r = 0; r < M; ++r) {
+    const int e = blk[static_cast<size_t>(r / 128)];
+    for (int64_t nb = 0; nb < NB; ++nb) {
+      if (e < 0) {
+        for (int64_t c = nb * 128; c < nb * 128 + 128; ++c) written += q[0][static_cast<size_t>(r * N + c)] != 0xFF;
+        continue;
+      }
+      std::vector<double> want(128);
+      double amax = 0;
+      for (int64_t c = 0; c < 128; ++c) {
+        const double g = recipe(r, e, nb * 128 + c, b0v, sb0), u = recipe(r, e, nb * 128 + c, b1v, sb1);
+        want[static_cast<size_t>(c)] = g / (1.0 + std::exp(-g)) * u;
+        amax = std::max(amax, std::abs(want[static_cast<size_t>(c)]));
+      }
+      const float s = sc[0][static_cast<size_t>(nb * M + r)];
+      ++blocks;
+      bad_scale += !(std::abs(s - amax / 448.0) <= 1e-5 * amax / 448.0 + 1e-30);
+      float qmax = 0;
+      for (int64_t c = 0; c < 128; ++c) {
+        __nv_fp8_e4m3 v;
+        v.__x = q[0][static_cast<size_t>(r * N + nb * 128 + c)];
+        const float qv = static_cast<float>(v);
+        qmax = std::max(qmax, std::abs(qv));
+        const double w = want[static_cast<size_t>(c)];
+        bad_value += !(std::abs(qv * static_cast<double>(s) - w) <= std::abs(w) * 0.07 + s * 0.002);
+      }
+      bad_max += amax > 0 && qmax != 448.0f;
+    }
+  }
+  EXPECT_GT(blocks, 0);
+  EXPECT_EQ(bad_scale, 0) << "scales not max |a| / 448";
+  EXPECT_EQ(bad_value, 0) << "values not a / scale in e4m3";
+  EXPECT_EQ(bad_max, 0) << "blocks whose largest value is not 448";
+  EXPECT_EQ(written, 0) << "bytes of the -1 block written";
+}
+
 // Block scales are all three or none, and A's rows a multiple of 4 (its scales' TMA rows)
 TEST(GemmGpu, E4m3BlockScalesChecked) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";

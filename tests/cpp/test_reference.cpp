@@ -2,6 +2,7 @@
 // EP=P emulation equals EP=1 per token, thread-count and batch invariance, main_grad.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "ref/reference.hpp"
@@ -377,6 +378,36 @@ TEST(Reference, MainGradAccumulates) {
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(main_gate[i], before_gate[i] + zero_gate[i]) << i;
   for (size_t i = 0; i < main_sdown.size(); ++i) ASSERT_EQ(main_sdown[i], before_sdown[i] + zero_sdown[i]) << i;
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(g1[i], float_to_bf16(zero_gate[i])) << "bf16 grad is the rounded fp32 one";
+}
+
+// fp8_block's rounding (docs/precision.md): every e4m3 value maps to itself, a point halfway
+// between two neighbours to the one with an even mantissa, anything past 448 to 448, the sign kept.
+TEST(Reference, E4m3RoundingIsNearestEvenSaturating) {
+  std::vector<float> values;  // the non-negative e4m3 values, ascending
+  for (int m = 0; m < 8; ++m) values.push_back(std::ldexp(static_cast<float>(m) / 8.0f, -6));  // subnormals
+  for (int e = -6; e <= 8; ++e)
+    for (int m = 0; m < 8; ++m)
+      if (!(e == 8 && m == 7)) values.push_back(std::ldexp(1.0f + static_cast<float>(m) / 8.0f, e));  // 480: not in e4m3fn
+  ASSERT_EQ(values.back(), 448.0f);
+  for (size_t i = 0; i < values.size(); ++i) {
+    EXPECT_EQ(ref::e4m3_round(values[i]), values[i]);
+    EXPECT_EQ(ref::e4m3_round(-values[i]), -values[i]);
+    if (i + 1 == values.size()) break;
+    const float lo = values[i], hi = values[i + 1], mid = (lo + hi) / 2;
+    const bool lo_even = i % 2 == 0;  // mantissas alternate even, odd along the ascending list
+    EXPECT_EQ(ref::e4m3_round(mid), lo_even ? lo : hi) << "halfway between " << lo << " and " << hi;
+    EXPECT_EQ(ref::e4m3_round(std::nextafter(mid, lo)), lo);
+    EXPECT_EQ(ref::e4m3_round(std::nextafter(mid, hi)), hi);
+  }
+  EXPECT_EQ(ref::e4m3_round(463.9f), 448.0f);
+  EXPECT_EQ(ref::e4m3_round(1e6f), 448.0f);
+  EXPECT_EQ(ref::e4m3_round(-1e6f), -448.0f);
+  // a block's scale maps its largest value to 448
+  std::vector<float> v = {0.5f, -3.0f, 1.25f, 0.0f}, q(4);
+  EXPECT_EQ(ref::quantize_block(v.data(), q.data(), 4), 3.0f / 448.0f);
+  EXPECT_EQ(q[1], -448.0f);
+  std::vector<float> zeros(4, 0.0f);
+  EXPECT_EQ(ref::quantize_block(zeros.data(), q.data(), 4), 1.0f);
 }
 
 }  // namespace

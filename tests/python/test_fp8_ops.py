@@ -42,6 +42,13 @@ def test_arguments_are_checked_before_the_device():
         ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, b1=qb1, b1_scales=sb1[:, :, :1].contiguous())
     with pytest.raises(ValueError, match="on the CPU"):
         ops.grouped_mm_fp8(qa, sa, qb0, sb0, be)
+    with pytest.raises(ValueError, match="quantize_out is for kind 'gate_up'"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, quantize_out=True)
+    with pytest.raises(ValueError, match="out must be float8_e4m3fn"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=torch.empty(256, 128, dtype=torch.bfloat16),
+                           quantize_out=True)
+    with pytest.raises(ValueError, match=r"out_scales has shape \[2, 256\], expected \[1, 256\]"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, quantize_out=True, out_scales=torch.empty(2, 256))
 
 
 def _run(kind, tile, monkeypatch, E=3, N=320, K=512, blocks=(2, 0, 1, -1, 2)):
@@ -100,3 +107,38 @@ def test_against_the_float64_recipe(kind, tile, monkeypatch):
     err = (got[live] - want[live]).abs()
     # bf16 output rounding, and the tensor cores' fp8 sums within a k-block
     assert torch.all(err <= want[live].abs() * 2.0 ** -7 + 1e-3 * want[live].abs().max()), err.max()
+
+
+@gpu
+@lib_has_it
+def test_gate_up_writes_a_quantised_for_down():
+    # a = silu(g)·u quantised per row and 128 channels in the epilogue: against mok.fp8's
+    # quantiser applied to the float64 oracle's a (the kernel's a is its fp32 value, so within
+    # a few ulp: each block's scale within 1e-5, its largest value on 448, every value within
+    # e4m3's rounding), the -1 block untouched, and its output usable as the down kind's A
+    E, N, K, blocks = 2, 256, 384, [1, -1, 0]
+    qa, sa, qb0, sb0, be, qb1, sb1 = _problem(E, N, K, blocks, "cuda", True, seed=3)
+    M = 128 * len(blocks)
+    poison = torch.full((M, N), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    q, s = ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=poison.clone(), quantize_out=True)
+    q2, s2 = ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=poison.clone(), quantize_out=True)
+    live = torch.tensor(blocks).repeat_interleave(128) >= 0
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s[:, live.cuda()], s2[:, live.cuda()])
+    assert torch.isnan(q[~live.cuda()].float()).all(), "the -1 block's rows were written"
+    want = torch.zeros(M, N, dtype=torch.float64)
+    for i, e in enumerate(blocks):
+        if e < 0:
+            continue
+        rows = slice(128 * i, 128 * i + 128)
+        g = fp8.block_scaled_mm_reference(qa[rows].cpu(), sa[:, rows].cpu(), qb0[e].cpu(), sb0[e].cpu())
+        u = fp8.block_scaled_mm_reference(qa[rows].cpu(), sa[:, rows].cpu(), qb1[e].cpu(), sb1[e].cpu())
+        want[rows] = torch.nn.functional.silu(g) * u
+    amax = want[live].reshape(-1, N // 128, 128).abs().amax(-1).t()  # [N/128, live rows]
+    got_s = s[:, live.cuda()].double().cpu()
+    assert torch.all((got_s - amax / fp8.E4M3_MAX).abs() <= 1e-5 * amax / fp8.E4M3_MAX)
+    qf = q[live.cuda()].float().cpu().reshape(-1, N // 128, 128)
+    assert torch.all(qf.abs().amax(-1) == fp8.E4M3_MAX)
+    deq = (qf.double() * got_s.t().unsqueeze(-1)).reshape(-1, N)
+    w = want[live]
+    step = got_s.t().repeat_interleave(128, dim=1)
+    assert torch.all((deq - w).abs() <= w.abs() * 0.07 + step * 0.002)

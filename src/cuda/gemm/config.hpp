@@ -75,6 +75,8 @@ enum class Epilogue : int32_t {
   kScatter = 2,  // out[token*k + j, col] = bf16(acc) for the plan row's (token, j); padding skipped
   kDgradSwiGLU = 3,  // dgrad down: out = dh = [dg | du] from da = acc and h (epilogue_bwd.cuh); wa, partials
   kGateUpPreact = 4,  // gate/up without the SwiGLU: out = h = [bf16(g) | bf16(u)], g at ch, u at out_ld/2 + ch
+  kSwiGLUE4m3 = 5,    // block-scaled 128 x 256 gate/up: a = silu(gate) * up quantised per row and 128 channels
+                      // (tile.cuh epilogue_swiglu_e4m3): out e4m3 [rows, I], out_scales [I/128, rows]
 };
 
 // Tiles of `tile` covering n (model dimensions are multiples of 64, tiles 128 or 256 wide:

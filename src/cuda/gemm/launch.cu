@@ -190,6 +190,8 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     p.sb1 = g.b1_scales;
     p.sb_rows_per_expert = static_cast<int32_t>(tiles_of(g.b_rows_per_expert, 128));
     p.sb_k = static_cast<int32_t>(k_blocks);
+    p.out_scales = g.out_scales;
+    p.out_scales_ld = g.out_rows;
   }
   constexpr size_t smem = kStageStorageBytesT<T, Prec> + 1024;  // + alignment slack
   static_assert(smem <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
@@ -280,6 +282,15 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     MOK_CHECK_ARG(g.tile_n == 128 || (scales == 3 && g.tile_n == 256),
                   "grouped GEMM (e4m3): tile N = " << g.tile_n
                                                    << "; e4m3 runs 128 x 128 tiles, and 128 x 256 with block scales (with_tile_n)");
+    if (g.epilogue == static_cast<int32_t>(Epilogue::kSwiGLUE4m3)) {
+      MOK_CHECK_ARG(scales == 3 && g.tile_n == 256 && g.out_scales != nullptr,
+                    "grouped GEMM (e4m3 SwiGLU quantised): needs the block scales, tile N = 256 and out_scales");
+      MOK_CHECK_ARG(g.out_ld % 128 == 0 && (reinterpret_cast<uintptr_t>(g.out) & 1u) == 0 &&
+                        (reinterpret_cast<uintptr_t>(g.out_scales) & 3u) == 0,
+                    "grouped GEMM (e4m3 SwiGLU quantised): I = " << g.out_ld
+                                                                 << " must be a multiple of 128 (a scale block), out "
+                                                                    "2-byte and out_scales 4-byte aligned");
+    }
     if (scales == 3) {
       MOK_CHECK_ARG(g.a_rows % 4 == 0 && aligned16(g.a_scales),
                     "grouped GEMM (e4m3 block scales): a_scales [K/128, a_rows] needs a_rows % 4 == 0 (a_rows = "

@@ -55,6 +55,10 @@ struct GroupedGemmArgs {
   const float* a_scales = nullptr;
   const float* b0_scales = nullptr;
   const float* b1_scales = nullptr;
+  // Epilogue::kSwiGLUE4m3 (block-scaled gate/up at tile N 256, I % 128 == 0): out is a in e4m3
+  // [a_rows, I] and out_scales its scales [I / 128, out_rows] fp32 (per row and 128 channels,
+  // k-block-major: the down kind's a_scales)
+  float* out_scales = nullptr;
   // Epilogue::kDgradSwiGLU (dgrad_down_swiglu_args): out is dh [a_rows, 2I]; these as in
   // gemm/epilogue_bwd.cuh, row r of each at row r of a.
   const void* h = nullptr;             // [a_rows, 2I] bf16

@@ -345,9 +345,9 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineSta
 // scales of the k-block's two B halves' 128 x 128 blocks (.x the first half's columns, .y the
 // second's).  So the fp8 MMAs' sum, kept to a partial of 128 products, is promoted once per
 // k-block; one partial of 64 registers serves the parts in turn.  acc starts at zero.  Each
-// warp releases the stage after reading its scales (the stage's barrier counts a release a
-// warp: StageStorageT::kReleases) and its last part's MMAs.  NOTES: a partial is waited for
-// before its promotion (wgmma.wait 0): the other warpgroup's MMAs run meanwhile.
+// warp releases the stage after its last part's promotion (the stage's barrier counts a
+// release a warp: StageStorageT::kReleases).  NOTES: a partial is waited for before its
+// promotion (wgmma.wait 0): the other warpgroup's MMAs run meanwhile.
 template <class T, class P, class ScaleB>
 __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                                           int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
@@ -377,7 +377,6 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(part);
-      if (q == kParts - 1 && warp_leader) s.pipe.consumer_release(stage.index);
 #pragma unroll
       for (int j = 0; j < kPartRegs / 4; ++j) {
         // columns 128 q + 8 j .. + 7 of the tile: B half (128 q + 8 j) / kHalfCols
@@ -390,6 +389,10 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
         a[3] = fmaf(part[j * 4 + 3], hi, a[3]);
       }
     }
+    // The stage is free once the last part's MMAs retired and the warp's scale loads were
+    // used (a register dependency, besides the arrival's release order)
+    ptx::fence_regs(acc);
+    if (warp_leader) s.pipe.consumer_release(stage.index);
     sb = sb_next;
     stage.advance();
   }
@@ -461,6 +464,48 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
       const float u0 = acc[(n8 + kHalfBlocks) * 4 + half * 2], u1 = acc[(n8 + kHalfBlocks) * 4 + half * 2 + 1];
       return pack_bf16x2(silu(g0) * u0, silu(g1) * u1);
     });
+  }
+}
+
+// The SwiGLU quantised for the down GEMM (Epilogue::kSwiGLUE4m3; block-scaled 128 x 256 tiles,
+// whose gate half is one scale block of 128 channels): a = silu(gate) · up in fp32; per row, s =
+// max |a| over the tile's channels / 448 (1 when 0), out[row0 + r, ch0 + c] = e4m3(a / s)
+// (round to nearest even, saturating) and scales[(ch0 / 128) · scales_ld + row0 + r] = s, for
+// rows below rows_limit: mok.fp8.quantize_rows of the fp32 a, bit for bit, and the down kind's
+// A scales as they are read (k-block-major).  out rows ld bytes apart (ld = I, I % 128 == 0).
+template <int kRegs>
+__device__ __forceinline__ void epilogue_swiglu_e4m3(const float (&acc)[kRegs], int consumer, uint8_t* out,
+                                                     int64_t ld, int64_t row0, int64_t rows_limit, int64_t ch0,
+                                                     float* scales, int64_t scales_ld) {
+  constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
+  static_assert(kHalfBlocks * 8 == 128, "the gate half of the tile is one scale block of 128 channels");
+  const int quad_lane = threadIdx.x % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + fragment_row(consumer, half);
+    float a[2 * kHalfBlocks];
+    float amax = 0.0f;
+#pragma unroll
+    for (int n8 = 0; n8 < kHalfBlocks; ++n8) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        a[2 * n8 + e] = silu(acc[n8 * 4 + half * 2 + e]) * acc[(n8 + kHalfBlocks) * 4 + half * 2 + e];
+        amax = fmaxf(amax, fabsf(a[2 * n8 + e]));
+      }
+    }
+    // The row's 128 channels are in the four lanes of its quad
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    if (row >= rows_limit) continue;
+    uint8_t* const dst = out + row * ld + ch0 + quad_lane * 2;
+#pragma unroll
+    for (int n8 = 0; n8 < kHalfBlocks; ++n8) {
+      const __nv_fp8x2_storage_t q =
+          __nv_cvt_float2_to_fp8x2(make_float2(a[2 * n8] / s, a[2 * n8 + 1] / s), __NV_SATFINITE, __NV_E4M3);
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + n8 * 8) = q;
+    }
+    if (quad_lane == 0) scales[(ch0 / 128) * scales_ld + row] = s;
   }
 }
 
