@@ -208,6 +208,10 @@ def gemm_fp8(args, H, I, k, E, T):
                 ref = out.clone()
             elif not torch.equal(out, ref):
                 raise SystemExit(f"fp8 {name}: variant {vname} differs from {next(iter(knobs))}")
+    # What a separate quantisation pass costs (mok.fp8's torch quantisers; the layer will
+    # quantise inside its kernels instead): x [M, H] and a [M, I] per row and 128 channels
+    variants["torch quantise x rows"] = lambda: fp8.quantize_rows(x)
+    variants["torch quantise a rows"] = lambda: fp8.quantize_rows(act)
     if hasattr(torch, "_scaled_grouped_mm"):
         # rowwise: a scale per row of the activations and per output column of each expert
         def rowwise(t):
@@ -249,6 +253,8 @@ def gemm_fp8(args, H, I, k, E, T):
                 t = ms[f"torch rowwise fp8 {name}"]
                 line += f"  torch rowwise fp8 {t:.3f} ms (torch/mok {t / m8:.2f})"
             print(line)
+    print(f"  separate quantisation passes (torch): x {ms['torch quantise x rows']:.3f} ms, "
+          f"a {ms['torch quantise a rows']:.3f} ms")
 
 
 def backward_rows(args, H, I, k, E, T):
