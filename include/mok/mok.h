@@ -383,6 +383,12 @@ typedef struct mokGemmBlockScales_t {
 MOK_API mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
                                               void* stream);
 MOK_API mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream);
+/* fp8_block's activation quantiser: x [M, K] bfloat16 (K % 128 == 0) -> q [M, K] float8_e4m3fn
+ * and scales [K/128, M] float32 (per row and 128 of K, k-block-major: mokGroupedGemmBlockScaled's
+ * a_scales); scale = max |x| / 448 (1 for a block of zeros), q = x / scale rounded to nearest
+ * even, saturating (docs/precision.md).  CUDA tensors, contiguous. */
+MOK_API mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, const mokTensor_t* scales,
+                                        void* stream);
 
 /* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)
  * gets its size in bytes, 0 when the workspace records none (MOK_TRACE unset at creation);

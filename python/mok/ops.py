@@ -322,6 +322,23 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
     return (out, out_scales) if quantize_out else out
 
 
+def quantize_rows_fp8(x: Tensor, q: Optional[Tensor] = None, scales: Optional[Tensor] = None):
+    """mok.fp8.quantize_rows on the GPU, one kernel (the quantiser the gathers will run on the
+    rows they copy): x [M, K] bf16 (K % 128 == 0) -> (q [M, K] float8_e4m3fn, scales [K/128, M]
+    fp32), bit for bit the same."""
+    _lib.expect_tensor(x, "x", _lib.BF16, ndim=2)
+    m, k = x.shape
+    if q is None:
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if scales is None:
+        scales = torch.empty(k // 128 if k % 128 == 0 else 0, m, dtype=torch.float32, device=x.device)
+    views = _lib.Views()
+    vx, vq, vs = views(x, "x", _lib.BF16), views(q, "q", _lib.E4M3), views(scales, "scales", _lib.FP32)
+    fn = _lib.symbol("mokQuantizeRowsE4m3")
+    _lib.check(fn(ctypes.byref(vx), ctypes.byref(vq), ctypes.byref(vs), _lib.stream_of(_lib.device_index(x.device))))
+    return q, scales
+
+
 def grouped_wgrad(a: Tensor, b: Tensor, expert_offset: Tensor, expert_count: Tensor,
                   out: Optional[Tensor] = None, acc: Optional[Tensor] = None, main_grad: Optional[Tensor] = None,
                   accumulate: bool = False, store_acc: bool = False) -> Optional[Tensor]:

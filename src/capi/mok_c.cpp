@@ -414,6 +414,21 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
   });
 }
 
+mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, const mokTensor_t* scales, void* stream) {
+  return guarded("mokQuantizeRowsE4m3", [&] {
+    MOK_CHECK_ARG(x != nullptr && q != nullptr && scales != nullptr, "x, q or scales is NULL");
+    MOK_CHECK_ARG(x->ndim == 2, "x must be [M, K]");
+    const int64_t M = x->shape[0], K = x->shape[1];
+    const int32_t dev = x->device;
+    MOK_CHECK_ARG(K > 0 && K % 128 == 0, "K = " << K << " must be a positive multiple of 128 (a scale per 128)");
+    mok::check_tensor(*x, "x", {mokBFloat16}, {M, K}, dev);
+    mok::check_tensor(*q, "q", {mokFloat8E4M3}, {M, K}, dev);
+    mok::check_tensor(*scales, "scales", {mokFloat32}, {K / 128, M}, dev);
+    MOK_CHECK_ARG(dev >= 0, "x is on the CPU; mokQuantizeRowsE4m3 runs on CUDA tensors (mok.fp8.quantize_rows on the CPU)");
+    mok::cuda::quantize_rows(x->data, q->data, static_cast<float*>(scales->data), M, K, stream);
+  });
+}
+
 mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream) {
   return guarded("mokGroupedWgrad", [&] {
     MOK_CHECK_ARG(args != nullptr, "args is NULL");

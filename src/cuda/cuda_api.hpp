@@ -87,6 +87,9 @@ struct GroupedWgradCall {
 };
 void grouped_wgrad(const GroupedWgradCall& call, void* stream);
 
+// fp8_block's activation quantiser (mokQuantizeRowsE4m3): x [rows, n] bf16 -> q e4m3, scales [n/128, rows]
+void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, void* stream);
+
 // Builds `out` on `device` from device-resident ids on `stream`, with no host
 // synchronisation.  Invalid routes are masked and the first one (lowest key) is written to
 // error_record[0..3] (layout in common/defs.hpp).  Throws mok::Error on a CUDA failure.

@@ -498,6 +498,10 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   gemm::launch_grouped_gemm(gemm::with_kind_tile(g), static_cast<cudaStream_t>(stream));
 }
 
+void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, void* stream) {
+  gemm::launch_quantize_rows(x, q, scales, rows, n, static_cast<cudaStream_t>(stream));
+}
+
 void grouped_wgrad(const GroupedWgradCall& call, void* stream) {
   gemm::GroupedWgradArgs g;
   g.a = call.a;

@@ -142,3 +142,28 @@ def test_gate_up_writes_a_quantised_for_down():
     w = want[live]
     step = got_s.t().repeat_interleave(128, dim=1)
     assert torch.all((deq - w).abs() <= w.abs() * 0.07 + step * 0.002)
+
+
+@pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeRowsE4m3"), reason="this libmok predates mokQuantizeRowsE4m3")
+def test_quantize_rows_arguments_are_checked():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.quantize_rows_fp8(torch.zeros(4, 192, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="on the CPU"):
+        ops.quantize_rows_fp8(torch.zeros(4, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="scales has shape"):
+        ops.quantize_rows_fp8(torch.zeros(4, 256, dtype=torch.bfloat16), scales=torch.zeros(4, 2))
+
+
+@gpu
+@pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeRowsE4m3"), reason="this libmok predates mokQuantizeRowsE4m3")
+def test_quantize_rows_on_the_gpu_is_the_reference_bit_for_bit():
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(300, 7168, generator=g) * torch.logspace(-4, 4, 300).unsqueeze(1)).bfloat16()
+    x[7, 128:256] = 0
+    x[9, :128] = 1e-30  # tiny values: the scale stays a normal fp32
+    q, s = ops.quantize_rows_fp8(x.cuda())
+    qr, sr = fp8.quantize_rows(x)
+    assert torch.equal(s.cpu(), sr)
+    assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
+    q2, s2 = ops.quantize_rows_fp8(x.cuda())
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)

@@ -139,6 +139,10 @@ struct GroupedWgradArgs {
 };
 void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
+// fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
+// q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.
+void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, cudaStream_t stream);
+
 // Loads every kernel the backward launches (cudaFuncGetAttributes): with lazy module loading
 // (CUDA_MODULE_LOADING=LAZY, the default) a kernel's first launch waited while a virtual peer
 // spun in its barrier kernel, until that barrier's deadline.  prepare_backward calls it.
