@@ -379,6 +379,7 @@ MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* strea
 typedef struct mokGemmBlockScales_t {
   mokTensor_t a, b0, b1;
   mokTensor_t out; /* out's scales when out is float8_e4m3fn (gate/up); absent otherwise */
+  int64_t out_pow2; /* out's scales powers of two (UE8M0: the ceiling of max |a| / 448) */
 } mokGemmBlockScales_t;
 MOK_API mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
                                               void* stream);
@@ -386,9 +387,10 @@ MOK_API mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* str
 /* fp8_block's activation quantiser: x [M, K] bfloat16 (K % 128 == 0) -> q [M, K] float8_e4m3fn
  * and scales [K/128, M] float32 (per row and 128 of K, k-block-major: mokGroupedGemmBlockScaled's
  * a_scales); scale = max |x| / 448 (1 for a block of zeros), q = x / scale rounded to nearest
- * even, saturating (docs/precision.md).  CUDA tensors, contiguous. */
+ * even, saturating (docs/precision.md); pow2 != 0: the scale's power-of-two ceiling instead
+ * (UE8M0, 2^ceil(log2(max |x| / 448))).  CUDA tensors, contiguous. */
 MOK_API mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, const mokTensor_t* scales,
-                                        void* stream);
+                                        int32_t pow2, void* stream);
 
 /* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)
  * gets its size in bytes, 0 when the workspace records none (MOK_TRACE unset at creation);

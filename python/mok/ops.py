@@ -268,7 +268,8 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
 
 def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, block_expert: Tensor,
                    b1: Optional[Tensor] = None, b1_scales: Optional[Tensor] = None, out: Optional[Tensor] = None,
-                   kind: Optional[str] = None, *, quantize_out: bool = False, out_scales: Optional[Tensor] = None):
+                   kind: Optional[str] = None, *, quantize_out: bool = False, out_scales: Optional[Tensor] = None,
+                   pow2: bool = False):
     """The forward kinds of grouped_mm in fp8 with block scales (DeepSeek-V3's recipe,
     docs/precision.md), on CUDA tensors: a [M, K] and b0 / b1 [E, N, K] float8_e4m3fn with fp32
     scales a_scales [K/128, M] (per row and 128 of K, k-block-major) and b*_scales [E, ceil(N/128),
@@ -277,7 +278,8 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
     grouped_mm ("down", "gate_up", "gate_up_preact"; default "gate_up" with b1, "down" without),
     out bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0.
     quantize_out (gate_up, N % 128 == 0): a = silu(g)·u quantised as mok.fp8.quantize_rows does
-    it, from its fp32 value, for the down kind: returns (out e4m3 [M, N], out_scales [N/128, M])."""
+    it, from its fp32 value, for the down kind: returns (out e4m3 [M, N], out_scales [N/128, M])
+    (pow2: power-of-two scales, UE8M0)."""
     if kind is None:
         kind = "gate_up" if b1 is not None else "down"
     if kind not in ("down", "gate_up", "gate_up_preact"):
@@ -297,8 +299,8 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
         _lib.expect_tensor(b1_scales, "b1_scales", _lib.FP32, ndim=3)
     if quantize_out and kind != "gate_up":
         raise ValueError(f"quantize_out is for kind 'gate_up' (a for the down kind), not {kind!r}")
-    if out_scales is not None and not quantize_out:
-        raise ValueError("out_scales goes with quantize_out=True")
+    if (out_scales is not None or pow2) and not quantize_out:
+        raise ValueError("out_scales and pow2 go with quantize_out=True")
     m, n = a.shape[0], b0.shape[1]
     out_dtype = _lib.E4M3 if quantize_out else _lib.BF16
     if out is None:
@@ -316,16 +318,17 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
                                    views(None, "wa"), views(None, "dtw_partials"))
     scales = _lib.mokGemmBlockScales(views(a_scales, "a_scales", _lib.FP32), views(b0_scales, "b0_scales", _lib.FP32),
                                      views(b1_scales if two_b else b0_scales, "b1_scales", _lib.FP32),
-                                     views(out_scales, "out_scales", _lib.FP32))
+                                     views(out_scales, "out_scales", _lib.FP32), 1 if pow2 else 0)
     fn = _lib.symbol("mokGroupedGemmBlockScaled")
     _lib.check(fn(ctypes.byref(args), ctypes.byref(scales), _lib.stream_of(_lib.device_index(a.device))))
     return (out, out_scales) if quantize_out else out
 
 
-def quantize_rows_fp8(x: Tensor, q: Optional[Tensor] = None, scales: Optional[Tensor] = None):
+def quantize_rows_fp8(x: Tensor, q: Optional[Tensor] = None, scales: Optional[Tensor] = None, *,
+                      pow2: bool = False):
     """mok.fp8.quantize_rows on the GPU, one kernel (the quantiser the gathers will run on the
     rows they copy): x [M, K] bf16 (K % 128 == 0) -> (q [M, K] float8_e4m3fn, scales [K/128, M]
-    fp32), bit for bit the same."""
+    fp32), bit for bit the same (pow2: power-of-two scales, as quantize_rows(pow2=True))."""
     _lib.expect_tensor(x, "x", _lib.BF16, ndim=2)
     m, k = x.shape
     if q is None:
@@ -335,7 +338,8 @@ def quantize_rows_fp8(x: Tensor, q: Optional[Tensor] = None, scales: Optional[Te
     views = _lib.Views()
     vx, vq, vs = views(x, "x", _lib.BF16), views(q, "q", _lib.E4M3), views(scales, "scales", _lib.FP32)
     fn = _lib.symbol("mokQuantizeRowsE4m3")
-    _lib.check(fn(ctypes.byref(vx), ctypes.byref(vq), ctypes.byref(vs), _lib.stream_of(_lib.device_index(x.device))))
+    _lib.check(fn(ctypes.byref(vx), ctypes.byref(vq), ctypes.byref(vs), 1 if pow2 else 0,
+                  _lib.stream_of(_lib.device_index(x.device))))
     return q, scales
 
 

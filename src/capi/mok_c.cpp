@@ -409,12 +409,16 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
     call.a_scales = static_cast<const float*>(scales->a.data);
     call.b0_scales = static_cast<const float*>(scales->b0.data);
     call.b1_scales = static_cast<const float*>((two_b ? scales->b1 : scales->b0).data);
-    if (quantized_out) call.out_scales = static_cast<float*>(scales->out.data);
+    if (quantized_out) {
+      call.out_scales = static_cast<float*>(scales->out.data);
+      call.out_scales_pow2 = scales->out_pow2 != 0;
+    }
     mok::cuda::grouped_gemm(call, stream);
   });
 }
 
-mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, const mokTensor_t* scales, void* stream) {
+mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, const mokTensor_t* scales, int32_t pow2,
+                                void* stream) {
   return guarded("mokQuantizeRowsE4m3", [&] {
     MOK_CHECK_ARG(x != nullptr && q != nullptr && scales != nullptr, "x, q or scales is NULL");
     MOK_CHECK_ARG(x->ndim == 2, "x must be [M, K]");
@@ -425,7 +429,7 @@ mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, cons
     mok::check_tensor(*q, "q", {mokFloat8E4M3}, {M, K}, dev);
     mok::check_tensor(*scales, "scales", {mokFloat32}, {K / 128, M}, dev);
     MOK_CHECK_ARG(dev >= 0, "x is on the CPU; mokQuantizeRowsE4m3 runs on CUDA tensors (mok.fp8.quantize_rows on the CPU)");
-    mok::cuda::quantize_rows(x->data, q->data, static_cast<float*>(scales->data), M, K, stream);
+    mok::cuda::quantize_rows(x->data, q->data, static_cast<float*>(scales->data), M, K, pow2 != 0, stream);
   });
 }
 

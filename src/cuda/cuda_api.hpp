@@ -76,6 +76,7 @@ struct GroupedGemmCall {
   // e4m3 operands with block scales (mokGroupedGemmBlockScaled): all three set, or none
   const float* a_scales = nullptr; const float* b0_scales = nullptr; const float* b1_scales = nullptr;
   float* out_scales = nullptr;  // gate/up: out is a in e4m3, these its scales (Epilogue::kSwiGLUE4m3)
+  bool out_scales_pow2 = false;  // ... powers of two (UE8M0)
 };
 void grouped_gemm(const GroupedGemmCall& call, void* stream);
 
@@ -88,7 +89,7 @@ struct GroupedWgradCall {
 void grouped_wgrad(const GroupedWgradCall& call, void* stream);
 
 // fp8_block's activation quantiser (mokQuantizeRowsE4m3): x [rows, n] bf16 -> q e4m3, scales [n/128, rows]
-void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, void* stream);
+void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2, void* stream);
 
 // Builds `out` on `device` from device-resident ids on `stream`, with no host
 // synchronisation.  Invalid routes are masked and the first one (lowest key) is written to

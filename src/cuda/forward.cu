@@ -487,6 +487,7 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
     if (quantized_out) {
       g.epilogue = static_cast<int32_t>(gemm::Epilogue::kSwiGLUE4m3);
       g.out_scales = call.out_scales;
+      g.out_scales_pow2 = call.out_scales_pow2;
     }
     g.operand_bytes = 1;
     g.a_scales = call.a_scales;
@@ -498,8 +499,8 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   gemm::launch_grouped_gemm(gemm::with_kind_tile(g), static_cast<cudaStream_t>(stream));
 }
 
-void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, void* stream) {
-  gemm::launch_quantize_rows(x, q, scales, rows, n, static_cast<cudaStream_t>(stream));
+void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2, void* stream) {
+  gemm::launch_quantize_rows(x, q, scales, rows, n, pow2, static_cast<cudaStream_t>(stream));
 }
 
 void grouped_wgrad(const GroupedWgradCall& call, void* stream) {

@@ -42,6 +42,8 @@ def test_arguments_are_checked_before_the_device():
         ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, b1=qb1, b1_scales=sb1[:, :, :1].contiguous())
     with pytest.raises(ValueError, match="on the CPU"):
         ops.grouped_mm_fp8(qa, sa, qb0, sb0, be)
+    with pytest.raises(ValueError, match="pow2 go with quantize_out=True"):
+        ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, pow2=True)
     with pytest.raises(ValueError, match="quantize_out is for kind 'gate_up'"):
         ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, quantize_out=True)
     with pytest.raises(ValueError, match="out must be float8_e4m3fn"):
@@ -111,7 +113,8 @@ def test_against_the_float64_recipe(kind, tile, monkeypatch):
 
 @gpu
 @lib_has_it
-def test_gate_up_writes_a_quantised_for_down():
+@pytest.mark.parametrize("pow2", [False, True])
+def test_gate_up_writes_a_quantised_for_down(pow2):
     # a = silu(g)·u quantised per row and 128 channels in the epilogue: against mok.fp8's
     # quantiser applied to the float64 oracle's a (the kernel's a is its fp32 value, so within
     # a few ulp: each block's scale within 1e-5, its largest value on 448, every value within
@@ -120,8 +123,8 @@ def test_gate_up_writes_a_quantised_for_down():
     qa, sa, qb0, sb0, be, qb1, sb1 = _problem(E, N, K, blocks, "cuda", True, seed=3)
     M = 128 * len(blocks)
     poison = torch.full((M, N), float("nan"), device="cuda").to(torch.float8_e4m3fn)
-    q, s = ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=poison.clone(), quantize_out=True)
-    q2, s2 = ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=poison.clone(), quantize_out=True)
+    q, s = ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=poison.clone(), quantize_out=True, pow2=pow2)
+    q2, s2 = ops.grouped_mm_fp8(qa, sa, qb0, sb0, be, qb1, sb1, out=poison.clone(), quantize_out=True, pow2=pow2)
     live = torch.tensor(blocks).repeat_interleave(128) >= 0
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s[:, live.cuda()], s2[:, live.cuda()])
     assert torch.isnan(q[~live.cuda()].float()).all(), "the -1 block's rows were written"
@@ -135,9 +138,14 @@ def test_gate_up_writes_a_quantised_for_down():
         want[rows] = torch.nn.functional.silu(g) * u
     amax = want[live].reshape(-1, N // 128, 128).abs().amax(-1).t()  # [N/128, live rows]
     got_s = s[:, live.cuda()].double().cpu()
-    assert torch.all((got_s - amax / fp8.E4M3_MAX).abs() <= 1e-5 * amax / fp8.E4M3_MAX)
     qf = q[live.cuda()].float().cpu().reshape(-1, N // 128, 128)
-    assert torch.all(qf.abs().amax(-1) == fp8.E4M3_MAX)
+    if pow2:  # UE8M0: a power of two, the ceiling of max |a| / 448 (up to a's few-ulp difference)
+        assert torch.all(torch.log2(got_s).frac() == 0)
+        assert torch.all(got_s >= amax / fp8.E4M3_MAX * (1 - 1e-5)) and torch.all(got_s < 2 * amax / fp8.E4M3_MAX)
+        assert torch.all(qf.abs().amax(-1) > fp8.E4M3_MAX / 2 * 0.99)
+    else:
+        assert torch.all((got_s - amax / fp8.E4M3_MAX).abs() <= 1e-5 * amax / fp8.E4M3_MAX)
+        assert torch.all(qf.abs().amax(-1) == fp8.E4M3_MAX)
     deq = (qf.double() * got_s.t().unsqueeze(-1)).reshape(-1, N)
     w = want[live]
     step = got_s.t().repeat_interleave(128, dim=1)
@@ -156,14 +164,15 @@ def test_quantize_rows_arguments_are_checked():
 
 @gpu
 @pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeRowsE4m3"), reason="this libmok predates mokQuantizeRowsE4m3")
-def test_quantize_rows_on_the_gpu_is_the_reference_bit_for_bit():
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_rows_on_the_gpu_is_the_reference_bit_for_bit(pow2):
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(300, 7168, generator=g) * torch.logspace(-4, 4, 300).unsqueeze(1)).bfloat16()
     x[7, 128:256] = 0
     x[9, :128] = 1e-30  # tiny values: the scale stays a normal fp32
-    q, s = ops.quantize_rows_fp8(x.cuda())
-    qr, sr = fp8.quantize_rows(x)
+    q, s = ops.quantize_rows_fp8(x.cuda(), pow2=pow2)
+    qr, sr = fp8.quantize_rows(x, pow2=pow2)
     assert torch.equal(s.cpu(), sr)
     assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
-    q2, s2 = ops.quantize_rows_fp8(x.cuda())
+    q2, s2 = ops.quantize_rows_fp8(x.cuda(), pow2=pow2)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)

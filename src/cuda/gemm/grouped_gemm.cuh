@@ -64,6 +64,7 @@ struct GroupedGemmParams {
   // Epilogue::kSwiGLUE4m3: out is e4m3 [rows, I]; its scales [I / 128, out_scales_ld] fp32
   float* out_scales;
   int64_t out_scales_ld;
+  int32_t out_scales_pow2;  // power-of-two scales (UE8M0)
 };
 
 // The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
@@ -196,7 +197,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           case Epilogue::kSwiGLUE4m3:
             if constexpr (Prec::kBlockScaled && C::kBlockN == 256)
               epilogue_swiglu_e4m3(acc[j], slab, reinterpret_cast<uint8_t*>(p.out), p.out_ld, row0, p.out_rows,
-                                   int64_t{n_block} * (C::kBlockN / 2), p.out_scales, p.out_scales_ld);
+                                   int64_t{n_block} * (C::kBlockN / 2), p.out_scales, p.out_scales_ld,
+                                   p.out_scales_pow2 != 0);
             break;
           case Epilogue::kGateUpPreact:
             epilogue_gate_up_preact(acc[j], slab, p.out, p.out_ld, row0, p.out_rows,

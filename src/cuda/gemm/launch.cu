@@ -193,6 +193,7 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     p.sb_k = static_cast<int32_t>(k_blocks);
     p.out_scales = g.out_scales;
     p.out_scales_ld = g.out_rows;
+    p.out_scales_pow2 = g.out_scales_pow2 ? 1 : 0;
   }
   constexpr size_t smem = kStageStorageBytesT<T, Prec> + 1024;  // + alignment slack
   static_assert(smem <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
@@ -319,13 +320,14 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
 
 // x [rows, n] bf16 -> q [rows, n] e4m3, scales [n / 128, rows] fp32: a warp a row, grid-stride
 __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ q,
-                                     float* __restrict__ scales, int64_t rows, int64_t n) {
+                                     float* __restrict__ scales, int64_t rows, int64_t n, bool pow2) {
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
   for (int64_t r = int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
-    quantize_row_warp(x + r * n, q + r * n, scales, rows, r, n);
+    quantize_row_warp(x + r * n, q + r * n, scales, rows, r, n, pow2);
 }
 
-void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, cudaStream_t stream) {
+void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2,
+                          cudaStream_t stream) {
   MOK_CHECK_ARG(n > 0 && n % 128 == 0, "quantize rows: n = " << n << " must be a positive multiple of 128");
   MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(q) & 3u) == 0 &&
                     (reinterpret_cast<uintptr_t>(scales) & 3u) == 0,
@@ -334,7 +336,7 @@ void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, i
   constexpr int kThreads = 256;  // 8 rows a block
   const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), 65535);
   quantize_rows_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                                          static_cast<uint8_t*>(q), scales, rows, n);
+                                                                          static_cast<uint8_t*>(q), scales, rows, n, pow2);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -59,6 +59,7 @@ struct GroupedGemmArgs {
   // [a_rows, I] and out_scales its scales [I / 128, out_rows] fp32 (per row and 128 channels,
   // k-block-major: the down kind's a_scales)
   float* out_scales = nullptr;
+  bool out_scales_pow2 = false;  // power-of-two scales (UE8M0)
   // Epilogue::kDgradSwiGLU (dgrad_down_swiglu_args): out is dh [a_rows, 2I]; these as in
   // gemm/epilogue_bwd.cuh, row r of each at row r of a.
   const void* h = nullptr;             // [a_rows, 2I] bf16
@@ -141,7 +142,9 @@ void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.
-void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, cudaStream_t stream);
+// pow2: power-of-two scales (UE8M0).
+void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2,
+                          cudaStream_t stream);
 
 // Loads every kernel the backward launches (cudaFuncGetAttributes): with lazy module loading
 // (CUDA_MODULE_LOADING=LAZY, the default) a kernel's first launch waited while a virtual peer

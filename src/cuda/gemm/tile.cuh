@@ -27,6 +27,7 @@
 #include "common/defs.hpp"
 #include "cuda/gemm/config.hpp"
 #include "cuda/gemm/pipeline.cuh"
+#include "cuda/gemm/quantize.cuh"
 #include "cuda/ptx/wgmma.cuh"
 
 namespace mok::gemm {
@@ -469,14 +470,15 @@ __device__ __forceinline__ void epilogue_swiglu(const float (&acc)[kRegs], int c
 
 // The SwiGLU quantised for the down GEMM (Epilogue::kSwiGLUE4m3; block-scaled 128 x 256 tiles,
 // whose gate half is one scale block of 128 channels): a = silu(gate) · up in fp32; per row, s =
-// max |a| over the tile's channels / 448 (1 when 0), out[row0 + r, ch0 + c] = e4m3(a / s)
+// max |a| over the tile's channels / 448 (1 when 0; pow2: its power-of-two ceiling,
+// e4m3_block_scale), out[row0 + r, ch0 + c] = e4m3(a / s)
 // (round to nearest even, saturating) and scales[(ch0 / 128) · scales_ld + row0 + r] = s, for
 // rows below rows_limit: mok.fp8.quantize_rows of the fp32 a, bit for bit, and the down kind's
 // A scales as they are read (k-block-major).  out rows ld bytes apart (ld = I, I % 128 == 0).
 template <int kRegs>
 __device__ __forceinline__ void epilogue_swiglu_e4m3(const float (&acc)[kRegs], int consumer, uint8_t* out,
                                                      int64_t ld, int64_t row0, int64_t rows_limit, int64_t ch0,
-                                                     float* scales, int64_t scales_ld) {
+                                                     float* scales, int64_t scales_ld, bool pow2) {
   constexpr int kHalfBlocks = kRegs / 8;  // n8 blocks of the gate half
   static_assert(kHalfBlocks * 8 == 128, "the gate half of the tile is one scale block of 128 channels");
   const int quad_lane = threadIdx.x % 4;
@@ -496,7 +498,7 @@ __device__ __forceinline__ void epilogue_swiglu_e4m3(const float (&acc)[kRegs], 
     // The row's 128 channels are in the four lanes of its quad
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    const float s = e4m3_block_scale(amax, pow2);
     if (row >= rows_limit) continue;
     uint8_t* const dst = out + row * ld + ch0 + quad_lane * 2;
 #pragma unroll
