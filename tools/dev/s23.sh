@@ -80,7 +80,7 @@ PY
     timeout 120 python3 -m pytest -q tests/python/test_fp8_ops.py tests/python/test_fp8.py > "$OUT/pytest_fp8.log" 2>&1
     echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED|Error" "$OUT/pytest_fp8.log" | head -8
     for shape in ${SHAPES:-dsv3 qwen3}; do
-      timeout 150 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-t128,t256:MOK_TMP_FP8_TILE=256}" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -8
+      timeout 150 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-t128,t256:MOK_TMP_FP8_TILE=256}" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -16
       echo "at $(el) s"
     done ;;
   ab)
