@@ -8,16 +8,21 @@
 # kinds at the sustained clock.  Logs under $OUT, packed into $OUT/logs.tar.xz.
 source "$(dirname "$0")/device_env.sh"
 ROOT=$PWD
+# A copy of the tree in /tmp/x_$1 for variant $1: base (as it is), old ($OLD_PATCH reversed),
+# dyn* (bwd_pp192_dynamic.patch), pp192* (bwd_pp192.patch)
+variant_tree() {
+  rm -rf /tmp/x_$1 && mkdir -p /tmp/x_$1 && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$1
+  case $1 in
+    old) (cd /tmp/x_$1 && patch -R -p1 -s < "$OLD_PATCH") ;;
+    dyn*) (cd /tmp/x_$1 && patch -p1 -s < tools/dev/experiments/bwd_pp192_dynamic.patch) ;;
+    pp192*) (cd /tmp/x_$1 && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) ;;
+  esac || { echo "patch $1"; return 1; }
+}
 case "${STAGE:-prof}" in
   prof)
     VS="base ${VARIANTS:-dyn}"
     for v in $VS; do
-      rm -rf /tmp/x_$v && mkdir -p /tmp/x_$v && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$v
-      case $v in
-        base) ;;
-        dyn*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192_dynamic.patch) || { echo "patch $v"; exit 1; } ;;
-        pp192*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) || { echo "patch $v"; exit 1; } ;;
-      esac
+      variant_tree $v || exit 1
       [ -n "${SED_CMD:-}" ] && [ "$v" != base ] && (cd /tmp/x_$v && eval "$SED_CMD")
     done
     for v in $VS; do
@@ -59,7 +64,7 @@ PY
       cd /tmp/x_$v
       timeout 240 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters --section Occupancy \
         -k regex:fused_backward --launch-skip 2 --launch-count 1 -o /tmp/ncu_$v -f \
-        python3 tools/dev/bwd_once.py ${NCU_SHAPE:-qwen3} --warm 2 > "$OUT/ncu_run_$v.log" 2>&1
+        python3 tools/dev/profile_fused_bwd.py ${NCU_SHAPE:-qwen3} --ring-all --calls 3 > "$OUT/ncu_run_$v.log" 2>&1
       echo "ncu $v rc=$? at $(el) s"; tail -3 "$OUT/ncu_run_$v.log"
       ncu -i /tmp/ncu_$v.ncu-rep --page details --csv > "$OUT/ncu_details_$v.csv" 2>&1
       ncu -i /tmp/ncu_$v.ncu-rep --page source --csv --print-source sass > /tmp/ncu_src_$v.csv 2>&1
@@ -87,14 +92,7 @@ PY
     # VARIANTS: base (the tree), old (the tree with $OLD_PATCH reversed), dyn, pp192;
     # each one's smoke test (ping-pong ones) and its backward at the sustained clock on SHAPES
     VS="${VARIANTS:-base dyn pp192}"
-    for v in $VS; do
-      rm -rf /tmp/x_$v && mkdir -p /tmp/x_$v && tar --exclude=./build --exclude=./out -cf - . | tar -xf - -C /tmp/x_$v
-      case $v in
-        old) (cd /tmp/x_$v && patch -R -p1 -s < "$OLD_PATCH") || { echo "patch $v"; exit 1; } ;;
-        dyn*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192_dynamic.patch) || { echo "patch $v"; exit 1; } ;;
-        pp192*) (cd /tmp/x_$v && patch -p1 -s < tools/dev/experiments/bwd_pp192.patch) || { echo "patch $v"; exit 1; } ;;
-      esac
-    done
+    for v in $VS; do variant_tree $v || exit 1; done
     for v in $VS; do
       (cd /tmp/x_$v && cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build_$v.log" 2>&1 &&
         ninja -C build -j5 mok >>"$OUT/build_$v.log" 2>&1; echo "build $v rc=$? at $(el) s") &
