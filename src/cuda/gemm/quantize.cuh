@@ -26,6 +26,12 @@ __device__ __forceinline__ float e4m3_block_scale(float amax, bool pow2) {
   return s;
 }
 
+// Two values of a block of scale s in e4m3: v / s (IEEE division) rounded to nearest even,
+// saturating at ±448 — the one rounding of every fp8 quantiser here
+__device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float v0, float v1, float s) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(v0 / s, v1 / s), __NV_SATFINITE, __NV_E4M3);
+}
+
 // The row's n channels (n % 128 == 0) from src (16-byte aligned) into q (n bytes, 4-byte
 // aligned) and scales; every lane of the warp calls it.
 __device__ __forceinline__ void quantize_row_warp(const __nv_bfloat16* __restrict__ src, uint8_t* __restrict__ q,
@@ -42,9 +48,8 @@ __device__ __forceinline__ void quantize_row_warp(const __nv_bfloat16* __restric
 #pragma unroll
     for (int m = 16; m > 0; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
     const float s = e4m3_block_scale(amax, pow2);
-    const __nv_fp8x2_storage_t q01 = __nv_cvt_float2_to_fp8x2(make_float2(v[0] / s, v[1] / s), __NV_SATFINITE, __NV_E4M3);
-    const __nv_fp8x2_storage_t q23 = __nv_cvt_float2_to_fp8x2(make_float2(v[2] / s, v[3] / s), __NV_SATFINITE, __NV_E4M3);
-    *reinterpret_cast<uint32_t*>(q + kb * 128 + lane * 4) = static_cast<uint32_t>(q01) | (static_cast<uint32_t>(q23) << 16);
+    *reinterpret_cast<uint32_t*>(q + kb * 128 + lane * 4) =
+        static_cast<uint32_t>(e4m3x2(v[0], v[1], s)) | (static_cast<uint32_t>(e4m3x2(v[2], v[3], s)) << 16);
     if (lane == 0) scales[kb * scales_ld + row] = s;
   }
 }

@@ -502,11 +502,8 @@ __device__ __forceinline__ void epilogue_swiglu_e4m3(const float (&acc)[kRegs], 
     if (row >= rows_limit) continue;
     uint8_t* const dst = out + row * ld + ch0 + quad_lane * 2;
 #pragma unroll
-    for (int n8 = 0; n8 < kHalfBlocks; ++n8) {
-      const __nv_fp8x2_storage_t q =
-          __nv_cvt_float2_to_fp8x2(make_float2(a[2 * n8] / s, a[2 * n8 + 1] / s), __NV_SATFINITE, __NV_E4M3);
-      *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + n8 * 8) = q;
-    }
+    for (int n8 = 0; n8 < kHalfBlocks; ++n8)
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + n8 * 8) = e4m3x2(a[2 * n8], a[2 * n8 + 1], s);
     if (quad_lane == 0) scales[(ch0 / 128) * scales_ld + row] = s;
   }
 }
