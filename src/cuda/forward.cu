@@ -480,8 +480,7 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   g.num_blocks = call.num_blocks;
   if (call.a_scales != nullptr) {
     // e4m3 with block scales (PrecisionE4m3Block): 128 x 128 tiles, or 128 x 256 under the
-    // measuring knob
-    // (an e4m3 out, a quantised per 128 channels: 128 x 256, whose gate half is one block)
+    // measuring knob and for an e4m3 out (a quantised per 128 channels: the gate half is one block)
     const bool quantized_out = call.out_scales != nullptr;
     g = gemm::with_tile_n(g, quantized_out || env::get_int(env::kTmpFp8Tile) == 256 ? 256 : 128);
     if (quantized_out) {

@@ -195,7 +195,7 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     p.out_scales_ld = g.out_rows;
     p.out_scales_pow2 = g.out_scales_pow2 ? 1 : 0;
   }
-  constexpr size_t smem = kStageStorageBytesT<T, Prec> + 1024;  // + alignment slack
+  constexpr size_t smem = kGemmSmemBytesT<T, Prec>;
   static_assert(smem <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd, Prec>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -275,7 +275,8 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   if (swiglu_bwd) check_swiglu_bwd(g);
   MOK_CHECK_ARG(g.operand_bytes == 2 || g.operand_bytes == 1, "grouped GEMM: operands of " << g.operand_bytes << " bytes");
   if (g.operand_bytes == 1) {
-    // e4m3 operands: K-major only (fp8 wgmma has no transpose bits), 128 x 128 tiles
+    // e4m3 operands: K-major only (fp8 wgmma has no transpose bits); 128 x 128 tiles, and
+    // 128 x 256 with block scales
     MOK_CHECK_ARG(!g.b_n_major && !swiglu_bwd, "grouped GEMM (e4m3): the forward kinds only (K-major operands)");
     MOK_CHECK_ARG(g.k % TileConfigE4m3::kBlockK == 0, "grouped GEMM (e4m3): K = " << g.k << " must be a multiple of 128");
     const int scales = (g.a_scales != nullptr) + (g.b0_scales != nullptr) + (g.b1_scales != nullptr);

@@ -183,9 +183,10 @@ using StageStorage = StageStorageT<TileConfig>;
 template <class T, class Prec = PrecisionOf<T>>
 inline constexpr size_t kStageStorageBytesT = sizeof(StageStorageT<T, Prec>);
 inline constexpr size_t kStageStorageBytes = kStageStorageBytesT<TileConfig>;
-// The dynamic shared memory of a standalone kernel of tile shape T (grouped_gemm.cuh, wgrad.cuh)
-template <class T>
-inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T> + 1024;  // + alignment slack
+// The dynamic shared memory of a standalone kernel of tile shape T in precision Prec
+// (grouped_gemm.cuh, wgrad.cuh)
+template <class T, class Prec = PrecisionOf<T>>
+inline constexpr size_t kGemmSmemBytesT = kStageStorageBytesT<T, Prec> + 1024;  // + alignment slack
 
 // A ping-pong consumer warpgroup's turns (StageStorageT::turn), in the order the producer fills
 // the tiles: owns() counts a tile and says whether this warpgroup owns it (tiles alternate);
