@@ -271,7 +271,7 @@ def gemm_fp8(args, H, I, k, E, T):
             print(line)
     print(f"  separate quantisation passes (torch): x {ms['torch quantise x rows']:.3f} ms, "
           f"a {ms['torch quantise a rows']:.3f} ms; mok's one-kernel quantiser, x {ms['mok quantise x rows']:.3f} ms "
-          f"({M * H * 3 / ms['mok quantise x rows'] / 1e9:.0f} GB/s)")
+          f"({M * H * 3 / ms['mok quantise x rows'] / 1e6:.0f} GB/s)")
     f8, b16 = ms["mok fp8 experts chain"], ms["mok bf16 experts chain"]
     print(f"  experts chain (quantise x, gate/up -> a in e4m3, down): fp8 {f8:.3f} ms, bf16 {b16:.3f} ms, "
           f"bf16/fp8 {b16 / f8:.2f}")

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <cstring>
+#include <random>
 #include <string>
 #include <tuple>
 
@@ -508,7 +508,8 @@ TEST(GemmGpu, E4m3BlockScaledGateUpQuantisesA) {
     sc.push_back(out_s->get<float>());
   }
   EXPECT_EQ(q[0], q[1]) << "not bitwise reproducible";
-  EXPECT_EQ(sc[0], sc[1]) << "not bitwise reproducible";
+  // (bitwise: the -1 block's scales stay the poison, a NaN)
+  EXPECT_EQ(0, std::memcmp(sc[0].data(), sc[1].data(), sc[0].size() * sizeof(float))) << "not bitwise reproducible";
   auto recipe = [&](int64_t r, int e, int64_t n, const std::vector<float>& bv, const std::vector<float>& sb) {
     float acc = 0.0f;
     for (int64_t kb = 0; kb < KB; ++kb) {

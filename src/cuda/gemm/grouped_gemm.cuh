@@ -54,11 +54,9 @@ struct GroupedGemmParams {
   int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
-  // Block-scaled precisions (PrecisionE4m3Block): the scales of B's 128 x 128 blocks, of b0's
-  // and b1's, [experts, sb_rows_per_expert, sb_k] fp32 (block (r / 128, kb) of an expert's B
-  // rows r); A's come through the kernel's scale map
-  const float* sb0;
-  const float* sb1;
+  // Block-scaled precisions (PrecisionE4m3Block): the shape of B's 128 x 128 blocks' scales,
+  // b0's and b1's [experts, sb_rows_per_expert, sb_k] fp32 (block (r / 128, kb) of an expert's B
+  // rows r), which come through the kernel's scale maps as A's do
   int32_t sb_rows_per_expert;
   int32_t sb_k;
   // Epilogue::kSwiGLUE4m3: out is e4m3 [rows, I]; its scales [I / 128, out_scales_ld] fp32
@@ -83,13 +81,15 @@ using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdP
 // T: the tile shape (config.hpp), 128 x 256 unless the launch asks for another.
 // kSwiGLUBwd (with kBNMajor: the dgrad-down kind): the one epilogue is epilogue_dgrad_swiglu
 // (epilogue_bwd.cuh), a kernel of its own so that the other kinds' code is not touched.
-// Prec: the operands' precision (tile.cuh), the tile's bytes' unless block-scaled; map_sa:
-// A's scales of a block-scaled precision (map_a otherwise, unused).
+// Prec: the operands' precision (tile.cuh), the tile's bytes' unless block-scaled; map_sa,
+// map_sb0, map_sb1: A's scales and the B halves' block scales of a block-scaled precision
+// (map_a otherwise, unused).
 template <bool kBNMajor, class T = TileConfig, bool kSwiGLUBwd = false, class Prec = PrecisionOf<T>>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParamsOf<kSwiGLUBwd> p,
-                        const __grid_constant__ CUtensorMap map_sa) {
+                        const __grid_constant__ CUtensorMap map_sa, const __grid_constant__ CUtensorMap map_sb0,
+                        const __grid_constant__ CUtensorMap map_sb1) {
   using C = T;
   static_assert(!Prec::kBlockScaled || (!kBNMajor && !kSwiGLUBwd), "block-scaled kinds: the K-major forward ones");
   extern __shared__ uint8_t smem_raw[];
@@ -106,7 +106,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b0);
     ptx::prefetch_tensormap(&map_b1);
-    if constexpr (Prec::kBlockScaled) ptx::prefetch_tensormap(&map_sa);
+    if constexpr (Prec::kBlockScaled) {
+      ptx::prefetch_tensormap(&map_sa);
+      ptx::prefetch_tensormap(&map_sb0);
+      ptx::prefetch_tensormap(&map_sb1);
+    }
   }
   __syncthreads();
 
@@ -124,9 +128,21 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                   n_block * C::kBlockN, p.k_split_blocks, p.num_k_blocks};
         if (!produce_tile_nmajor(s, stage, load, wait)) return;
       } else {
-        const TileLoad load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM,
-                            expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks,
-                            &map_sa};
+        TileLoad load{&map_a, &map_b0, &map_b1, m_block * C::kBlockM,
+                      expert * p.b_rows_per_expert + n_block * p.b_n_step, p.b_half_offset, p.num_k_blocks};
+        if constexpr (Prec::kBlockScaled) {
+          // The scales of the tile's two B halves' blocks (rows n_block·b_n_step and
+          // + b_half_offset of the expert's, in b0 and b1; a half past the expert's rows, of a
+          // partial last tile, reads its last block: unused)
+          const auto blocks = [&](int row) {
+            return (expert * p.sb_rows_per_expert + min(row / 128, p.sb_rows_per_expert - 1)) * p.sb_k;
+          };
+          load.sa = &map_sa;
+          load.sb0 = &map_sb0;
+          load.sb1 = &map_sb1;
+          load.sb_index0 = blocks(n_block * p.b_n_step);
+          load.sb_index1 = blocks(n_block * p.b_n_step + p.b_half_offset);
+        }
         if (!produce_tile(s, stage, load, wait)) return;
       }
     }
@@ -164,15 +180,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       if constexpr (C::kPingPong) PingPongTurns::pass(s, consumer);
     };
     if constexpr (Prec::kBlockScaled) {
-      // The scales of the tile's two B halves' blocks (rows n_block·b_n_step and + b_half_offset
-      // of the expert's, in b0 and b1)
-      // (a half past the expert's rows, of a partial last tile, reads its last block: unused)
-      const auto block = [&](int row) { return min(row / 128, p.sb_rows_per_expert - 1); };
-      const float* sb0 = p.sb0 + (int64_t{this_expert} * p.sb_rows_per_expert + block(n_block * p.b_n_step)) * p.sb_k;
-      const float* sb1 =
-          p.sb1 + (int64_t{this_expert} * p.sb_rows_per_expert + block(n_block * p.b_n_step + p.b_half_offset)) * p.sb_k;
-      const auto scale_b = [=](int kb) { return make_float2(__ldg(sb0 + kb), __ldg(sb1 + kb)); };
-      if (!consume_tile_block_scaled(s, stage, p.num_k_blocks, consumer, acc[0], wait, scale_b)) return;
+      if (!consume_tile_block_scaled(s, stage, p.num_k_blocks, consumer, acc[0], wait)) return;
     } else if (!consume_tile<kOps>(s, stage, p.num_k_blocks, consumer, acc, wait, pass_turn)) {
       return;
     }

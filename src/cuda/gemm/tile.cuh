@@ -111,10 +111,13 @@ struct MmaE4m3 {
 // PrecisionE4m3Block is DeepSeek-V3's block scaling: A scaled per row and 128 of K, B per 128 x
 // 128 block, one fp32 FFMA an element per k-block (128 of K) promoting the fp8 MMAs' partial sum.
 struct NoScales {};
-// A's scales of each stage's k-block, one per tile row (a TMA box of BLOCK_M fp32)
+// The scales of each stage's k-block: A's, one per tile row (a TMA box of BLOCK_M fp32), and
+// the two B halves' 128 x 128 blocks' (sb[stage][h][0]; a box of 4 fp32 from a vector's map each,
+// its other three unused), so that no consumer waits on a global load in its K loop
 template <class T>
-struct RowScales {
+struct BlockScales {
   alignas(128) float sa[T::kStages][T::kBlockM];
+  alignas(16) float sb[T::kStages][2][4];
 };
 struct PrecisionBf16 {
   static constexpr int kElemBytes = 2;
@@ -140,10 +143,10 @@ struct PrecisionE4m3 {
 };
 struct PrecisionE4m3Block : PrecisionE4m3 {
   template <class T>
-  using StageScales = RowScales<T>;  // (ScaleMaps: the standalone launches pass A's scale map)
+  using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass the scale maps)
   static constexpr bool kBlockScaled = true;
   template <class T>
-  static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);
+  static constexpr uint32_t kScaleTxBytes = (T::kBlockM + 2 * 4) * sizeof(float);
 };
 // The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
@@ -221,8 +224,14 @@ struct TileLoad {
   int32_t b_half_offset;
   int32_t num_k_blocks;
   // Block-scaled precisions: A's scales, [K / BLOCK_K rows, A's rows] fp32 (the tile's BLOCK_M
-  // scales of a k-block are one box at (a_row, kb))
+  // scales of a k-block are one box at (a_row, kb)); the B halves' block scales, maps over
+  // b0's and b1's [experts, blocks, K / 128] fp32 as vectors, the tile's halves' rows of blocks at
+  // sb_index0 and sb_index1 (a k-block's scale at + kb)
   const CUtensorMap* sa = nullptr;
+  const CUtensorMap* sb0 = nullptr;
+  const CUtensorMap* sb1 = nullptr;
+  int32_t sb_index0 = 0;
+  int32_t sb_index1 = 0;
 };
 
 // The producer's loop: for each k-block of [first, last), wait for an empty stage, arm its full
@@ -256,7 +265,11 @@ __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineSta
     ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
     ptx::tma_load_2d(s.b[i], t.b0, full, kb * C::kBlockK, t.b_row);
     ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
-    if constexpr (P::kBlockScaled) ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
+    if constexpr (P::kBlockScaled) {
+      ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
+      ptx::tma_load_2d(s.sb[i][0], t.sb0, full, t.sb_index0 + kb, 0);
+      ptx::tma_load_2d(s.sb[i][1], t.sb1, full, t.sb_index1 + kb, 0);
+    }
   });
 }
 
@@ -343,17 +356,17 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineSta
 // tile's B halves, or a 128-wide tile's two halves together), the MMAs into a fresh partial
 // sum, then, in fp32,
 //   acc = fma(partial, sa[row] · sb[half], acc)       (sa · sb rounded to fp32 first)
-// with sa the stage's scale of the row (A: per row and k-block) and sb = scale_b(kb) the
-// scales of the k-block's two B halves' 128 x 128 blocks (.x the first half's columns, .y the
-// second's).  So the fp8 MMAs' sum, kept to a partial of 128 products, is promoted once per
-// k-block; one partial of 64 registers serves the parts in turn.  acc starts at zero.  Each
-// warp releases the stage after its last part's promotion (the stage's barrier counts a
-// release a warp: StageStorageT::kReleases).  NOTES: a partial is waited for before its
-// promotion (wgmma.wait 0): the other warpgroup's MMAs run meanwhile.
-template <class T, class P, class ScaleB>
+// with sa the stage's scale of the row (A: per row and k-block) and sb[half] the stage's scale
+// of the k-block's 128 x 128 block of the column's B half (BlockScales: both come with the
+// stage's operands).  So the fp8 MMAs' sum, kept to a partial of 128 products, is promoted
+// once per k-block; one partial of 64 registers serves the parts in turn.  acc starts at zero.
+// Each warp releases the stage once its scales are in registers and its last MMAs retired (the
+// stage's barrier counts a release a warp: StageStorageT::kReleases).  NOTES: a partial is
+// waited for before its promotion (wgmma.wait 0): the other warpgroup's MMAs run meanwhile.
+template <class T, class P>
 __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                                           int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
-                                                          const WaitContext& wait, ScaleB scale_b) {
+                                                          const WaitContext& wait) {
   static_assert(P::kBlockScaled && !T::kPingPong, "block-scaled tiles are cooperative");
   static_assert(T::kBlockN % 128 == 0 && T::kBlockK == 128, "block-scaled parts of 128 columns, k-blocks of 128");
   constexpr int kParts = T::kBlockN / 128, kPartRegs = 64;  // m64n128: 64 fp32 a thread
@@ -363,16 +376,16 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
   float part[kPartRegs];
 #pragma unroll
   for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.0f;
-  float2 sb = scale_b(0);
   for (int kb = 0; kb < num_k_blocks; ++kb) {
     if (!s.pipe.consumer_wait(stage, wait)) return false;
-    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[stage.index] + consumer * 64 * T::kBlockK);
-    const float sa0 = ptx::ld_shared_f32(&s.sa[stage.index][row]), sa1 = ptx::ld_shared_f32(&s.sa[stage.index][row + 8]);
-    const float2 sb_next = kb + 1 < num_k_blocks ? scale_b(kb + 1) : sb;  // under the MMAs
+    const int i = stage.index;
+    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[i] + consumer * 64 * T::kBlockK);
+    const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
+    const float sb0 = ptx::ld_shared_f32(&s.sb[i][0][0]), sb1 = ptx::ld_shared_f32(&s.sb[i][1][0]);
 #pragma unroll
     for (int q = 0; q < kParts; ++q) {
       // The part's four k32 steps: B rows [128 q, 128 q + 128) of the stage, a fresh sum
-      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[stage.index] + q * 128 * T::kBlockK);
+      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[i] + q * 128 * T::kBlockK);
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < T::kBlockK / 32; ++k) ptx::mma_e4m3<128>(part, desc_a + 2 * k, desc_b + 2 * k, k != 0);
@@ -383,7 +396,7 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
       for (int j = 0; j < kPartRegs / 4; ++j) {
         // columns 128 q + 8 j .. + 7 of the tile: B half (128 q + 8 j) / kHalfCols
         const bool second = (128 * q + 8 * j) / kHalfCols == 1;
-        const float lo = sa0 * (second ? sb.y : sb.x), hi = sa1 * (second ? sb.y : sb.x);
+        const float lo = sa0 * (second ? sb1 : sb0), hi = sa1 * (second ? sb1 : sb0);
         float* const a = acc + (q * (kPartRegs / 4) + j) * 4;
         a[0] = fmaf(part[j * 4 + 0], lo, a[0]);
         a[1] = fmaf(part[j * 4 + 1], lo, a[1]);
@@ -394,8 +407,7 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
     // The stage is free once the last part's MMAs retired and the warp's scale loads were
     // used (a register dependency, besides the arrival's release order)
     ptx::fence_regs(acc);
-    if (warp_leader) s.pipe.consumer_release(stage.index);
-    sb = sb_next;
+    if (warp_leader) s.pipe.consumer_release(i);
     stage.advance();
   }
   return true;
