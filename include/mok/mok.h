@@ -381,6 +381,10 @@ typedef struct mokGemmBlockScales_t {
   mokTensor_t a, b0, b1;
   mokTensor_t out; /* out's scales when out is float8_e4m3fn (gate/up); absent otherwise */
   int64_t out_pow2; /* out's scales powers of two (UE8M0: the ceiling of max |a| / 448) */
+  /* b_transposed != 0: b0 / b1 are transposed copies (mokQuantizeBlocksE4m3's qt) and b0 / b1
+   * the scales of the matrices they transpose, [E, K/128, ceil(N/128)] (block (n/128, kb) at
+   * [e, kb, n/128]; a 128 x 128 block's scale is its transpose's) */
+  int64_t b_transposed;
 } mokGemmBlockScales_t;
 MOK_API mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
                                               void* stream);
@@ -392,6 +396,14 @@ MOK_API mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* str
  * (UE8M0, 2^ceil(log2(max |x| / 448))).  CUDA tensors, contiguous. */
 MOK_API mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, const mokTensor_t* scales,
                                         int32_t pow2, void* stream);
+/* fp8_block's weight quantiser: w [E, R, C] (or [R, C]) bfloat16, R and C multiples of 128, read
+ * in place (row- or column-major matrices, as mokWeights_t's) -> scales [E, R/128, C/128] float32,
+ * one per 128 x 128 block (max |w| / 448, 1 for zeros; pow2 != 0: its power-of-two ceiling), and
+ * w / scale in float8_e4m3fn (nearest even, saturating) in either or both orientations: q [E, R, C]
+ * (w's) and qt [E, C, R] (its transpose, which the dgrad kinds read; the scales serve both).  One
+ * read of w.  q or qt may be absent (not both); CUDA tensors, q, qt and scales contiguous. */
+MOK_API mokResult_t mokQuantizeBlocksE4m3(const mokTensor_t* w, const mokTensor_t* q, const mokTensor_t* qt,
+                                          const mokTensor_t* scales, int32_t pow2, void* stream);
 
 /* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)
  * gets its size in bytes, 0 when the workspace records none (MOK_TRACE unset at creation);

@@ -155,7 +155,8 @@ class mokGroupedGemmArgs(ctypes.Structure):
 
 
 class mokGemmBlockScales(ctypes.Structure):
-    _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor), ("out", mokTensor), ("out_pow2", c_int64)]
+    _fields_ = [("a", mokTensor), ("b0", mokTensor), ("b1", mokTensor), ("out", mokTensor), ("out_pow2", c_int64),
+                ("b_transposed", c_int64)]
 
 
 class mokGroupedWgradArgs(ctypes.Structure):
@@ -206,6 +207,8 @@ def _load() -> ctypes.CDLL:
 OPTIONAL_SIGNATURES = {
     "mokGroupedGemmBlockScaled": (c_int, [POINTER(mokGroupedGemmArgs), POINTER(mokGemmBlockScales), c_void_p]),
     "mokQuantizeRowsE4m3": (c_int, [POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor), c_int32, c_void_p]),
+    "mokQuantizeBlocksE4m3": (c_int, [POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor),
+                                      c_int32, c_void_p]),
     "mokForwardSave": (c_int, [c_void_p, POINTER(mokForwardArgs), POINTER(mokSaved), c_void_p]),
     "mokBackwardSaved": (c_int, [c_void_p, POINTER(mokBackwardArgs), POINTER(mokSaved), c_void_p]),
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),

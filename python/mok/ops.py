@@ -269,7 +269,7 @@ def grouped_mm(a: Tensor, b0: Tensor, block_expert: Tensor, b1: Optional[Tensor]
 def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, block_expert: Tensor,
                    b1: Optional[Tensor] = None, b1_scales: Optional[Tensor] = None, out: Optional[Tensor] = None,
                    kind: Optional[str] = None, *, quantize_out: bool = False, out_scales: Optional[Tensor] = None,
-                   pow2: bool = False):
+                   pow2: bool = False, b_transposed: bool = False):
     """The forward kinds of grouped_mm in fp8 with block scales (DeepSeek-V3's recipe,
     docs/precision.md), on CUDA tensors: a [M, K] and b0 / b1 [E, N, K] float8_e4m3fn with fp32
     scales a_scales [K/128, M] (per row and 128 of K, k-block-major) and b*_scales [E, ceil(N/128),
@@ -279,7 +279,10 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
     out bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0.
     quantize_out (gate_up, N % 128 == 0): a = silu(g)·u quantised as mok.fp8.quantize_rows does
     it, from its fp32 value, for the down kind: returns (out e4m3 [M, N], out_scales [N/128, M])
-    (pow2: power-of-two scales, UE8M0)."""
+    (pow2: power-of-two scales, UE8M0).
+    b_transposed: b0 / b1 are transposed copies (quantize_blocks_fp8's qt) and b*_scales the
+    scales of the matrices they transpose, [E, K/128, ceil(N/128)] (a block's scale is its
+    transpose's): the dgrad GEMMs on the weights' one set of scales."""
     if kind is None:
         kind = "gate_up" if b1 is not None else "down"
     if kind not in ("down", "gate_up", "gate_up_preact"):
@@ -318,7 +321,8 @@ def grouped_mm_fp8(a: Tensor, a_scales: Tensor, b0: Tensor, b0_scales: Tensor, b
                                    views(None, "wa"), views(None, "dtw_partials"))
     scales = _lib.mokGemmBlockScales(views(a_scales, "a_scales", _lib.FP32), views(b0_scales, "b0_scales", _lib.FP32),
                                      views(b1_scales if two_b else b0_scales, "b1_scales", _lib.FP32),
-                                     views(out_scales, "out_scales", _lib.FP32), 1 if pow2 else 0)
+                                     views(out_scales, "out_scales", _lib.FP32), 1 if pow2 else 0,
+                                     1 if b_transposed else 0)
     fn = _lib.symbol("mokGroupedGemmBlockScaled")
     _lib.check(fn(ctypes.byref(args), ctypes.byref(scales), _lib.stream_of(_lib.device_index(a.device))))
     return (out, out_scales) if quantize_out else out
@@ -341,6 +345,35 @@ def quantize_rows_fp8(x: Tensor, q: Optional[Tensor] = None, scales: Optional[Te
     _lib.check(fn(ctypes.byref(vx), ctypes.byref(vq), ctypes.byref(vs), 1 if pow2 else 0,
                   _lib.stream_of(_lib.device_index(x.device))))
     return q, scales
+
+
+def quantize_blocks_fp8(w: Tensor, *, q: bool = True, qt: bool = True, pow2: bool = False):
+    """mok.fp8.quantize_blocks on the GPU, one kernel, one read of w: w [E, R, C] or [R, C] bf16
+    (R, C multiples of 128; row- or column-major matrices, read in place) -> (q [.., R, C],
+    qt [.., C, R], scales [.., R/128, C/128]): a scale per 128 x 128 block and w / scale in
+    float8_e4m3fn, as stored (q) and transposed (qt, what the dgrad GEMMs read with
+    b_transposed=True; the scales serve both).  q=False or qt=False: that copy is not made
+    (None).  pow2: power-of-two scales (UE8M0)."""
+    if not isinstance(w, Tensor) or w.dim() not in (2, 3):
+        raise ValueError(f"w must be a [E, R, C] or [R, C] tensor, got {getattr(w, 'shape', type(w))}")
+    if not (q or qt):
+        raise ValueError("quantize_blocks_fp8: q=False and qt=False leave nothing to make")
+    _lib.expect_tensor(w, "w", _lib.BF16, ndim=w.dim())
+    *lead, r, c = w.shape
+    if r % 128 or c % 128:
+        raise ValueError(f"w is [{r}, {c}] per matrix: both must be multiples of 128 (whole blocks)")
+    fp8 = torch.float8_e4m3fn
+    oq = torch.empty(*lead, r, c, dtype=fp8, device=w.device) if q else None
+    oqt = torch.empty(*lead, c, r, dtype=fp8, device=w.device) if qt else None
+    scales = torch.empty(*lead, r // 128, c // 128, dtype=torch.float32, device=w.device)
+    views = _lib.Views()
+    vw = views(w, "w", _lib.BF16)
+    vq, vqt = views(oq, "q", _lib.E4M3), views(oqt, "qt", _lib.E4M3)
+    vs = views(scales, "scales", _lib.FP32)
+    fn = _lib.symbol("mokQuantizeBlocksE4m3")
+    _lib.check(fn(ctypes.byref(vw), ctypes.byref(vq), ctypes.byref(vqt), ctypes.byref(vs), 1 if pow2 else 0,
+                  _lib.stream_of(_lib.device_index(w.device))))
+    return oq, oqt, scales
 
 
 def grouped_wgrad(a: Tensor, b: Tensor, expert_offset: Tensor, expert_count: Tensor,

@@ -400,8 +400,12 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
       mok::check_tensor(args->out, preact ? "out (h)" : "out", {mokBFloat16}, {M, preact ? 2 * N : N}, dev);
     }
     mok::check_tensor(scales->a, "a_scales", {mokFloat32}, {k_blocks, M}, dev);
-    mok::check_tensor(scales->b0, "b0_scales", {mokFloat32}, {E, n_blocks, k_blocks}, dev);
-    if (two_b) mok::check_tensor(scales->b1, "b1_scales", {mokFloat32}, {E, n_blocks, k_blocks}, dev);
+    const bool bt = scales->b_transposed != 0;
+    const std::vector<int64_t> b_scales_shape = bt ? std::vector<int64_t>{E, k_blocks, n_blocks}
+                                                   : std::vector<int64_t>{E, n_blocks, k_blocks};
+    mok::check_tensor(scales->b0, bt ? "b0_scales (b_transposed)" : "b0_scales", {mokFloat32}, b_scales_shape, dev);
+    if (two_b)
+      mok::check_tensor(scales->b1, bt ? "b1_scales (b_transposed)" : "b1_scales", {mokFloat32}, b_scales_shape, dev);
     MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemmBlockScaled runs on CUDA tensors");
     mok::cuda::GroupedGemmCall call{args->a.data, M, K, args->b0.data, two_b ? args->b1.data : args->b0.data, E, N,
                                     static_cast<const int32_t*>(args->block_expert.data), static_cast<int32_t>(blocks),
@@ -409,6 +413,7 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
     call.a_scales = static_cast<const float*>(scales->a.data);
     call.b0_scales = static_cast<const float*>(scales->b0.data);
     call.b1_scales = static_cast<const float*>((two_b ? scales->b1 : scales->b0).data);
+    call.b_scales_transposed = bt;
     if (quantized_out) {
       call.out_scales = static_cast<float*>(scales->out.data);
       call.out_scales_pow2 = scales->out_pow2 != 0;
@@ -430,6 +435,34 @@ mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, cons
     mok::check_tensor(*scales, "scales", {mokFloat32}, {K / 128, M}, dev);
     MOK_CHECK_ARG(dev >= 0, "x is on the CPU; mokQuantizeRowsE4m3 runs on CUDA tensors (mok.fp8.quantize_rows on the CPU)");
     mok::cuda::quantize_rows(x->data, q->data, static_cast<float*>(scales->data), M, K, pow2 != 0, stream);
+  });
+}
+
+mokResult_t mokQuantizeBlocksE4m3(const mokTensor_t* w, const mokTensor_t* q, const mokTensor_t* qt,
+                                  const mokTensor_t* scales, int32_t pow2, void* stream) {
+  return guarded("mokQuantizeBlocksE4m3", [&] {
+    MOK_CHECK_ARG(w != nullptr && scales != nullptr, "w or scales is NULL");
+    MOK_CHECK_ARG(w->ndim == 2 || w->ndim == 3, "w must be [E, R, C] or [R, C]");
+    const bool stack = w->ndim == 3;
+    const int64_t E = stack ? w->shape[0] : 1, R = w->shape[w->ndim - 2], C = w->shape[w->ndim - 1];
+    const int32_t dev = w->device;
+    MOK_CHECK_ARG(R > 0 && C > 0 && R % 128 == 0 && C % 128 == 0,
+                  "w is [" << R << ", " << C << "] per matrix: both must be positive multiples of 128 (whole blocks)");
+    const auto shape = [&](int64_t a, int64_t b) {
+      return stack ? std::vector<int64_t>{E, a, b} : std::vector<int64_t>{a, b};
+    };
+    const mok::ref::MatrixStrides strides = mok::check_matrices(*w, "w", {mokBFloat16}, shape(R, C), dev);
+    const bool has_q = q != nullptr && mok::present(*q), has_qt = qt != nullptr && mok::present(*qt);
+    MOK_CHECK_ARG(has_q || has_qt, "neither q nor qt given: nothing to write");
+    if (has_q) mok::check_tensor(*q, "q", {mokFloat8E4M3}, shape(R, C), dev);
+    if (has_qt) mok::check_tensor(*qt, "qt", {mokFloat8E4M3}, shape(C, R), dev);
+    mok::check_tensor(*scales, "scales", {mokFloat32}, shape(R / 128, C / 128), dev);
+    MOK_CHECK_ARG(dev >= 0, "w is on the CPU; mokQuantizeBlocksE4m3 runs on CUDA tensors (mok.fp8.quantize_blocks "
+                            "on the CPU)");
+    mok::cuda::quantize_blocks(mok::cuda::QuantizeBlocksCall{w->data, E, R, C, strides, has_q ? q->data : nullptr,
+                                                             has_qt ? qt->data : nullptr,
+                                                             static_cast<float*>(scales->data), pow2 != 0},
+                               stream);
   });
 }
 

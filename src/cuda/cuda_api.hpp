@@ -75,6 +75,7 @@ struct GroupedGemmCall {
   const void* h = nullptr; const float* row_weight = nullptr; void* wa = nullptr; float* dtw_partials = nullptr;
   // e4m3 operands with block scales (mokGroupedGemmBlockScaled): all three set, or none
   const float* a_scales = nullptr; const float* b0_scales = nullptr; const float* b1_scales = nullptr;
+  bool b_scales_transposed = false;  // b*_scales [E, K/128, N/128] (the scales of b*'s transposes)
   float* out_scales = nullptr;  // gate/up: out is a in e4m3, these its scales (Epilogue::kSwiGLUE4m3)
   bool out_scales_pow2 = false;  // ... powers of two (UE8M0)
 };
@@ -90,6 +91,14 @@ void grouped_wgrad(const GroupedWgradCall& call, void* stream);
 
 // fp8_block's activation quantiser (mokQuantizeRowsE4m3): x [rows, n] bf16 -> q e4m3, scales [n/128, rows]
 void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2, void* stream);
+// fp8_block's weight quantiser (mokQuantizeBlocksE4m3): num matrices w [rows, cols] bf16 read
+// through `strides` -> scales [num, rows/128, cols/128] fp32 and either or both of q [num, rows,
+// cols] and qt [num, cols, rows] e4m3 (contiguous; null: not written)
+struct QuantizeBlocksCall {
+  const void* w; int64_t num; int64_t rows; int64_t cols; ref::MatrixStrides strides;
+  void* q; void* qt; float* scales; bool pow2;
+};
+void quantize_blocks(const QuantizeBlocksCall& call, void* stream);
 
 // Builds `out` on `device` from device-resident ids on `stream`, with no host
 // synchronisation.  Invalid routes are masked and the first one (lowest key) is written to

@@ -492,6 +492,7 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
     g.a_scales = call.a_scales;
     g.b0_scales = call.b0_scales;
     g.b1_scales = call.b1_scales;
+    g.b_scales_transposed = call.b_scales_transposed;
     gemm::launch_grouped_gemm(g, static_cast<cudaStream_t>(stream));
     return;
   }
@@ -500,6 +501,27 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
 
 void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2, void* stream) {
   gemm::launch_quantize_rows(x, q, scales, rows, n, pow2, static_cast<cudaStream_t>(stream));
+}
+
+void quantize_blocks(const QuantizeBlocksCall& c, void* stream) {
+  gemm::QuantizeBlocksArgs a;
+  a.w = c.w;
+  a.num = c.num;
+  a.rows = c.rows;
+  a.cols = c.cols;
+  a.w_expert_stride = c.strides.expert_or(c.rows, c.cols);
+  a.w_row_stride = c.strides.col_major() ? 1 : c.strides.row_or(c.cols);
+  a.w_col_stride = c.strides.col;
+  a.q = static_cast<uint8_t*>(c.q);
+  a.q_expert_stride = c.rows * c.cols;
+  a.q_row_stride = c.cols;
+  a.qt = static_cast<uint8_t*>(c.qt);
+  a.qt_expert_stride = c.rows * c.cols;
+  a.qt_row_stride = c.rows;
+  a.scales = c.scales;
+  a.s_expert_stride = (c.rows / 128) * (c.cols / 128);
+  a.pow2 = c.pow2;
+  gemm::launch_quantize_blocks(a, static_cast<cudaStream_t>(stream));
 }
 
 void grouped_wgrad(const GroupedWgradCall& call, void* stream) {

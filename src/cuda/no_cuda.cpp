@@ -44,5 +44,6 @@ void load_plan_kernels() { no_cuda(); }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
 void grouped_wgrad(const GroupedWgradCall&, void*) { no_cuda(); }
 void quantize_rows(const void*, void*, float*, int64_t, int64_t, bool, void*) { no_cuda(); }
+void quantize_blocks(const QuantizeBlocksCall&, void*) { no_cuda(); }
 
 }  // namespace mok::cuda

@@ -178,3 +178,83 @@ def test_quantize_rows_on_the_gpu_is_the_reference_bit_for_bit(pow2):
     assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
     q2, s2 = ops.quantize_rows_fp8(x.cuda(), pow2=pow2)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+
+
+blocks_lib = pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeBlocksE4m3"),
+                                reason="this libmok predates mokQuantizeBlocksE4m3")
+
+
+@blocks_lib
+def test_quantize_blocks_arguments_are_checked():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        ops.quantize_blocks_fp8(torch.zeros(2, 128, 192, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="nothing to make"):
+        ops.quantize_blocks_fp8(torch.zeros(128, 128, dtype=torch.bfloat16), q=False, qt=False)
+    with pytest.raises(ValueError, match="w must be bfloat16"):
+        ops.quantize_blocks_fp8(torch.zeros(128, 128))
+    with pytest.raises(ValueError, match="on the CPU"):
+        ops.quantize_blocks_fp8(torch.zeros(2, 128, 256, dtype=torch.bfloat16))
+
+
+def _weights(E, R, C, column_major, seed):
+    """[E, R, C] bf16 with each 128 x 128 block at its own magnitude (1e-6 .. 1e4), one block of
+    zeros; column-major: the transposed view of a contiguous [E, C, R]."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.logspace(-6, 4, E * (R // 128) * (C // 128)).reshape(E, R // 128, C // 128)
+    mag = mag.flatten()[torch.randperm(mag.numel(), generator=g)].reshape(mag.shape)
+    mag[0, 0, 0] = 0
+    w = torch.randn(E, R, C, generator=g) * mag.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    w = w.bfloat16()
+    return w.transpose(1, 2).contiguous().transpose(1, 2) if column_major else w
+
+
+@gpu
+@blocks_lib
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_quantize_blocks_on_the_gpu_is_the_reference_bit_for_bit(pow2, column_major):
+    # Both orientations from one read: q is mok.fp8.quantize_blocks' bit for bit, qt its
+    # transpose, the scales the same; and each alone (q=False / qt=False) the same bits
+    w = _weights(3, 256, 384, column_major, seed=5)
+    q, qt, s = ops.quantize_blocks_fp8(w.cuda(), pow2=pow2)
+    qr, sr = fp8.quantize_blocks(w.contiguous(), pow2=pow2)
+    assert torch.equal(s.cpu(), sr)
+    assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(qt.cpu().view(torch.uint8), qr.transpose(1, 2).contiguous().view(torch.uint8))
+    q1, none, s1 = ops.quantize_blocks_fp8(w.cuda(), qt=False, pow2=pow2)
+    none2, qt2, _ = ops.quantize_blocks_fp8(w[1].cuda(), q=False, pow2=pow2)
+    assert none is None and none2 is None
+    assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s1, s)
+    assert torch.equal(qt2.view(torch.uint8), qt[1].view(torch.uint8))
+
+
+@gpu
+@lib_has_it
+@blocks_lib
+@pytest.mark.parametrize("tile", ["128", "256"])
+def test_dgrad_reads_the_transposed_copy_with_the_weights_scales(tile, monkeypatch):
+    # da = dy · W for W [E, H, I] (w_down): B = qt [E, I, H] (N = I, K = H) with W's own scales
+    # [E, H/128, I/128] = [E, K/128, N/128] (b_transposed): the same bits as with the scales laid
+    # out for qt, and the float64 recipe's value
+    monkeypatch.setenv("MOK_TMP_FP8_TILE", tile)
+    E, H, I, blocks = 2, 384, 256, [1, 0, -1, 1]
+    w = _weights(E, H, I, False, seed=6) * 1e-3
+    _, qt, s = ops.quantize_blocks_fp8(w.cuda())
+    g = torch.Generator().manual_seed(7)
+    dy = torch.randn(128 * len(blocks), H, generator=g).bfloat16()
+    qa, sa = fp8.quantize_rows(dy)
+    be = torch.tensor(blocks, dtype=torch.int32).cuda()
+    poison = lambda: torch.full((qa.shape[0], I), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    got = ops.grouped_mm_fp8(qa.cuda(), sa.cuda(), qt, s, be, out=poison(), b_transposed=True)
+    same = ops.grouped_mm_fp8(qa.cuda(), sa.cuda(), qt, s.transpose(1, 2).contiguous(), be, out=poison())
+    assert torch.equal(got, same)
+    for i, e in enumerate(blocks):
+        rows = slice(128 * i, 128 * i + 128)
+        if e < 0:
+            assert torch.isnan(got[rows].float()).all()
+            continue
+        want = fp8.block_scaled_mm_reference(qa[rows], sa[:, rows], qt[e].cpu(), s[e].t().contiguous().cpu())
+        err = (got[rows].double().cpu() - want).abs()
+        assert torch.all(err <= want.abs() * 2.0 ** -7 + 1e-3 * want.abs().max()), err.max()
+    with pytest.raises(ValueError, match=r"b0_scales \(b_transposed\) has shape"):
+        ops.grouped_mm_fp8(qa.cuda(), sa.cuda(), qt, s.transpose(1, 2).contiguous()[:, :1], be, b_transposed=True)

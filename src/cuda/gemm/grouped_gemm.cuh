@@ -54,11 +54,12 @@ struct GroupedGemmParams {
   int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
-  // Block-scaled precisions (PrecisionE4m3Block): the shape of B's 128 x 128 blocks' scales,
-  // b0's and b1's [experts, sb_rows_per_expert, sb_k] fp32 (block (r / 128, kb) of an expert's B
-  // rows r), which come through the kernel's scale maps as A's do
+  // Block-scaled precisions (PrecisionE4m3Block): where B's 128 x 128 blocks' scales are, in
+  // b0's and b1's (which come through the kernel's scale maps as A's do): block (r / 128, kb)
+  // of expert e's B rows r at e · sb_expert_stride + (r / 128) · sb_n_stride + kb · sb_k_stride,
+  // r / 128 < sb_rows_per_expert
   int32_t sb_rows_per_expert;
-  int32_t sb_k;
+  int32_t sb_expert_stride, sb_n_stride, sb_k_stride;
   // Epilogue::kSwiGLUE4m3: out is e4m3 [rows, I]; its scales [I / 128, out_scales_ld] fp32
   float* out_scales;
   int64_t out_scales_ld;
@@ -135,13 +136,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           // + b_half_offset of the expert's, in b0 and b1; a half past the expert's rows, of a
           // partial last tile, reads its last block: unused)
           const auto blocks = [&](int row) {
-            return (expert * p.sb_rows_per_expert + min(row / 128, p.sb_rows_per_expert - 1)) * p.sb_k;
+            return expert * p.sb_expert_stride + min(row / 128, p.sb_rows_per_expert - 1) * p.sb_n_stride;
           };
           load.sa = &map_sa;
           load.sb0 = &map_sb0;
           load.sb1 = &map_sb1;
           load.sb_index0 = blocks(n_block * p.b_n_step);
           load.sb_index1 = blocks(n_block * p.b_n_step + p.b_half_offset);
+          load.sb_k_stride = p.sb_k_stride;
         }
         if (!produce_tile(s, stage, load, wait)) return;
       }

@@ -7,7 +7,6 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/gemm/grouped_gemm.cuh"
-#include "cuda/gemm/quantize.cuh"
 #include "cuda/gemm/tensor_map.hpp"
 #include "cuda/gemm/wgrad.cuh"
 #include "runtime/env.hpp"
@@ -191,7 +190,10 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     const int64_t b_blocks = g.num_experts * p.sb_rows_per_expert * k_blocks;
     map_sb0 = tensor_map_vector_f32(g.b0_scales, b_blocks, "b0's block scales");
     map_sb1 = tensor_map_vector_f32(g.b1_scales, b_blocks, "b1's block scales");
-    p.sb_k = static_cast<int32_t>(k_blocks);
+    const int32_t nb = p.sb_rows_per_expert, kbs = static_cast<int32_t>(k_blocks);
+    p.sb_expert_stride = nb * kbs;
+    p.sb_n_stride = g.b_scales_transposed ? 1 : kbs;
+    p.sb_k_stride = g.b_scales_transposed ? nb : 1;
     p.out_scales = g.out_scales;
     p.out_scales_ld = g.out_rows;
     p.out_scales_pow2 = g.out_scales_pow2 ? 1 : 0;
@@ -322,27 +324,6 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
 }
 
 // x [rows, n] bf16 -> q [rows, n] e4m3, scales [n / 128, rows] fp32: a warp a row, grid-stride
-__global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ q,
-                                     float* __restrict__ scales, int64_t rows, int64_t n, bool pow2) {
-  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
-  for (int64_t r = int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
-    quantize_row_warp(x + r * n, q + r * n, scales, rows, r, n, pow2);
-}
-
-void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2,
-                          cudaStream_t stream) {
-  MOK_CHECK_ARG(n > 0 && n % 128 == 0, "quantize rows: n = " << n << " must be a positive multiple of 128");
-  MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(q) & 3u) == 0 &&
-                    (reinterpret_cast<uintptr_t>(scales) & 3u) == 0,
-                "quantize rows: x must be 16-byte, q and scales 4-byte aligned");
-  if (rows == 0) return;
-  constexpr int kThreads = 256;  // 8 rows a block
-  const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), 65535);
-  quantize_rows_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                                          static_cast<uint8_t*>(q), scales, rows, n, pow2);
-  MOK_CUDA_CHECK(cudaGetLastError());
-}
-
 void load_backward_kernels() {
   cudaFuncAttributes a;
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfig, false>));

@@ -52,9 +52,14 @@ struct GroupedGemmArgs {
   //   b0_scales  [num_experts, ceil(b_rows_per_expert / 128), K / 128] fp32: the 128 x 128
   //   b1_scales  blocks of b0 and b1 (b1_scales == b0_scales when b1 == b0)
   // out = Σ over k-blocks of (the k-block's e4m3 products summed) · a_scale · b_scale, in fp32.
+  //   b_scales_transposed: b0_scales and b1_scales are [num_experts, K / 128, ceil(b_rows_per_expert
+  //              / 128)] instead, the block (r / 128, kb) at (e, kb, r / 128): the scales of the
+  //              matrices that b0 and b1 are transposed copies of (a 128 x 128 block's scale is its
+  //              transpose's; the dgrad kinds on the weights' transposed e4m3 copies)
   const float* a_scales = nullptr;
   const float* b0_scales = nullptr;
   const float* b1_scales = nullptr;
+  bool b_scales_transposed = false;
   // Epilogue::kSwiGLUE4m3 (block-scaled gate/up at tile N 256, I % 128 == 0): out is a in e4m3
   // [a_rows, I] and out_scales its scales [I / 128, out_rows] fp32 (per row and 128 channels,
   // k-block-major: the down kind's a_scales)
@@ -145,6 +150,28 @@ void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 // pow2: power-of-two scales (UE8M0).
 void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2,
                           cudaStream_t stream);
+
+// fp8_block's weight quantiser (mok.fp8.quantize_blocks bit for bit): num matrices w [rows,
+// cols] bf16 (rows, cols multiples of 128; element (e, r, c) at e·w_expert_stride +
+// r·w_row_stride + c·w_col_stride, row- or column-major) -> per 128 x 128 block s = max |w| / 448
+// (1 for zeros; pow2: its power-of-two ceiling) at scales[e·s_expert_stride + (r/128)·(cols/128)
+// + c/128], and e4m3(w / s) in either or both orientations: q (w's, row (e, r) at
+// e·q_expert_stride + r·q_row_stride) and qt (its transpose, row (e, c) at e·qt_expert_stride +
+// c·qt_row_stride).  One read of w serves both (the dgrad kinds read the transposed copy; a
+// block's scale is its transpose's).
+struct QuantizeBlocksArgs {
+  const void* w = nullptr;  // bf16
+  int64_t num = 1, rows = 0, cols = 0;
+  int64_t w_expert_stride = 0, w_row_stride = 0, w_col_stride = 1;
+  uint8_t* q = nullptr;
+  int64_t q_expert_stride = 0, q_row_stride = 0;
+  uint8_t* qt = nullptr;
+  int64_t qt_expert_stride = 0, qt_row_stride = 0;
+  float* scales = nullptr;
+  int64_t s_expert_stride = 0;
+  bool pow2 = false;
+};
+void launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStream_t stream);
 
 // Loads every kernel the backward launches (cudaFuncGetAttributes): with lazy module loading
 // (CUDA_MODULE_LOADING=LAZY, the default) a kernel's first launch waited while a virtual peer

@@ -113,11 +113,12 @@ struct MmaE4m3 {
 struct NoScales {};
 // The scales of each stage's k-block: A's, one per tile row (a TMA box of BLOCK_M fp32), and
 // the two B halves' 128 x 128 blocks' (sb[stage][h][0]; a box of 4 fp32 from a vector's map each,
-// its other three unused), so that no consumer waits on a global load in its K loop
+// its other three unused; 128 bytes apart, a tensor copy's shared-memory alignment), so that no
+// consumer waits on a global load in its K loop
 template <class T>
 struct BlockScales {
   alignas(128) float sa[T::kStages][T::kBlockM];
-  alignas(16) float sb[T::kStages][2][4];
+  alignas(128) float sb[T::kStages][2][32];
 };
 struct PrecisionBf16 {
   static constexpr int kElemBytes = 2;
@@ -226,12 +227,13 @@ struct TileLoad {
   // Block-scaled precisions: A's scales, [K / BLOCK_K rows, A's rows] fp32 (the tile's BLOCK_M
   // scales of a k-block are one box at (a_row, kb)); the B halves' block scales, maps over
   // b0's and b1's [experts, blocks, K / 128] fp32 as vectors, the tile's halves' rows of blocks at
-  // sb_index0 and sb_index1 (a k-block's scale at + kb)
+  // sb_index0 and sb_index1 (a k-block's scale at + kb · sb_k_stride)
   const CUtensorMap* sa = nullptr;
   const CUtensorMap* sb0 = nullptr;
   const CUtensorMap* sb1 = nullptr;
   int32_t sb_index0 = 0;
   int32_t sb_index1 = 0;
+  int32_t sb_k_stride = 1;
 };
 
 // The producer's loop: for each k-block of [first, last), wait for an empty stage, arm its full
@@ -267,8 +269,8 @@ __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineSta
     ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
     if constexpr (P::kBlockScaled) {
       ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
-      ptx::tma_load_2d(s.sb[i][0], t.sb0, full, t.sb_index0 + kb, 0);
-      ptx::tma_load_2d(s.sb[i][1], t.sb1, full, t.sb_index1 + kb, 0);
+      ptx::tma_load_2d(s.sb[i][0], t.sb0, full, t.sb_index0 + kb * t.sb_k_stride, 0);
+      ptx::tma_load_2d(s.sb[i][1], t.sb1, full, t.sb_index1 + kb * t.sb_k_stride, 0);
     }
   });
 }
