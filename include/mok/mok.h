@@ -372,8 +372,7 @@ MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* strea
  *   b1_scales  the same for b1 (gate/up kinds; ignored for down)
  * out = Σ over k-blocks of (the k-block's e4m3 products, summed on the tensor cores) · a scale ·
  * b scale, promoted into fp32 once per k-block (fma, k-block order), then the kind's epilogue in
- * bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0 (a_scales' rows are 16-byte aligned); CUDA tensors,
- * the scales' data 16-byte aligned (they are read by TMA).
+ * bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0 (a_scales' rows are 16-byte aligned).  CUDA tensors.
  * Gate/up with out float8_e4m3fn [M, N] (N % 128 == 0): a = silu(g)·u in fp32 quantised for the
  * down kind, per row and 128 channels (scale = max |a| / 448, 1 for zeros; a / scale rounded to
  * nearest even, saturating), its scales written to `out` [N/128, M] fp32 (its a_scales). */

@@ -54,10 +54,12 @@ struct GroupedGemmParams {
   int32_t n_group;           // raster: N-blocks per group
   uint64_t timeout_ns;       // deadline of every wait, from kernel entry
   int64_t* timeout_record;   // device [5], see WaitContext
-  // Block-scaled precisions (PrecisionE4m3Block): where B's 128 x 128 blocks' scales are, in
-  // b0's and b1's (which come through the kernel's scale maps as A's do): block (r / 128, kb)
-  // of expert e's B rows r at e · sb_expert_stride + (r / 128) · sb_n_stride + kb · sb_k_stride,
-  // r / 128 < sb_rows_per_expert
+  // Block-scaled precisions (PrecisionE4m3Block; A's scales come through the kernel's scale
+  // map): B's 128 x 128 blocks' scales, b0's and b1's: block (r / 128, kb) of expert e's B rows
+  // r at e · sb_expert_stride + (r / 128) · sb_n_stride + kb · sb_k_stride, r / 128 <
+  // sb_rows_per_expert
+  const float* sb0;
+  const float* sb1;
   int32_t sb_rows_per_expert;
   int32_t sb_expert_stride, sb_n_stride, sb_k_stride;
   // Epilogue::kSwiGLUE4m3: out is e4m3 [rows, I]; its scales [I / 128, out_scales_ld] fp32
@@ -82,15 +84,13 @@ using GroupedGemmParamsOf = std::conditional_t<kSwiGLUBwd, GroupedGemmSwiGLUBwdP
 // T: the tile shape (config.hpp), 128 x 256 unless the launch asks for another.
 // kSwiGLUBwd (with kBNMajor: the dgrad-down kind): the one epilogue is epilogue_dgrad_swiglu
 // (epilogue_bwd.cuh), a kernel of its own so that the other kinds' code is not touched.
-// Prec: the operands' precision (tile.cuh), the tile's bytes' unless block-scaled; map_sa,
-// map_sb0, map_sb1: A's scales and the B halves' block scales of a block-scaled precision
-// (map_a otherwise, unused).
+// Prec: the operands' precision (tile.cuh), the tile's bytes' unless block-scaled; map_sa:
+// A's scales of a block-scaled precision (map_a otherwise, unused).
 template <bool kBNMajor, class T = TileConfig, bool kSwiGLUBwd = false, class Prec = PrecisionOf<T>>
 __global__ void __launch_bounds__(T::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b0,
                         const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParamsOf<kSwiGLUBwd> p,
-                        const __grid_constant__ CUtensorMap map_sa, const __grid_constant__ CUtensorMap map_sb0,
-                        const __grid_constant__ CUtensorMap map_sb1) {
+                        const __grid_constant__ CUtensorMap map_sa) {
   using C = T;
   static_assert(!Prec::kBlockScaled || (!kBNMajor && !kSwiGLUBwd), "block-scaled kinds: the K-major forward ones");
   extern __shared__ uint8_t smem_raw[];
@@ -107,11 +107,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ptx::prefetch_tensormap(&map_a);
     ptx::prefetch_tensormap(&map_b0);
     ptx::prefetch_tensormap(&map_b1);
-    if constexpr (Prec::kBlockScaled) {
-      ptx::prefetch_tensormap(&map_sa);
-      ptx::prefetch_tensormap(&map_sb0);
-      ptx::prefetch_tensormap(&map_sb1);
-    }
+    if constexpr (Prec::kBlockScaled) ptx::prefetch_tensormap(&map_sa);
   }
   __syncthreads();
 
@@ -136,13 +132,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           // + b_half_offset of the expert's, in b0 and b1; a half past the expert's rows, of a
           // partial last tile, reads its last block: unused)
           const auto blocks = [&](int row) {
-            return expert * p.sb_expert_stride + min(row / 128, p.sb_rows_per_expert - 1) * p.sb_n_stride;
+            return int64_t{expert} * p.sb_expert_stride + min(row / 128, p.sb_rows_per_expert - 1) * p.sb_n_stride;
           };
           load.sa = &map_sa;
-          load.sb0 = &map_sb0;
-          load.sb1 = &map_sb1;
-          load.sb_index0 = blocks(n_block * p.b_n_step);
-          load.sb_index1 = blocks(n_block * p.b_n_step + p.b_half_offset);
+          load.sb0 = p.sb0 + blocks(n_block * p.b_n_step);
+          load.sb1 = p.sb1 + blocks(n_block * p.b_n_step + p.b_half_offset);
           load.sb_k_stride = p.sb_k_stride;
         }
         if (!produce_tile(s, stage, load, wait)) return;

@@ -182,14 +182,13 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   GroupedGemmParamsOf<kSwiGLUBwd> p;
   if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g);
   else p = common_params(g);
-  CUtensorMap map_sa = map_a, map_sb0 = map_a, map_sb1 = map_a;
+  CUtensorMap map_sa = map_a;
   if constexpr (Prec::kBlockScaled) {
     const int64_t k_blocks = g.k / T::kBlockK;
     map_sa = tensor_map_scales(g.a_scales, k_blocks, g.a_rows, T::kBlockM);
+    p.sb0 = g.b0_scales;
+    p.sb1 = g.b1_scales;
     p.sb_rows_per_expert = static_cast<int32_t>(tiles_of(g.b_rows_per_expert, 128));
-    const int64_t b_blocks = g.num_experts * p.sb_rows_per_expert * k_blocks;
-    map_sb0 = tensor_map_vector_f32(g.b0_scales, b_blocks, "b0's block scales");
-    map_sb1 = tensor_map_vector_f32(g.b1_scales, b_blocks, "b1's block scales");
     const int32_t nb = p.sb_rows_per_expert, kbs = static_cast<int32_t>(k_blocks);
     p.sb_expert_stride = nb * kbs;
     p.sb_n_stride = g.b_scales_transposed ? 1 : kbs;
@@ -203,8 +202,7 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd, Prec>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int grid = std::min(g.num_blocks > 0 ? g.num_blocks : sms, g.max_m_blocks * g.num_n_blocks);
-  grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd, Prec><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p, map_sa,
-                                                                                   map_sb0, map_sb1);
+  grouped_gemm_kernel<kBNMajor, T, kSwiGLUBwd, Prec><<<grid, T::kThreads, smem, stream>>>(map_a, map_b0, map_b1, p, map_sa);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -302,8 +300,8 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
       MOK_CHECK_ARG(g.a_rows % 4 == 0 && aligned16(g.a_scales),
                     "grouped GEMM (e4m3 block scales): a_scales [K/128, a_rows] needs a_rows % 4 == 0 (a_rows = "
                         << g.a_rows << ") and 16-byte alignment");
-      MOK_CHECK_ARG(aligned16(g.b0_scales) && aligned16(g.b1_scales),
-                    "grouped GEMM (e4m3 block scales): b0_scales and b1_scales must be 16-byte aligned");
+      MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(g.b0_scales) & 3u) == 0 && (reinterpret_cast<uintptr_t>(g.b1_scales) & 3u) == 0,
+                    "grouped GEMM (e4m3 block scales): b0_scales and b1_scales must be 4-byte aligned");
     }
     if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;
     int device = 0, sms = 0;

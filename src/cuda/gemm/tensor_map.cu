@@ -68,26 +68,6 @@ CUtensorMap tensor_map_scales(const float* base, int64_t rows, int64_t cols, int
   return map;
 }
 
-CUtensorMap tensor_map_vector_f32(const float* base, int64_t count, const char* what) {
-  MOK_CHECK_ARG(base != nullptr && count > 0 && count < (int64_t{1} << 32),
-                "tensor map: " << what << " (" << count << " fp32) must be a non-empty tensor");
-  MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(base) & 15u) == 0,
-                "tensor map: " << what << " at " << base << " must be 16-byte aligned");
-  // A map of rank 2, [1, count]: one row, its stride (never stepped) a multiple of 16 bytes
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(count), 1};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>((count * 4 + 15) / 16 * 16)};
-  const cuuint32_t box[2] = {4, 1};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(base), dims, strides,
-                                    box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                                    CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    MOK_FAIL(mokCudaError, "cuTensorMapEncodeTiled failed (" << static_cast<int>(r) << ") for " << what << " ["
-                                                             << count << "] fp32 at " << base);
-  return map;
-}
-
 int64_t matrix_pitch(const MatrixStack& m) {
   const int64_t row = m.row_stride > 0 ? m.row_stride : m.cols;
   const int64_t expert = m.expert_stride > 0 ? m.expert_stride : m.rows * row;

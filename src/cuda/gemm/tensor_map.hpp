@@ -19,10 +19,6 @@ CUtensorMap tensor_map_2d(const void* base, int64_t rows, int64_t cols, int box_
 // row by box_cols, no swizzle: the block scales of an operand, a k-block's row of them at a time.
 CUtensorMap tensor_map_scales(const float* base, int64_t rows, int64_t cols, int box_cols);
 
-// A map over a vector of `count` fp32 (base 16-byte aligned; `what` names it in errors), boxes
-// of 4 at (index, 0): one scale at any index (the box's first), with no alignment on the index.
-CUtensorMap tensor_map_vector_f32(const float* base, int64_t count, const char* what);
-
 // A stack of num [rows, cols] bf16 matrices in place, strides s (ref::MatrixStrides, checked
 // by runtime/tensor.hpp check_matrices): one 2-D map whose rows are every row of the stack's
 // span, matrix e's row r at map row e·pitch + r (matrix_pitch).  Frameworks' fused and

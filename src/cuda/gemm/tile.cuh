@@ -112,13 +112,13 @@ struct MmaE4m3 {
 // 128 block, one fp32 FFMA an element per k-block (128 of K) promoting the fp8 MMAs' partial sum.
 struct NoScales {};
 // The scales of each stage's k-block: A's, one per tile row (a TMA box of BLOCK_M fp32), and
-// the two B halves' 128 x 128 blocks' (sb[stage][h][0]; a box of 4 fp32 from a vector's map each,
-// its other three unused; 128 bytes apart, a tensor copy's shared-memory alignment), so that no
-// consumer waits on a global load in its K loop
+// the two B halves' 128 x 128 blocks' (sb[stage][h]: the producer's own loads and stores, its
+// second arrival on the stage's full barrier), so that no consumer waits on a global load in
+// its K loop
 template <class T>
 struct BlockScales {
   alignas(128) float sa[T::kStages][T::kBlockM];
-  alignas(128) float sb[T::kStages][2][32];
+  float sb[T::kStages][2];
 };
 struct PrecisionBf16 {
   static constexpr int kElemBytes = 2;
@@ -147,7 +147,7 @@ struct PrecisionE4m3Block : PrecisionE4m3 {
   using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass the scale maps)
   static constexpr bool kBlockScaled = true;
   template <class T>
-  static constexpr uint32_t kScaleTxBytes = (T::kBlockM + 2 * 4) * sizeof(float);
+  static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);  // A's; B's are stored by the producer
 };
 // The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
@@ -175,8 +175,11 @@ struct StageStorageT : Prec::template StageScales<T> {
   // their barriers (an mbarrier's parity cannot tell phase p from p + 2)
   uint64_t turn[2];
 
+  // Arrivals that fill a stage: the producer's with the TMA bytes, and a block-scaled stage's
+  // B scales, stored by the producer itself
+  static constexpr int kFills = Prec::kBlockScaled ? 2 : 1;
   __device__ void init_barriers() {
-    pipe.init(1, kReleases);
+    pipe.init(kFills, kReleases);
     if constexpr (T::kPingPong) {
       ptx::mbar_init(&turn[0], 1);
       ptx::mbar_init(&turn[1], 1);
@@ -225,14 +228,11 @@ struct TileLoad {
   int32_t b_half_offset;
   int32_t num_k_blocks;
   // Block-scaled precisions: A's scales, [K / BLOCK_K rows, A's rows] fp32 (the tile's BLOCK_M
-  // scales of a k-block are one box at (a_row, kb)); the B halves' block scales, maps over
-  // b0's and b1's [experts, blocks, K / 128] fp32 as vectors, the tile's halves' rows of blocks at
-  // sb_index0 and sb_index1 (a k-block's scale at + kb · sb_k_stride)
+  // scales of a k-block are one box at (a_row, kb)); the B halves' 128 x 128 blocks' scales, a
+  // k-block's at sb0[kb · sb_k_stride] and sb1[kb · sb_k_stride]
   const CUtensorMap* sa = nullptr;
-  const CUtensorMap* sb0 = nullptr;
-  const CUtensorMap* sb1 = nullptr;
-  int32_t sb_index0 = 0;
-  int32_t sb_index1 = 0;
+  const float* sb0 = nullptr;
+  const float* sb1 = nullptr;
   int32_t sb_k_stride = 1;
 };
 
@@ -269,8 +269,12 @@ __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineSta
     ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
     if constexpr (P::kBlockScaled) {
       ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
-      ptx::tma_load_2d(s.sb[i][0], t.sb0, full, t.sb_index0 + kb * t.sb_k_stride, 0);
-      ptx::tma_load_2d(s.sb[i][1], t.sb1, full, t.sb_index1 + kb * t.sb_k_stride, 0);
+      // The B scales (a TMA box cannot start at any fp32: its inner bytes are 16-aligned):
+      // loaded under the stage's copies, stored, then the stage's second arrival (release)
+      const float b0 = __ldg(t.sb0 + kb * t.sb_k_stride), b1 = __ldg(t.sb1 + kb * t.sb_k_stride);
+      s.sb[i][0] = b0;
+      s.sb[i][1] = b1;
+      ptx::mbar_arrive(full);
     }
   });
 }
@@ -383,7 +387,7 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
     const int i = stage.index;
     const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[i] + consumer * 64 * T::kBlockK);
     const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
-    const float sb0 = ptx::ld_shared_f32(&s.sb[i][0][0]), sb1 = ptx::ld_shared_f32(&s.sb[i][1][0]);
+    const float sb0 = ptx::ld_shared_f32(&s.sb[i][0]), sb1 = ptx::ld_shared_f32(&s.sb[i][1]);
 #pragma unroll
     for (int q = 0; q < kParts; ++q) {
       // The part's four k32 steps: B rows [128 q, 128 q + 128) of the stage, a fresh sum
