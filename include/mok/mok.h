@@ -27,9 +27,9 @@ extern "C" {
 /* The one version number of mok: CMake's project() version, the Python package's
  * (pyproject.toml) and mok.__version__ are all read from these lines. */
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 4
+#define MOK_VERSION_MINOR 5
 #define MOK_VERSION_PATCH 0
-#define MOK_VERSION_STRING "0.4.0"
+#define MOK_VERSION_STRING "0.5.0"
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
 typedef enum mokResult_t {
@@ -168,12 +168,30 @@ typedef struct mokWeights_t {
   mokTensor_t ws_gate, ws_up, ws_down;
 } mokWeights_t;
 
+/* fp8_block (config.precision = mokPrecisionFP8Block): one weight W [.., R, C] of mokWeights_t
+ * quantised per 128 x 128 block (mokQuantizeWeights writes it from W once per optimizer step):
+ *   q       [.., R, C] float8_e4m3fn: W / its block's scale, in W's index order (row-major)
+ *   qt      [.., C, R] float8_e4m3fn: its transpose (what the backward's dgrad GEMMs read)
+ *   scales  [.., R/128, C/128] float32: one per block (a block's scale is its transpose's)
+ * all contiguous, on W's device. */
+typedef struct mokFp8Weight_t {
+  mokTensor_t q, qt, scales;
+} mokFp8Weight_t;
+typedef struct mokFp8Weights_t {
+  mokFp8Weight_t w_gate, w_up, w_down;
+  mokFp8Weight_t ws_gate, ws_up, ws_down;
+} mokFp8Weights_t;
+
 /* One rank's forward.  x [T, H] bf16; topk_ids [T, k] int32|int64 in [-1, E);
- * topk_weights [T, k] fp32; y [T, H] bf16 (written). */
+ * topk_weights [T, k] fp32; y [T, H] bf16 (written).
+ * fp8 (since 0.5): config.precision = fp8_block on CUDA reads the weights' quantised copies
+ * from here (mokQuantizeWeights; q and scales, and qt for the backward), not `weights`; absent
+ * (zeroed) otherwise.  The CPU reference quantises `weights` itself and ignores it. */
 typedef struct mokForwardArgs_t {
   mokTensor_t x, topk_ids, topk_weights;
   mokWeights_t weights;
   mokTensor_t y;
+  mokFp8Weights_t fp8;
 } mokForwardArgs_t;
 
 /* One rank's backward: the forward inputs, dy [T, H] bf16, and the gradients.
@@ -401,6 +419,12 @@ MOK_API mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t*
  * w / scale in float8_e4m3fn (nearest even, saturating) in either or both orientations: q [E, R, C]
  * (w's) and qt [E, C, R] (its transpose, which the dgrad kinds read; the scales serve both).  One
  * read of w.  q or qt may be absent (not both); CUDA tensors, q, qt and scales contiguous. */
+/* fp8_block's weights, once per optimizer step: for each weight of `weights` whose mokFp8Weight_t
+ * in `fp8` is present (its scales given), the scales and whichever of q and qt are given
+ * (shapes in mokFp8Weight_t; pow2 != 0: power-of-two scales, UE8M0).  One read of each weight
+ * (mokQuantizeBlocksE4m3).  CUDA tensors. */
+MOK_API mokResult_t mokQuantizeWeights(const mokConfig_t* config, const mokWeights_t* weights,
+                                       const mokFp8Weights_t* fp8, int32_t pow2, void* stream);
 MOK_API mokResult_t mokQuantizeBlocksE4m3(const mokTensor_t* w, const mokTensor_t* q, const mokTensor_t* qt,
                                           const mokTensor_t* scales, int32_t pow2, void* stream);
 

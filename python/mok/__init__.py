@@ -1,7 +1,8 @@
 """mok: a deterministic mixture-of-experts training layer (C++/CUDA core, PyTorch front)."""
 from . import _lib
-from . import experts, fp8, functional, nn, ops
+from . import experts, fp8, functional, nn, ops, quantized
 from .functional import MoKConfig
+from .quantized import quantize_weights
 
 __version__ = _lib.version_string()
 
@@ -23,4 +24,4 @@ def has_cuda() -> bool:
     return _lib.has_cuda()
 
 
-__all__ = ["functional", "ops", "nn", "experts", "fp8", "MoKConfig", "has_cuda", "cmake_prefix_path", "__version__"]
+__all__ = ["functional", "ops", "nn", "experts", "fp8", "quantized", "quantize_weights", "MoKConfig", "has_cuda", "cmake_prefix_path", "__version__"]

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 
 # Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
-ABI_VERSION = (0, 4)
+ABI_VERSION = (0, 5)
 CONFIG_VERSION = 2
 MAX_DIMS = 4
 DEVICE_CPU = -1
@@ -106,6 +106,17 @@ class mokWeights(ctypes.Structure):
     _fields_ = [(name, mokTensor) for name in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")]
 
 
+class mokFp8Weight(ctypes.Structure):
+    _fields_ = [("q", mokTensor), ("qt", mokTensor), ("scales", mokTensor)]
+
+
+WEIGHT_NAMES = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")
+
+
+class mokFp8Weights(ctypes.Structure):
+    _fields_ = [(name, mokFp8Weight) for name in WEIGHT_NAMES]
+
+
 class mokForwardArgs(ctypes.Structure):
     _fields_ = [
         ("x", mokTensor),
@@ -113,6 +124,7 @@ class mokForwardArgs(ctypes.Structure):
         ("topk_weights", mokTensor),
         ("weights", mokWeights),
         ("y", mokTensor),
+        ("fp8", mokFp8Weights),
     ]
 
 
@@ -207,6 +219,8 @@ def _load() -> ctypes.CDLL:
 OPTIONAL_SIGNATURES = {
     "mokGroupedGemmBlockScaled": (c_int, [POINTER(mokGroupedGemmArgs), POINTER(mokGemmBlockScales), c_void_p]),
     "mokQuantizeRowsE4m3": (c_int, [POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor), c_int32, c_void_p]),
+    "mokQuantizeWeights": (c_int, [POINTER(mokConfig), POINTER(mokWeights), POINTER(mokFp8Weights), c_int32,
+                                   c_void_p]),
     "mokQuantizeBlocksE4m3": (c_int, [POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor),
                                       c_int32, c_void_p]),
     "mokForwardSave": (c_int, [c_void_p, POINTER(mokForwardArgs), POINTER(mokSaved), c_void_p]),

@@ -438,6 +438,60 @@ mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, cons
   });
 }
 
+mokResult_t mokQuantizeWeights(const mokConfig_t* config, const mokWeights_t* weights, const mokFp8Weights_t* fp8,
+                               int32_t pow2, void* stream) {
+  return guarded("mokQuantizeWeights", [&] {
+    MOK_CHECK_ARG(weights != nullptr && fp8 != nullptr, "weights or fp8 is NULL");
+    const mokConfig_t c = mok::normalize_config(config);  // the dimensions; the views are checked below
+    MOK_CHECK_ARG(c.ep_size >= 1 && c.num_experts % c.ep_size == 0,
+                  "config.num_experts = " << c.num_experts << " is not a multiple of ep_size = " << c.ep_size);
+    const int64_t El = c.num_experts / c.ep_size, H = c.hidden, I = c.intermediate, Is = c.shared_intermediate;
+    struct One {
+      const mokTensor_t& w;
+      const mokFp8Weight_t& f;
+      const char* name;
+      int64_t num, rows, cols;  // num 0: a single matrix
+    };
+    const One all[] = {{weights->w_gate, fp8->w_gate, "w_gate", El, I, H},
+                       {weights->w_up, fp8->w_up, "w_up", El, I, H},
+                       {weights->w_down, fp8->w_down, "w_down", El, H, I},
+                       {weights->ws_gate, fp8->ws_gate, "ws_gate", 0, Is, H},
+                       {weights->ws_up, fp8->ws_up, "ws_up", 0, Is, H},
+                       {weights->ws_down, fp8->ws_down, "ws_down", 0, H, Is}};
+    std::vector<mok::cuda::QuantizeBlocksCall> calls;
+    for (const One& o : all) {
+      if (!mok::present(o.f.scales)) {
+        MOK_CHECK_ARG(!mok::present(o.f.q) && !mok::present(o.f.qt),
+                      "fp8." << o.name << ": q or qt given without scales");
+        continue;
+      }
+      MOK_CHECK_ARG(o.rows > 0 && o.rows % 128 == 0 && o.cols % 128 == 0,
+                    "fp8." << o.name << ": the weight is [" << o.rows << ", " << o.cols
+                           << "]; fp8_block needs multiples of 128 (whole 128 x 128 blocks)");
+      const auto shape = [&](int64_t a, int64_t b) {
+        return o.num > 0 ? std::vector<int64_t>{o.num, a, b} : std::vector<int64_t>{a, b};
+      };
+      const int32_t dev = o.f.scales.device;
+      const mok::ref::MatrixStrides strides =
+          mok::check_matrices(o.w, std::string("weights.") + o.name, {mokBFloat16}, shape(o.rows, o.cols), dev);
+      const bool has_q = mok::present(o.f.q), has_qt = mok::present(o.f.qt);
+      MOK_CHECK_ARG(has_q || has_qt, "fp8." << o.name << ": scales without q or qt: nothing to quantise into");
+      if (has_q) mok::check_tensor(o.f.q, std::string("fp8.") + o.name + ".q", {mokFloat8E4M3}, shape(o.rows, o.cols), dev);
+      if (has_qt)
+        mok::check_tensor(o.f.qt, std::string("fp8.") + o.name + ".qt", {mokFloat8E4M3}, shape(o.cols, o.rows), dev);
+      mok::check_tensor(o.f.scales, std::string("fp8.") + o.name + ".scales", {mokFloat32},
+                        shape(o.rows / 128, o.cols / 128), dev);
+      MOK_CHECK_ARG(dev >= 0, "fp8." << o.name << ".scales is on the CPU; mokQuantizeWeights runs on CUDA tensors "
+                                        "(the CPU reference quantises the weights itself)");
+      calls.push_back(mok::cuda::QuantizeBlocksCall{o.w.data, o.num > 0 ? o.num : 1, o.rows, o.cols, strides,
+                                                    has_q ? o.f.q.data : nullptr, has_qt ? o.f.qt.data : nullptr,
+                                                    static_cast<float*>(o.f.scales.data), pow2 != 0});
+    }
+    // Every view checked before the first launch
+    for (const auto& call : calls) mok::cuda::quantize_blocks(call, stream);
+  });
+}
+
 mokResult_t mokQuantizeBlocksE4m3(const mokTensor_t* w, const mokTensor_t* q, const mokTensor_t* qt,
                                   const mokTensor_t* scales, int32_t pow2, void* stream) {
   return guarded("mokQuantizeBlocksE4m3", [&] {

@@ -258,3 +258,50 @@ def test_dgrad_reads_the_transposed_copy_with_the_weights_scales(tile, monkeypat
         assert torch.all(err <= want.abs() * 2.0 ** -7 + 1e-3 * want.abs().max()), err.max()
     with pytest.raises(ValueError, match=r"b0_scales \(b_transposed\) has shape"):
         ops.grouped_mm_fp8(qa.cuda(), sa.cuda(), qt, s.transpose(1, 2).contiguous()[:, :1], be, b_transposed=True)
+
+
+def _layer_weights(E, H, I, Is, column_major, seed):
+    """A layer's bf16 weights (routed ones column-major: views of transposed stacks)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, col=False):
+        t = (torch.randn(*shape, generator=g) * 10.0 ** torch.randint(-3, 2, (1,), generator=g).item()).bfloat16()
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2) if col else t
+    return dict(w_gate=w(E, I, H, col=column_major), w_up=w(E, I, H, col=column_major),
+                w_down=w(E, H, I, col=column_major), ws_gate=w(Is, H), ws_up=w(Is, H), ws_down=w(H, Is))
+
+
+def test_quantize_weights_on_the_cpu_is_quantize_blocks():
+    ws = _layer_weights(2, 256, 128, 128, True, seed=8)
+    fw = mok.quantize_weights(**ws, pow2=True)
+    for name, w in ws.items():
+        q, s = fp8.quantize_blocks(w.contiguous(), pow2=True)
+        f = fw[name]
+        assert torch.equal(f.scales, s) and torch.equal(f.q.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(f.qt.view(torch.uint8), q.transpose(-1, -2).contiguous().view(torch.uint8))
+    assert fw.current(**ws)
+    ws["w_up"].mul_(2)  # an optimizer step in place: the copy is stale
+    assert not fw.current(**ws)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        mok.quantize_weights(**dict(ws, ws_down=torch.zeros(256, 192, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="w_gate must be bfloat16"):
+        mok.quantize_weights(**dict(ws, w_gate=ws["w_gate"].float()))
+
+
+@gpu
+@pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeWeights"), reason="this libmok predates mokQuantizeWeights")
+@pytest.mark.parametrize("column_major", [False, True])
+def test_quantize_weights_on_the_gpu_is_the_cpus_bit_for_bit(column_major):
+    ws = _layer_weights(3, 384, 256, 128, column_major, seed=9)
+    cpu = mok.quantize_weights(**ws)
+    gpu_ws = {n: w.cuda() for n, w in ws.items()}
+    gpu_ws = {n: (w if not column_major or n.startswith("ws") else
+                  w.transpose(-1, -2).contiguous().transpose(-1, -2)) for n, w in gpu_ws.items()}
+    dev = mok.quantize_weights(**gpu_ws)
+    for name in ws:
+        a, b = cpu[name], dev[name]
+        assert torch.equal(b.scales.cpu(), a.scales), name
+        assert torch.equal(b.q.cpu().view(torch.uint8), a.q.view(torch.uint8)), name
+        assert torch.equal(b.qt.cpu().view(torch.uint8), a.qt.view(torch.uint8)), name
+    fwd_only = mok.quantize_weights(**gpu_ws, transposed=False)
+    assert fwd_only["w_down"].qt is None and torch.equal(fwd_only["w_down"].q, dev["w_down"].q)
