@@ -93,7 +93,7 @@ typedef struct mokTensor_t {
 
 /* Versioned config. Always start from MOK_CONFIG_INITIALIZER, then set fields.
  * Every field is 8 bytes wide so that the layout is the same for every binding. */
-#define MOK_CONFIG_VERSION 2
+#define MOK_CONFIG_VERSION 3
 typedef struct mokConfig_t {
   uint64_t size;          /* sizeof(mokConfig_t) as the caller compiled it */
   uint64_t version;       /* MOK_CONFIG_VERSION */
@@ -122,6 +122,9 @@ typedef struct mokConfig_t {
   /* since config version 2 */
   int64_t num_blocks;           /* grid of the persistent CUDA kernels; 0 = one block per SM
                                    (virtual ranks: SMs / P each, so that all P run at once) */
+  /* since config version 3 */
+  int64_t fp8_pow2_scales;      /* fp8_block: 1 = every scale a power of two (UE8M0, the ceiling
+                                   of max |v| / 448), 0 = max |v| / 448 in fp32 */
 } mokConfig_t;
 
 /* The defaults of the knobs: their one home.  C++ (mok::default_config), the plan and the
@@ -147,7 +150,7 @@ typedef struct mokConfig_t {
         MOK_DEFAULT_BWD_NUM_COMM_SMS, MOK_DEFAULT_MINIBATCH_SIZE, MOK_DEFAULT_MACROBATCH_SIZE,  \
         MOK_DEFAULT_BLOCK_M, /*precision*/ mokPrecisionBF16,                                    \
         /*schedule_capacity_multiplier*/ 1.0, MOK_DEFAULT_TIMEOUT_S,                           \
-        /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0, /*num_blocks*/ 0                          \
+        /*device*/ MOK_DEVICE_CPU, /*num_threads*/ 0, /*num_blocks*/ 0, /*fp8_pow2_scales*/ 0  \
   }
 
 /* Weights of one rank: its E_l = E/P routed experts and the optional shared expert.

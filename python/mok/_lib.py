@@ -15,7 +15,7 @@ import torch
 
 # Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
 ABI_VERSION = (0, 5)
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 MAX_DIMS = 4
 DEVICE_CPU = -1
 
@@ -78,6 +78,8 @@ class mokConfig(ctypes.Structure):
             ("num_threads", c_int64),
             # since config version 2
             ("num_blocks", c_int64),
+            # since config version 3
+            ("fp8_pow2_scales", c_int64),
         ]
     )
 

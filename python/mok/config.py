@@ -50,7 +50,9 @@ class MoKConfig:
     kernel that pull rows from the peers before they compute; at EP = 1 no block is set aside
     (the producer warpgroups' gather warps copy the rows).
     macrobatch_size: rows of the ring; 0 = chosen by mok; MACROBATCH_ALL_ROWS = every row of a
-    worst-case plan (recommended for training: no expert's weight gradient split into pieces)."""
+    worst-case plan (recommended for training: no expert's weight gradient split into pieces).
+    precision: "bf16" (default) or "fp8_block" (docs/precision.md); fp8_pow2_scales: its scales
+    powers of two (UE8M0) instead of max |v| / 448 in fp32."""
 
     fwd_num_comm_sms: int = DEFAULTS["fwd_num_comm_sms"]
     bwd_num_comm_sms: int = DEFAULTS["bwd_num_comm_sms"]
@@ -62,6 +64,7 @@ class MoKConfig:
     timeout_s: float = DEFAULTS["timeout_s"]
     num_threads: int = DEFAULTS["num_threads"]
     num_blocks: int = DEFAULTS["num_blocks"]
+    fp8_pow2_scales: bool = bool(DEFAULTS["fp8_pow2_scales"])
 
     def __post_init__(self) -> None:
         if int(self.num_blocks) < 0:
@@ -102,6 +105,7 @@ def _c_config(dims: LayerDims, config: Optional[MoKConfig], device: int) -> _lib
             setattr(c, field.name, getattr(config, field.name))
     c.precision = _lib.PRECISIONS[config.precision]
     c.num_blocks = config.num_blocks
+    c.fp8_pow2_scales = 1 if config.fp8_pow2_scales else 0
     c.device = device
     return c
 

@@ -29,12 +29,13 @@ def config_args(config: Optional[F.MoKConfig] = None) -> dict:
 
 
 def _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-            schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks) -> F.MoKConfig:
+            schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks,
+            fp8_pow2_scales=False) -> F.MoKConfig:
     if precision not in _PRECISION_NAMES:
         raise ValueError(f"precision = {precision}; expected one of {sorted(_PRECISION_NAMES)}")
     return F.MoKConfig(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
                        schedule_capacity_multiplier, _PRECISION_NAMES[precision], timeout_s, num_threads,
-                       num_blocks)
+                       num_blocks, bool(fp8_pow2_scales))
 
 
 def _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config) -> Optional[F.Workspace]:
@@ -53,10 +54,11 @@ def forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Tensor, w
             macrobatch_size: int = _D["macrobatch_size"], block_m: int = _D["block_m"],
             schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
             precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
-            num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"]) -> Tensor:
+            num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"],
+            fp8_pow2_scales: bool = bool(_D["fp8_pow2_scales"])) -> Tensor:
     """y [T, H] bf16 of the MoE layer (EP = 1)."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks, fp8_pow2_scales)
     ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
     y, _ = F.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, workspace=ws,
                      config=None if ws is not None else config)
@@ -77,6 +79,7 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_ga
              block_m: int = _D["block_m"], schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
              precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
              num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"],
+             fp8_pow2_scales: bool = bool(_D["fp8_pow2_scales"]),
              saved_h: Optional[Tensor] = None, saved_shared_h: Optional[Tensor] = None
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, d_topk_weights, d w_gate, d w_up, d w_down, d ws_gate, d ws_up, d ws_down); the
@@ -84,7 +87,7 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_ga
     saved_shared_h with a shared expert): what mok::forward_saving returned for the same inputs
     (the pre-activations are then read, not recomputed)."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks, fp8_pow2_scales)
     ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
     ctx = F.recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
                                       workspace=ws, config=None if ws is not None else config)
@@ -113,12 +116,13 @@ def forward_saving(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate: Te
                    macrobatch_size: int = _D["macrobatch_size"], block_m: int = _D["block_m"],
                    schedule_capacity_multiplier: float = _D["schedule_capacity_multiplier"],
                    precision: int = _D["precision"], timeout_s: float = _D["timeout_s"],
-                   num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"]
+                   num_threads: int = _D["num_threads"], num_blocks: int = _D["num_blocks"],
+                   fp8_pow2_scales: bool = bool(_D["fp8_pow2_scales"])
                    ) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, saved_h, saved_shared_h): the training forward on CUDA, with the gate/up
     pre-activations kept for mok::backward (saved_shared_h is empty without a shared expert)."""
     config = _config(fwd_num_comm_sms, bwd_num_comm_sms, minibatch_size, macrobatch_size, block_m,
-                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks)
+                     schedule_capacity_multiplier, precision, timeout_s, num_threads, num_blocks, fp8_pow2_scales)
     ws = _workspace(x, topk_ids, w_gate, ws_gate, max_tokens, config)
     y, ctx = F.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down, workspace=ws,
                        config=None if ws is not None else config, save_for_backward=True)

@@ -48,7 +48,7 @@ struct BlockQuantized {
   const float* row(int64_t r) const { return q.data() + r * cols; }
   float scale(int64_t r, int64_t kb) const { return s[static_cast<size_t>((r / kFp8Block) * (cols / kFp8Block) + kb)]; }
 };
-BlockQuantized quantize_matrix(const bf16_t* m, int64_t rows, int64_t cols, int64_t ld) {
+BlockQuantized quantize_matrix(const bf16_t* m, int64_t rows, int64_t cols, int64_t ld, bool pow2) {
   BlockQuantized out;
   out.cols = cols;
   out.q.resize(static_cast<size_t>(rows * cols));
@@ -58,7 +58,7 @@ BlockQuantized quantize_matrix(const bf16_t* m, int64_t rows, int64_t cols, int6
     for (int64_t cb = 0; cb < cols / kFp8Block; ++cb) {
       for (int64_t r = 0; r < kFp8Block; ++r)
         to_float(m + (rb * kFp8Block + r) * ld + cb * kFp8Block, &block[static_cast<size_t>(r * kFp8Block)], kFp8Block);
-      out.s[static_cast<size_t>(rb * (cols / kFp8Block) + cb)] = quantize_block(block.data(), qb.data(), kFp8Block * kFp8Block);
+      out.s[static_cast<size_t>(rb * (cols / kFp8Block) + cb)] = quantize_block(block.data(), qb.data(), kFp8Block * kFp8Block, pow2);
       for (int64_t r = 0; r < kFp8Block; ++r)
         std::memcpy(&out.q[static_cast<size_t>((rb * kFp8Block + r) * cols + cb * kFp8Block)],
                     &qb[static_cast<size_t>(r * kFp8Block)], sizeof(float) * kFp8Block);
@@ -67,8 +67,9 @@ BlockQuantized quantize_matrix(const bf16_t* m, int64_t rows, int64_t cols, int6
 }
 
 // Row vector v [n] (n % 128 == 0) quantised per 128: values q, scales s [n / 128]
-void quantize_row(const float* v, int64_t n, float* q, float* s) {
-  for (int64_t kb = 0; kb < n / kFp8Block; ++kb) s[kb] = quantize_block(v + kb * kFp8Block, q + kb * kFp8Block, kFp8Block);
+void quantize_row(const float* v, int64_t n, float* q, float* s, bool pow2) {
+  for (int64_t kb = 0; kb < n / kFp8Block; ++kb)
+    s[kb] = quantize_block(v + kb * kFp8Block, q + kb * kFp8Block, kFp8Block, pow2);
 }
 
 // Σ over k-blocks of fma(the k-block's e4m3 dot product (fixed order, fp32), sa[kb] · sb, acc):
@@ -224,25 +225,25 @@ void expert_forward(const Expert& ex, const std::vector<Row>& rows, const std::v
 // the output row block-scaled and rounded to bf16 once.
 template <typename Dst>
 void expert_forward_fp8(const Expert& ex, const std::vector<Row>& rows, const std::vector<RankInputs>& ranks,
-                        int64_t hidden, Dst dst, int num_threads) {
+                        int64_t hidden, bool pow2, Dst dst, int num_threads) {
   const int64_t inter = ex.inter;
   if (rows.empty()) return;
-  const BlockQuantized gate = quantize_matrix(ex.gate, inter, hidden, ex.gate_ld),
-                       up = quantize_matrix(ex.up, inter, hidden, ex.up_ld),
-                       down = quantize_matrix(ex.down, hidden, inter, ex.down_ld);
+  const BlockQuantized gate = quantize_matrix(ex.gate, inter, hidden, ex.gate_ld, pow2),
+                       up = quantize_matrix(ex.up, inter, hidden, ex.up_ld, pow2),
+                       down = quantize_matrix(ex.down, hidden, inter, ex.down_ld, pow2);
   parallel_for(static_cast<int64_t>(rows.size()), num_threads, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(static_cast<size_t>(hidden)), qx(xf.size()), sx(static_cast<size_t>(hidden / kFp8Block));
     std::vector<float> af(static_cast<size_t>(inter)), qa(af.size()), sa(static_cast<size_t>(inter / kFp8Block));
     for (int64_t ri = begin; ri < end; ++ri) {
       const Row& row = rows[static_cast<size_t>(ri)];
       to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf.data(), hidden);
-      quantize_row(xf.data(), hidden, qx.data(), sx.data());
+      quantize_row(xf.data(), hidden, qx.data(), sx.data(), pow2);
       for (int64_t i = 0; i < inter; ++i) {
         const float g = dot_block_scaled(qx.data(), sx.data(), gate, i, hidden);
         const float u = dot_block_scaled(qx.data(), sx.data(), up, i, hidden);
         af[static_cast<size_t>(i)] = silu(g) * u;
       }
-      quantize_row(af.data(), inter, qa.data(), sa.data());
+      quantize_row(af.data(), inter, qa.data(), sa.data(), pow2);
       bf16_t* out = dst(row);
       for (int64_t h = 0; h < hidden; ++h) out[h] = float_to_bf16(dot_block_scaled(qa.data(), sa.data(), down, h, inter));
     }
@@ -253,7 +254,7 @@ void expert_forward_fp8(const Expert& ex, const std::vector<Row>& rows, const st
 template <typename Dst>
 void expert_forward_in(const LayerDims& d, const Expert& ex, const std::vector<Row>& rows,
                        const std::vector<RankInputs>& ranks, Dst dst, int num_threads) {
-  if (d.fp8_block) expert_forward_fp8(ex, rows, ranks, d.hidden, dst, num_threads);
+  if (d.fp8_block) expert_forward_fp8(ex, rows, ranks, d.hidden, d.fp8_pow2, dst, num_threads);
   else expert_forward(ex, rows, ranks, d.hidden, dst, num_threads);
 }
 
@@ -429,10 +430,15 @@ float e4m3_round(float v) {
   return std::copysign(q < 448.0f ? q : 448.0f, v);
 }
 
-float quantize_block(const float* v, float* q, int64_t n) {
+float quantize_block(const float* v, float* q, int64_t n, bool pow2) {
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(v[i]));
-  const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+  float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+  if (pow2 && amax > 0.0f) {  // 2^ceil(log2 s): s = m · 2^e, m in [0.5, 1)
+    int e = 0;
+    const float m = std::frexp(s, &e);
+    s = std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+  }
   for (int64_t i = 0; i < n; ++i) q[i] = e4m3_round(v[i] / s);
   return s;
 }

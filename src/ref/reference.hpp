@@ -39,14 +39,15 @@ struct LayerDims {
   // precision fp8_block (docs/precision.md): the forward's GEMMs on e4m3 values with block
   // scales, quantised here from the bf16 inputs (H, I, I_s multiples of 128)
   bool fp8_block = false;
+  bool fp8_pow2 = false;  // fp8_block's scales powers of two (UE8M0)
   int64_t local_experts() const { return num_experts / ep_size; }
 };
 
 // e4m3 (OCP fp8 "fn": no infinities, largest ±448) nearest to v, ties to even, saturating
 float e4m3_round(float v);
-// One block of n values quantised as mok.fp8 does it: s = max |v| / 448 (1 for zeros) and
-// q[i] = e4m3_round(v[i] / s); returns s.
-float quantize_block(const float* v, float* q, int64_t n);
+// One block of n values quantised as mok.fp8 does it: s = max |v| / 448 (1 for zeros; pow2:
+// its power-of-two ceiling) and q[i] = e4m3_round(v[i] / s); returns s.
+float quantize_block(const float* v, float* q, int64_t n, bool pow2 = false);
 
 // Where element (r, c) of matrix e of a stack of [rows, cols] matrices lies:
 // e·expert + r·row + c·col elements from the base (0 = contiguous for expert and row).

@@ -54,6 +54,7 @@ ref::LayerDims layer_dims(const mokConfig_t& c) {
   d.topk = c.topk;
   d.ep_size = c.ep_size;
   d.fp8_block = c.precision == mokPrecisionFP8Block;
+  d.fp8_pow2 = d.fp8_block && c.fp8_pow2_scales != 0;
   return d;
 }
 
@@ -74,6 +75,10 @@ void check_config(const mokConfig_t& c) {
                                                                 << " and shared_intermediate = " << c.shared_intermediate
                                                                 << " must be multiples of 128 (the scales' blocks)");
   }
+  MOK_CHECK_ARG(c.fp8_pow2_scales == 0 || c.fp8_pow2_scales == 1,
+                "config.fp8_pow2_scales = " << c.fp8_pow2_scales << " must be 0 (fp32 scales) or 1 (powers of two)");
+  MOK_CHECK_ARG(c.fp8_pow2_scales == 0 || c.precision == mokPrecisionFP8Block,
+                "config.fp8_pow2_scales = 1 is an option of precision fp8_block (2), not of precision " << c.precision);
   MOK_CHECK_ARG(c.timeout_s > 0, "config.timeout_s = " << c.timeout_s << " must be positive");
   MOK_CHECK_ARG(c.fwd_num_comm_sms >= 0 && c.bwd_num_comm_sms >= 0, "num_comm_sms must be >= 0");
   MOK_CHECK_ARG(c.num_blocks >= 0, "config.num_blocks = " << c.num_blocks << " must be >= 0 (0 = one block per SM)");

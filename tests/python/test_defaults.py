@@ -19,6 +19,8 @@ KNOBS = [f.name for f in dataclasses.fields(F.MoKConfig)]
 def _expected(name):
     """The library's default of a MoKConfig field, as MoKConfig holds it."""
     value = _lib.config_defaults()[name]
+    if name == "fp8_pow2_scales":  # a flag: a bool in MoKConfig and the op schemas
+        return bool(value)
     return {code: p for p, code in _lib.PRECISIONS.items()}[value] if name == "precision" else value
 
 

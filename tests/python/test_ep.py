@@ -54,20 +54,20 @@ def _header_config_fields():
 
 def test_config_layout_mirrors_the_c_struct():
     fields = _lib.mokConfig._fields_
-    # Every field 8 bytes wide, in order, num_blocks last (config version 2)
-    assert ctypes.sizeof(_lib.mokConfig) == 8 * len(fields) == 21 * 8
+    # Every field 8 bytes wide, in order: num_blocks (config version 2), then fp8_pow2_scales (3)
+    assert ctypes.sizeof(_lib.mokConfig) == 8 * len(fields) == 22 * 8
     for i, (name, ctype) in enumerate(fields):
         assert ctypes.sizeof(ctype) == 8, name
         assert getattr(_lib.mokConfig, name).offset == 8 * i, name
-    assert fields[-1][0] == "num_blocks"
-    assert _lib.ABI_VERSION == (0, 4) and _lib.CONFIG_VERSION == 2
+    assert [name for name, _ in fields[-2:]] == ["num_blocks", "fp8_pow2_scales"]
+    assert _lib.ABI_VERSION == (0, 5) and _lib.CONFIG_VERSION == 3
     c = _lib.default_config()
-    assert (c.size, c.version, c.num_blocks) == (168, 2, 0)
+    assert (c.size, c.version, c.num_blocks, c.fp8_pow2_scales) == (176, 3, 0, 0)
     if HEADER.is_file():
         assert [name for name, _ in fields] == _header_config_fields()
         text = HEADER.read_text()
-        assert re.search(r"#define MOK_CONFIG_VERSION 2\b", text)
-        assert re.search(r"/\*num_blocks\*/ 0", text)
+        assert re.search(r"#define MOK_CONFIG_VERSION 3\b", text)
+        assert re.search(r"/\*num_blocks\*/ 0, /\*fp8_pow2_scales\*/ 0", text)
 
 
 def test_get_config_round_trip_keeps_num_blocks():
@@ -92,7 +92,22 @@ def test_version_1_caller_gets_the_default_num_blocks():
     try:
         out = _lib.default_config()
         _lib.check(_lib.lib.mokWorkspaceGetConfig(handle, ctypes.byref(out)))
-        assert (out.num_blocks, out.version, out.hidden) == (0, 2, 64)
+        assert (out.num_blocks, out.version, out.hidden) == (0, 3, 64)
+    finally:
+        _lib.check(_lib.lib.mokWorkspaceDestroy(handle))
+
+
+def test_version_2_caller_gets_fp32_scales():
+    # A caller compiled against config version 2 passes 21 fields: fp8_pow2_scales keeps its default
+    c = F._c_config(F.LayerDims(128, 128, 8, 2, 16), F.MoKConfig(precision="fp8_block", fp8_pow2_scales=True),
+                    _lib.DEVICE_CPU)
+    c.size, c.version = 21 * 8, 2
+    handle = ctypes.c_void_p()
+    _lib.check(_lib.lib.mokWorkspaceCreate(ctypes.byref(c), ctypes.byref(handle)))
+    try:
+        out = _lib.default_config()
+        _lib.check(_lib.lib.mokWorkspaceGetConfig(handle, ctypes.byref(out)))
+        assert (out.fp8_pow2_scales, out.version, out.precision) == (0, 3, _lib.PRECISIONS["fp8_block"])
     finally:
         _lib.check(_lib.lib.mokWorkspaceDestroy(handle))
 

@@ -19,16 +19,16 @@ def _layer(shared=0, seed=0):
     return x, ids, tw, w
 
 
-def _oracle(x, ids, tw, w):
+def _oracle(x, ids, tw, w, pow2=False):
     """y in float64 from the recipe: x per 128 of H, weights per 128 x 128, g and u block-scaled,
     a = silu(g)·u quantised per 128 of I (from its fp32 value), o = bf16(block-scaled down), then
-    the combine (ascending j, shared last) in float64."""
+    the combine (ascending j, shared last) in float64.  pow2: power-of-two scales."""
     def expert(v, wg, wu, wd):
-        qx, sx = fp8.quantize_rows(v)
-        g = fp8.block_scaled_mm_reference(qx, sx, *fp8.quantize_blocks(wg))
-        u = fp8.block_scaled_mm_reference(qx, sx, *fp8.quantize_blocks(wu))
-        qa, sa = fp8.quantize_rows((torch.nn.functional.silu(g) * u).float())
-        return fp8.block_scaled_mm_reference(qa, sa, *fp8.quantize_blocks(wd)).float().bfloat16().double()
+        qx, sx = fp8.quantize_rows(v, pow2=pow2)
+        g = fp8.block_scaled_mm_reference(qx, sx, *fp8.quantize_blocks(wg, pow2=pow2))
+        u = fp8.block_scaled_mm_reference(qx, sx, *fp8.quantize_blocks(wu, pow2=pow2))
+        qa, sa = fp8.quantize_rows((torch.nn.functional.silu(g) * u).float(), pow2=pow2)
+        return fp8.block_scaled_mm_reference(qa, sa, *fp8.quantize_blocks(wd, pow2=pow2)).float().bfloat16().double()
 
     y = torch.zeros(T, H, dtype=torch.float64)
     for e in range(E):
@@ -41,13 +41,15 @@ def _oracle(x, ids, tw, w):
     return y
 
 
-@pytest.mark.parametrize("shared", [0, 128])
-def test_forward_is_the_recipe(shared):
+@pytest.mark.parametrize("shared,pow2", [(0, False), (128, False), (128, True)])
+def test_forward_is_the_recipe(shared, pow2):
     x, ids, tw, w = _layer(shared)
-    cfg = F.MoKConfig(precision="fp8_block")
+    cfg = F.MoKConfig(precision="fp8_block", fp8_pow2_scales=pow2)
     y, _ = F.forward(x, ids, tw, w["w_gate"], w["w_up"], w["w_down"], w["ws_gate"], w["ws_up"], w["ws_down"],
                      config=cfg)
-    want = _oracle(x, ids, tw, w)
+    want = _oracle(x, ids, tw, w, pow2)
+    if pow2:  # the other recipe's y is further away than this one's tolerance: the option is honoured
+        assert (y.double() - _oracle(x, ids, tw, w)).norm() / want.norm() > 5e-3
     # the same math: differences are fp32 against float64 sums, an e4m3 rounding of a flipped by
     # them here and there, and y's bf16 rounding
     diff = (y.double() - want).norm() / want.norm()
@@ -55,7 +57,7 @@ def test_forward_is_the_recipe(shared):
     # against the layer in full precision: the recipe's error, a few percent
     y64, _ = reference(x, ids, tw, w, torch.zeros(T, H, dtype=torch.bfloat16))
     rel = ((y.double() - y64).norm() / y64.norm()).item()
-    print(f"fp8_block forward against the float64 layer: relative Frobenius error {rel:.3e}")
+    print(f"fp8_block forward (pow2={pow2}) against the float64 layer: relative Frobenius error {rel:.3e}")
     assert rel < 0.1
 
 
@@ -79,5 +81,7 @@ def test_what_is_not_built_is_named():
     w2 = make_weights(g, 192, 128, E)
     with pytest.raises(ValueError, match="multiples of 128"):
         F.forward(make_x(g, T, 192), ids, tw, w2["w_gate"], w2["w_up"], w2["w_down"], config=cfg)
+    with pytest.raises(ValueError, match="an option of precision fp8_block"):
+        F.forward(x, ids, tw, w["w_gate"], w["w_up"], w["w_down"], config=F.MoKConfig(fp8_pow2_scales=True))
     with pytest.raises(ValueError, match="not mxfp8"):
         F.forward(x, ids, tw, w["w_gate"], w["w_up"], w["w_down"], config=F.MoKConfig(precision="mxfp8"))

@@ -13,11 +13,14 @@ from mok import functional as F
 
 def test_struct_layouts():
     # Every mokConfig_t field is 8 bytes; mokTensor_t is 8 + 4 + 4 + 2*4*8 + 4 + 4 bytes.
-    assert ctypes.sizeof(_lib.mokConfig) == 21 * 8
+    assert ctypes.sizeof(_lib.mokConfig) == 22 * 8
     assert ctypes.sizeof(_lib.mokTensor) == 88
     assert ctypes.sizeof(_lib.mokWeights) == 6 * 88
-    assert ctypes.sizeof(_lib.mokForwardArgs) == 10 * 88
-    assert ctypes.sizeof(_lib.mokBackwardArgs) == 10 * 88 + 3 * 88 + 12 * 88
+    # since C ABI 0.5 the forward's args end with the fp8 copies: 6 weights x (q, qt, scales)
+    assert ctypes.sizeof(_lib.mokFp8Weights) == 18 * 88
+    assert ctypes.sizeof(_lib.mokForwardArgs) == 10 * 88 + 18 * 88
+    assert _lib.mokForwardArgs.fp8.offset == 10 * 88
+    assert ctypes.sizeof(_lib.mokBackwardArgs) == 28 * 88 + 3 * 88 + 12 * 88
     assert ctypes.sizeof(_lib.mokPlanCapacity) == 24
     assert ctypes.sizeof(_lib.mokPlanArgs) == 16 + 5 * 88
     # a, b0, b1, block_expert, out, kind, num_blocks, then h, row_weight, wa, dtw_partials
@@ -28,7 +31,7 @@ def test_struct_layouts():
 
 def test_default_config_matches_initializer_and_mokconfig():
     c = _lib.default_config()
-    assert c.size == 168 and c.version == 2
+    assert c.size == 176 and c.version == 3
     assert (c.ep_size, c.ep_rank, c.device, c.block_m, c.precision) == (1, 0, -1, 128, 0)
     for name, value in F.MoKConfig().__dict__.items():
         expect = _lib.PRECISIONS[value] if name == "precision" else value
