@@ -132,8 +132,6 @@ void run_forward(const mokConfig_t& c, const mokForwardArgs_t* args, int64_t P, 
 
 void run_backward(const mokConfig_t& c, const mokBackwardArgs_t* args, int64_t P, const char* what) {
   MOK_CHECK_ARG(args != nullptr, what << " args is NULL");
-  MOK_CHECK_ARG(c.precision != mokPrecisionFP8Block,
-                what << ": config.precision = fp8_block (2) has a forward only so far (docs/precision.md)");
   std::vector<mok::ref::RankInputs> ranks;
   std::vector<const mok::bf16_t*> dys;
   std::vector<mok::ref::RankGrads> grads;

@@ -415,6 +415,162 @@ void expert_backward(const Expert& ex, const std::vector<Row>& rows, const std::
   store_grad(acc_down, hidden, inter, gout.down);
 }
 
+// The transpose of a block-quantised matrix: the same values and the same block scales,
+// transposed (a 128 x 128 block's scale is its transpose's), what the dgrad GEMMs read
+BlockQuantized transposed(const BlockQuantized& m, int64_t rows) {
+  const int64_t cols = m.cols, rb = rows / kFp8Block, cb = cols / kFp8Block;
+  BlockQuantized t;
+  t.cols = rows;
+  t.q.resize(m.q.size());
+  t.s.resize(m.s.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t.q[static_cast<size_t>(c * rows + r)] = m.q[static_cast<size_t>(r * cols + c)];
+  for (int64_t i = 0; i < rb; ++i)
+    for (int64_t j = 0; j < cb; ++j) t.s[static_cast<size_t>(j * rb + i)] = m.s[static_cast<size_t>(i * cb + j)];
+  return t;
+}
+
+// One weight gradient of fp8_block's wgrad, K = the expert's rows: out[m, n] = Σ over chunks c
+// of 128 rows (plan order; the last may be partial: zeros) of fma(Σ over the chunk's rows of
+// qa[m, r] · qb[n, r] (fixed order, fp32), sa[m, c] · sb[n, c], acc), with a [rows, M] and
+// b [rows, N] quantised per column and chunk (per 128 tokens of one expert) from their fp32
+// values.  Threads split m.
+std::vector<float> wgrad_fp8(const std::vector<float>& a, int64_t M, const std::vector<float>& b, int64_t N,
+                             int64_t rows, bool pow2, int num_threads) {
+  const int64_t chunks = (rows + kFp8Block - 1) / kFp8Block;
+  // Column-major quantised copies: [M][chunks * 128] values, [M][chunks] scales
+  auto quantize_columns = [&](const std::vector<float>& v, int64_t cols, std::vector<float>* q, std::vector<float>* s) {
+    q->assign(static_cast<size_t>(cols * chunks * kFp8Block), 0.f);
+    s->assign(static_cast<size_t>(cols * chunks), 1.f);
+    std::vector<float> col(static_cast<size_t>(kFp8Block));
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        for (int64_t r = 0; r < kFp8Block; ++r) {
+          const int64_t row = ch * kFp8Block + r;
+          col[static_cast<size_t>(r)] = row < rows ? v[static_cast<size_t>(row * cols + c)] : 0.f;
+        }
+        (*s)[static_cast<size_t>(c * chunks + ch)] =
+            quantize_block(col.data(), &(*q)[static_cast<size_t>((c * chunks + ch) * kFp8Block)], kFp8Block, pow2);
+      }
+  };
+  std::vector<float> qa, sa, qb, sb;
+  quantize_columns(a, M, &qa, &sa);
+  quantize_columns(b, N, &qb, &sb);
+  std::vector<float> out(static_cast<size_t>(M * N), 0.f);
+  parallel_for(M, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float acc = 0.f;
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          const float* x = &qa[static_cast<size_t>((m * chunks + ch) * kFp8Block)];
+          const float* y = &qb[static_cast<size_t>((n * chunks + ch) * kFp8Block)];
+          const float part = dot_lanes([x](int64_t i) { return x[i]; }, [y](int64_t i) { return y[i]; }, kFp8Block);
+          acc = std::fma(part, sa[static_cast<size_t>(m * chunks + ch)] * sb[static_cast<size_t>(n * chunks + ch)], acc);
+        }
+        out[static_cast<size_t>(m * N + n)] = acc;
+      }
+  });
+  return out;
+}
+
+// fp8_block's backward of one expert over its rows (docs/precision.md), the forward's roundings
+// replayed: per row, x per 128 of H, g and u block-scaled, h = bf16(g) | bf16(u) (what the
+// forward saves); dy per 128 of H; da = dy · W_down block-scaled (W_down's transpose, the same
+// block scales); the SwiGLU backward in fp32 from da and h; d topk_weight = Σ da · a_deq (a =
+// silu(g)·u from h, quantised per 128 of I as the forward does, dequantised: the a the forward
+// multiplied); dh = [dg | du] per 128 of 2I; dx = dh · [W_gate; W_up] block-scaled (K = 2I), bf16.
+// Weight gradients over the expert's rows, 128 at a time (wgrad_fp8): dW_down from w·dy and a,
+// dW_gate / dW_up from dg / du and x, every operand quantised from its fp32 value.
+template <typename DxDst, typename DwDst>
+void expert_backward_fp8(const Expert& ex, const std::vector<Row>& rows, const std::vector<RankInputs>& ranks,
+                         const std::vector<const bf16_t*>& dy, int64_t hidden, bool pow2, DxDst dx_dst, DwDst dw_dst,
+                         const ExpertGradOut& gout, int num_threads) {
+  const int64_t inter = ex.inter, num_rows = static_cast<int64_t>(rows.size());
+  const BlockQuantized gate = quantize_matrix(ex.gate, inter, hidden, ex.gate_ld, pow2),
+                       up = quantize_matrix(ex.up, inter, hidden, ex.up_ld, pow2),
+                       down = quantize_matrix(ex.down, hidden, inter, ex.down_ld, pow2);
+  const BlockQuantized down_t = transposed(down, hidden);                           // [I, H]
+  const BlockQuantized gate_t = transposed(gate, inter), up_t = transposed(up, inter);  // [H, I] each
+  // The wgrad operands, fp32, row-major [rows, cols]
+  std::vector<float> xs(static_cast<size_t>(num_rows * hidden)), wdys(xs.size());
+  std::vector<float> as(static_cast<size_t>(num_rows * inter)), dgs(as.size()), dus(as.size());
+  parallel_for(num_rows, num_threads, [&](int64_t begin, int64_t end) {
+    const int64_t kb_h = hidden / kFp8Block, kb_i = inter / kFp8Block;
+    std::vector<float> qx(static_cast<size_t>(hidden)), sx(static_cast<size_t>(kb_h)), dyf(qx.size()), qdy(qx.size()),
+        sdy(sx.size());
+    std::vector<float> af(static_cast<size_t>(inter)), qa(af.size()), sa(static_cast<size_t>(kb_i));
+    std::vector<float> dh(static_cast<size_t>(2 * inter)), qdh(dh.size()), sdh(static_cast<size_t>(2 * kb_i));
+    for (int64_t ri = begin; ri < end; ++ri) {
+      const Row& row = rows[static_cast<size_t>(ri)];
+      float* xf = &xs[static_cast<size_t>(ri * hidden)];
+      to_float(ranks[static_cast<size_t>(row.rank)].x + row.token * hidden, xf, hidden);
+      to_float(dy[static_cast<size_t>(row.rank)] + row.token * hidden, dyf.data(), hidden);
+      quantize_row(xf, hidden, qx.data(), sx.data(), pow2);
+      quantize_row(dyf.data(), hidden, qdy.data(), sdy.data(), pow2);
+      float dw_acc[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      std::vector<float> gs(static_cast<size_t>(inter)), us(gs.size()), das(gs.size()), sls(gs.size()), sgs(gs.size());
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = bf16_round(dot_block_scaled(qx.data(), sx.data(), gate, i, hidden));
+        const float u = bf16_round(dot_block_scaled(qx.data(), sx.data(), up, i, hidden));
+        const float sg = sigmoid(g);
+        gs[static_cast<size_t>(i)] = g;
+        us[static_cast<size_t>(i)] = u;
+        sgs[static_cast<size_t>(i)] = sg;
+        sls[static_cast<size_t>(i)] = g * sg;
+        af[static_cast<size_t>(i)] = (g * sg) * u;
+        das[static_cast<size_t>(i)] = dot_block_scaled(qdy.data(), sdy.data(), down_t, i, hidden);
+      }
+      quantize_row(af.data(), inter, qa.data(), sa.data(), pow2);
+      for (int64_t i = 0; i < inter; ++i) {
+        const size_t ii = static_cast<size_t>(i);
+        const float a_deq = qa[ii] * sa[static_cast<size_t>(i / kFp8Block)];
+        const float da = das[ii], g = gs[ii], u = us[ii], sg = sgs[ii], sl = sls[ii];
+        dw_acc[i % kLanes] = dw_acc[i % kLanes] + da * a_deq;
+        const float wda = row.weight * da;
+        const float dsilu = sg * (1.0f + g * (1.0f - sg));
+        dh[ii] = (wda * u) * dsilu;
+        dh[static_cast<size_t>(inter) + ii] = wda * sl;
+        as[static_cast<size_t>(ri * inter) + ii] = af[ii];
+        dgs[static_cast<size_t>(ri * inter) + ii] = dh[ii];
+        dus[static_cast<size_t>(ri * inter) + ii] = dh[static_cast<size_t>(inter) + ii];
+      }
+      for (int64_t h = 0; h < hidden; ++h) wdys[static_cast<size_t>(ri * hidden + h)] = row.weight * dyf[static_cast<size_t>(h)];
+      if (float* d = dw_dst(row))
+        *d = ((dw_acc[0] + dw_acc[1]) + (dw_acc[2] + dw_acc[3])) + ((dw_acc[4] + dw_acc[5]) + (dw_acc[6] + dw_acc[7]));
+      // dgrad of gate/up, K = 2I: the gate k-blocks (W_gate's transpose), then the up ones
+      quantize_row(dh.data(), 2 * inter, qdh.data(), sdh.data(), pow2);
+      bf16_t* dx = dx_dst(row);
+      for (int64_t h = 0; h < hidden; ++h) {
+        const float g_part = dot_block_scaled(qdh.data(), sdh.data(), gate_t, h, inter);
+        // continue the same accumulator over the up k-blocks: fma in k-block order from g_part
+        float acc = g_part;
+        const float* qb = up_t.row(h);
+        for (int64_t kb = 0; kb < kb_i; ++kb) {
+          const float* qa_up = qdh.data() + inter + kb * kFp8Block;
+          const float part = dot_lanes([qa_up](int64_t i) { return qa_up[i]; },
+                                       [qb, kb](int64_t i) { return qb[kb * kFp8Block + i]; }, kFp8Block);
+          acc = std::fma(part, sdh[static_cast<size_t>(kb_i + kb)] * up_t.scale(h, kb), acc);
+        }
+        dx[h] = float_to_bf16(acc);
+      }
+    }
+  });
+  store_grad(wgrad_fp8(wdys, hidden, as, inter, num_rows, pow2, num_threads), hidden, inter, gout.down);
+  store_grad(wgrad_fp8(dgs, inter, xs, hidden, num_rows, pow2, num_threads), inter, hidden, gout.gate);
+  store_grad(wgrad_fp8(dus, inter, xs, hidden, num_rows, pow2, num_threads), inter, hidden, gout.up);
+}
+
+// The expert's backward in the layer's precision
+template <typename DxDst, typename DwDst>
+void expert_backward_in(const LayerDims& d, const Expert& ex, const std::vector<Row>& rows,
+                        const std::vector<RankInputs>& ranks, const std::vector<const bf16_t*>& dy, DxDst dx_dst,
+                        DwDst dw_dst, const ExpertGradOut& gout, int num_threads) {
+  if (d.fp8_block)
+    expert_backward_fp8(ex, rows, ranks, dy, d.hidden, d.fp8_pow2, dx_dst, dw_dst, gout, num_threads);
+  else
+    expert_backward(ex, rows, ranks, dy, d.hidden, dx_dst, dw_dst, gout, num_threads);
+}
+
 }  // namespace
 
 float e4m3_round(float v) {
@@ -519,8 +675,8 @@ void backward(const LayerDims& d, const std::vector<RankInputs>& ranks, const st
     for (int64_t e = 0; e < d.local_experts(); ++e) {
       const Expert ex = expert_of(owner, d, e, false);
       const ExpertGradOut gout = grad_out_of(g, d, e, false);
-      expert_backward(
-          ex, rows[static_cast<size_t>(e)], ranks, dy, H,
+      expert_backward_in(
+          d, ex, rows[static_cast<size_t>(e)], ranks, dy,
           [&](const Row& row) {
             return &dx_slots[static_cast<size_t>(row.rank)][static_cast<size_t>((row.token * k + row.slot) * H)];
           },
@@ -533,8 +689,8 @@ void backward(const LayerDims& d, const std::vector<RankInputs>& ranks, const st
     const RankGrads& g = grads[static_cast<size_t>(s)];
     const Expert ex = expert_of(rk, d, 0, true);
     const ExpertGradOut gout = grad_out_of(g, d, 0, true);
-    expert_backward(
-        ex, shared_rows(rk, static_cast<int>(s)), ranks, dy, H,
+    expert_backward_in(
+        d, ex, shared_rows(rk, static_cast<int>(s)), ranks, dy,
         [&](const Row& row) { return &dx_shared[static_cast<size_t>(s)][static_cast<size_t>(row.token * H)]; },
         [](const Row&) -> float* { return nullptr; }, gout, num_threads);
   }

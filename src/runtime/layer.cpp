@@ -68,7 +68,7 @@ void check_config(const mokConfig_t& c) {
   MOK_CHECK_ARG(c.precision == mokPrecisionBF16 || c.precision == mokPrecisionFP8Block,
                 "config.precision = " << c.precision << ": bf16 (0) and fp8_block (2) are implemented, not mxfp8 (1)");
   if (c.precision == mokPrecisionFP8Block) {
-    MOK_CHECK_ARG(c.device < 0, "config.precision = fp8_block (2): the CPU reference runs it (the forward); the CUDA "
+    MOK_CHECK_ARG(c.device < 0, "config.precision = fp8_block (2): the CPU reference runs it; the CUDA "
                                 "kernels do not yet (docs/precision.md)");
     MOK_CHECK_ARG(c.hidden % 128 == 0 && c.intermediate % 128 == 0 && c.shared_intermediate % 128 == 0,
                   "config.precision = fp8_block (2): hidden = " << c.hidden << ", intermediate = " << c.intermediate
