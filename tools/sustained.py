@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 from bench import baselines as bl  # noqa: E402
 from bench.shapes import MODELS, SHAPES as BENCH_SHAPES  # noqa: E402
 from mok import functional as F  # noqa: E402
+import mok  # noqa: E402
 from mok import ops  # noqa: E402
 
 # The docs/benchmarks.md shapes by name (bench/shapes.py): (H, I, k, E_l, T)
@@ -189,6 +190,19 @@ def gemm_fp8(args, H, I, k, E, T):
     knobs = parse_variants(args.variants)
     fp8_kinds = {"gate/up": lambda: ops.grouped_mm_fp8(qx, sx, qg, sg, be, qu, su, out=y_gu8, kind="gate_up"),
                  "down": lambda: ops.grouped_mm_fp8(qa, sa, qd, sd, be, out=y_d8)}
+    # The dgrad kinds on the weights' transposed copies with their own scales (b_transposed):
+    # da = dy · W_down (B = W_downᵀ [E, I, H], K = H) and dx = dh · [W_gate; W_up] (B = [W_gateᵀ |
+    # W_upᵀ] [E, H, 2I], K = 2I: the gate k-blocks, then the up ones, their scales stacked so)
+    if mok._lib.has_symbol("mokQuantizeWeights"):
+        fw = mok.quantize_weights(wg, wu, wd)
+        qt_gu = torch.cat([fw["w_gate"].qt, fw["w_up"].qt], 2).contiguous()
+        st_gu = torch.cat([fw["w_gate"].scales, fw["w_up"].scales], 1).contiguous()
+        qdh, sdh = fp8.quantize_rows(torch.cat([act, act], 1))
+        y_da8, y_dx8 = torch.empty(M, I, **bf), torch.empty(M, H, **bf)
+        fp8_kinds["dgrad down"] = lambda: ops.grouped_mm_fp8(qx, sx, fw["w_down"].qt, fw["w_down"].scales, be,
+                                                             out=y_da8, b_transposed=True)
+        fp8_kinds["dgrad gate/up"] = lambda: ops.grouped_mm_fp8(qdh, sdh, qt_gu, st_gu, be, out=y_dx8,
+                                                                b_transposed=True)
     variants = {
         "dense bf16 8192^3": lambda: torch.mm(mm_a, mm_b),
         "dense fp8 8192^3": lambda: torch._scaled_mm(mm_a8, mm_b8.t(), one, one, out_dtype=torch.bfloat16),
@@ -199,7 +213,11 @@ def gemm_fp8(args, H, I, k, E, T):
         for name, fn in fp8_kinds.items():
             variants[f"mok[{vname}] fp8 {name}"] = with_env(env, fn)
     # Every knob's fp8 output equals the first's (the tile changes the schedule, not the bits)
-    for name, out in (("gate/up", y_gu8), ("down", y_d8)):
+    outs = {"gate/up": y_gu8, "down": y_d8}
+    if "dgrad down" in fp8_kinds:
+        outs.update({"dgrad down": y_da8, "dgrad gate/up": y_dx8})
+        variants["mok quantise weights"] = lambda: mok.quantize_weights(wg, wu, wd)
+    for name, out in outs.items():
         ref = None
         for vname, env in knobs.items():
             out.fill_(float("nan"))
@@ -258,13 +276,18 @@ def gemm_fp8(args, H, I, k, E, T):
     dense8 = 2 * 8192 ** 3 / ms["dense fp8 8192^3"] / 1e9 if "dense fp8 8192^3" in ms else float("nan")
     print(f"{args.shape} fp8 GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved "
           f"rounds); dense fp8 {dense8:.0f} TFLOP/s, bf16 {dense16:.0f}; {E} experts x {rows} rows")
-    flops = {"gate/up": 4 * M * H * I, "down": 2 * M * H * I}
+    flops = {"gate/up": 4 * M * H * I, "down": 2 * M * H * I, "dgrad down": 2 * M * H * I,
+             "dgrad gate/up": 4 * M * H * I}
     for name, f in flops.items():
-        m16 = ms[f"mok bf16 {name}"]
+        if name not in fp8_kinds:
+            continue
+        m16 = ms.get(f"mok bf16 {name}")
         for vname in knobs:
             m8 = ms[f"mok[{vname}] fp8 {name}"]
-            line = (f"  {name:8} {vname:6} mok fp8 {m8:.3f} ms ({f / m8 / 1e9:.0f} TFLOP/s, "
-                    f"{f / m8 / 1e9 / dense8:.2f} of dense fp8)  mok bf16 {m16:.3f} ms (bf16/fp8 {m16 / m8:.2f})")
+            line = (f"  {name:13} {vname:6} mok fp8 {m8:.3f} ms ({f / m8 / 1e9:.0f} TFLOP/s, "
+                    f"{f / m8 / 1e9 / dense8:.2f} of dense fp8)")
+            if m16 is not None:
+                line += f"  mok bf16 {m16:.3f} ms (bf16/fp8 {m16 / m8:.2f})"
             if f"torch rowwise fp8 {name}" in ms:
                 t = ms[f"torch rowwise fp8 {name}"]
                 line += f"  torch rowwise fp8 {t:.3f} ms (torch/mok {t / m8:.2f})"
@@ -272,6 +295,10 @@ def gemm_fp8(args, H, I, k, E, T):
     print(f"  separate quantisation passes (torch): x {ms['torch quantise x rows']:.3f} ms, "
           f"a {ms['torch quantise a rows']:.3f} ms; mok's one-kernel quantiser, x {ms['mok quantise x rows']:.3f} ms "
           f"({M * H * 3 / ms['mok quantise x rows'] / 1e6:.0f} GB/s)")
+    if "mok quantise weights" in ms:
+        wbytes = 3 * E * H * I * (2 + 1 + 1)  # bf16 read, q and qt written
+        print(f"  weights quantised (q and qt, every routed weight): {ms['mok quantise weights']:.3f} ms "
+              f"({wbytes / ms['mok quantise weights'] / 1e6:.0f} GB/s)")
     f8, b16 = ms["mok fp8 experts chain"], ms["mok bf16 experts chain"]
     print(f"  experts chain (quantise x, gate/up -> a in e4m3, down): fp8 {f8:.3f} ms, bf16 {b16:.3f} ms, "
           f"bf16/fp8 {b16 / f8:.2f}")

@@ -258,25 +258,36 @@ __device__ __forceinline__ bool produce_stages(StageStorageT<T, P>& s, PipelineS
   return produce_stages(s, stage, 0, num_k_blocks, wait, load);
 }
 
-// Producer of a forward tile: activations and both weight halves per stage.
+// Producer of a forward tile: activations and both weight halves per stage; a block-scaled
+// precision's scales too: A's k-block box by TMA, and the B halves' two block scales, loaded
+// one k-block ahead (so their load runs under the next stage's acquire and copies), stored into
+// the stage, then the stage's second arrival (a release: the consumers' wait sees the stores)
 template <class T, class P>
 __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
                                              const TileLoad& t, const WaitContext& wait) {
   using C = T;
-  return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+  auto operands = [&](int kb, int i, uint64_t* full) {
     ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
     ptx::tma_load_2d(s.b[i], t.b0, full, kb * C::kBlockK, t.b_row);
     ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
-    if constexpr (P::kBlockScaled) {
+  };
+  if constexpr (P::kBlockScaled) {
+    if (t.num_k_blocks == 0) return true;
+    float b0 = __ldg(t.sb0), b1 = __ldg(t.sb1);  // k-block 0's
+    return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+      operands(kb, i, full);
       ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
-      // The B scales (a TMA box cannot start at any fp32: its inner bytes are 16-aligned):
-      // loaded under the stage's copies, stored, then the stage's second arrival (release)
-      const float b0 = __ldg(t.sb0 + kb * t.sb_k_stride), b1 = __ldg(t.sb1 + kb * t.sb_k_stride);
       s.sb[i][0] = b0;
       s.sb[i][1] = b1;
       ptx::mbar_arrive(full);
-    }
-  });
+      if (kb + 1 < t.num_k_blocks) {
+        b0 = __ldg(t.sb0 + (kb + 1) * t.sb_k_stride);
+        b1 = __ldg(t.sb1 + (kb + 1) * t.sb_k_stride);
+      }
+    });
+  } else {
+    return produce_stages(s, stage, t.num_k_blocks, wait, operands);
+  }
 }
 
 // Where one tile's operands come from when B is N-major (the dgrad GEMMs: weights read as

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 24's device calls (issue 23, fp8).  STAGE=fp8: tools/dev/s23.sh's fp8 stage (the
+# block-scaled GEMM's GPU tests, the weight quantiser's, then every fp8 kind at the sustained
+# clock on SHAPES, dgrad included).  STAGE=prof8: one ncu profile of the block-scaled gate/up
+# kind on dsv3 at each tile (SOL, warp states, per-instruction stall samples as CSV) and the
+# kernels' SASS K loops (tools/dev/sass_loops.py).  Logs under $OUT, packed into $OUT/logs.tar.xz.
+source "$(dirname "$0")/device_env.sh"
+case "${STAGE:-fp8}" in
+  fp8) exec env STAGE=fp8 bash tools/dev/s23.sh ;;
+  prof8)
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    cuobjdump -sass build/lib/libmok.so > /tmp/sass.txt 2>/dev/null
+    python3 tools/dev/sass_loops.py /tmp/sass.txt E4m3Block 2>&1 | tee "$OUT/sass_loops.txt" | head -12
+    cat > /tmp/gu8.py <<'PY'
+import sys, torch
+sys.path.insert(0, "python")
+from mok import fp8, ops
+E, rows, H, I = 16, 2048, 7168, 2048
+M = E * rows
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
+w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16() for _ in range(2)]
+(qx, sx), (qg, sg), (qu, su) = fp8.quantize_rows(x), fp8.quantize_blocks(w[0]), fp8.quantize_blocks(w[1])
+be = torch.arange(E, device="cuda", dtype=torch.int32).repeat_interleave(rows // 128)
+out = torch.empty(M, I, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    ops.grouped_mm_fp8(qx, sx, qg, sg, be, qu, su, out=out, kind="gate_up")
+torch.cuda.synchronize()
+PY
+    for t in 128 256; do
+      MOK_TMP_FP8_TILE=$t timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+        -k regex:grouped_gemm_kernel --launch-skip 2 --launch-count 1 -o /tmp/ncu_t$t -f python3 /tmp/gu8.py \
+        > "$OUT/ncu_run_t$t.log" 2>&1
+      echo "ncu t$t rc=$? at $(el) s"
+      ncu -i /tmp/ncu_t$t.ncu-rep --page details --csv > "$OUT/ncu_details_t$t.csv" 2>&1
+      ncu -i /tmp/ncu_t$t.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src_t$t.csv.xz"
+      grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued|Stall" "$OUT/ncu_details_t$t.csv" | head -12
+    done ;;
+esac
+(cd "$OUT" && find . -type f ! -name logs.tar.xz | tar -cJf logs.tar.xz -T - && find . -type f ! -name logs.tar.xz -delete)
