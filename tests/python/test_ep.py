@@ -83,33 +83,33 @@ def test_get_config_round_trip_keeps_num_blocks():
         ws.close()
 
 
-def test_version_1_caller_gets_the_default_num_blocks():
-    # A caller compiled against config version 1 passes 20 fields: the C side must not read a 21st.
-    c = F._c_config(F.LayerDims(64, 32, 8, 2, 16), F.MoKConfig(num_blocks=9), _lib.DEVICE_CPU)
-    c.size, c.version = 20 * 8, 1
+def _created_by_an_older_caller(c, fields: int, version: int):
+    """The config a workspace keeps when a caller compiled against an older config version
+    passes c: only its first `fields` fields (mokWorkspaceGetConfig's copy of the normalised one)."""
+    c.size, c.version = fields * 8, version
     handle = ctypes.c_void_p()
     _lib.check(_lib.lib.mokWorkspaceCreate(ctypes.byref(c), ctypes.byref(handle)))
     try:
         out = _lib.default_config()
         _lib.check(_lib.lib.mokWorkspaceGetConfig(handle, ctypes.byref(out)))
-        assert (out.num_blocks, out.version, out.hidden) == (0, 3, 64)
+        return out
     finally:
         _lib.check(_lib.lib.mokWorkspaceDestroy(handle))
+
+
+def test_version_1_caller_gets_the_default_num_blocks():
+    # A caller compiled against config version 1 passes 20 fields: the C side must not read a 21st.
+    c = F._c_config(F.LayerDims(64, 32, 8, 2, 16), F.MoKConfig(num_blocks=9), _lib.DEVICE_CPU)
+    out = _created_by_an_older_caller(c, 20, 1)
+    assert (out.num_blocks, out.version, out.hidden) == (0, 3, 64)
 
 
 def test_version_2_caller_gets_fp32_scales():
     # A caller compiled against config version 2 passes 21 fields: fp8_pow2_scales keeps its default
     c = F._c_config(F.LayerDims(128, 128, 8, 2, 16), F.MoKConfig(precision="fp8_block", fp8_pow2_scales=True),
                     _lib.DEVICE_CPU)
-    c.size, c.version = 21 * 8, 2
-    handle = ctypes.c_void_p()
-    _lib.check(_lib.lib.mokWorkspaceCreate(ctypes.byref(c), ctypes.byref(handle)))
-    try:
-        out = _lib.default_config()
-        _lib.check(_lib.lib.mokWorkspaceGetConfig(handle, ctypes.byref(out)))
-        assert (out.fp8_pow2_scales, out.version, out.precision) == (0, 3, _lib.PRECISIONS["fp8_block"])
-    finally:
-        _lib.check(_lib.lib.mokWorkspaceDestroy(handle))
+    out = _created_by_an_older_caller(c, 21, 2)
+    assert (out.fp8_pow2_scales, out.version, out.precision) == (0, 3, _lib.PRECISIONS["fp8_block"])
 
 
 def test_mokconfig_num_blocks():
