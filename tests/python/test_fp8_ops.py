@@ -305,3 +305,29 @@ def test_quantize_weights_on_the_gpu_is_the_cpus_bit_for_bit(column_major):
         assert torch.equal(b.qt.cpu().view(torch.uint8), a.qt.view(torch.uint8)), name
     fwd_only = mok.quantize_weights(**gpu_ws, transposed=False)
     assert fwd_only["w_down"].qt is None and torch.equal(fwd_only["w_down"].q, dev["w_down"].q)
+
+
+@pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeWeights"), reason="this libmok predates mokQuantizeWeights")
+def test_quantize_weights_views_are_checked_before_the_device():
+    # The C entry point names a misshaped copy, then refuses CPU tensors (mok.quantize_weights
+    # quantises CPU weights itself, with mok.fp8)
+    import ctypes
+    from mok.quantized import Fp8Weight, fp8_views
+    ws = _layer_weights(2, 256, 128, 128, False, seed=10)
+    e4m3 = torch.float8_e4m3fn
+
+    def call(fw):
+        config = mok._lib.default_config()
+        config.hidden, config.intermediate, config.shared_intermediate, config.num_experts = 256, 128, 128, 2
+        views = mok._lib.Views()
+        return mok._lib.check(mok._lib.symbol("mokQuantizeWeights")(
+            ctypes.byref(config), ctypes.byref(views.weights(ws, "weights.", mok._lib.BF16)),
+            ctypes.byref(fp8_views(views, fw)), 0, None))
+    good = Fp8Weight(torch.empty(2, 128, 256, dtype=e4m3), torch.empty(2, 256, 128, dtype=e4m3),
+                     torch.empty(2, 1, 2))
+    with pytest.raises(ValueError, match=r"fp8.w_gate.qt has shape \[2, 128, 256\], expected \[2, 256, 128\]"):
+        call({"w_gate": Fp8Weight(good.q, good.q.clone(), good.scales)})
+    with pytest.raises(ValueError, match=r"fp8.w_down.scales has shape"):
+        call({"w_down": Fp8Weight(torch.empty(2, 256, 128, dtype=e4m3), None, good.scales)})
+    with pytest.raises(ValueError, match="on the CPU"):
+        call({"w_gate": good})
