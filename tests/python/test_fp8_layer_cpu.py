@@ -190,3 +190,30 @@ def test_what_is_not_built_is_named():
         F.forward(x, ids, tw, w["w_gate"], w["w_up"], w["w_down"], config=F.MoKConfig(fp8_pow2_scales=True))
     with pytest.raises(ValueError, match="not mxfp8"):
         F.forward(x, ids, tw, w["w_gate"], w["w_up"], w["w_down"], config=F.MoKConfig(precision="mxfp8"))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_moe_module_trains_in_fp8_block(pow2):
+    # mok.nn.MoE with precision fp8_block (through the ops' schemas, fp8_pow2_scales included):
+    # its forward and gradients are the functional layer's, bit for bit
+    import mok
+    torch.manual_seed(7)
+    cfg = F.MoKConfig(precision="fp8_block", fp8_pow2_scales=pow2)
+    m = mok.nn.MoE(H, I, E, K, 128, config=cfg)
+    g = torch.Generator().manual_seed(8)
+    x = make_x(g, T, H).requires_grad_()
+    ids, tw = make_routing(g, T, E, K)
+    y = m(x, ids, tw)
+    dy = make_x(torch.Generator().manual_seed(9), T, H)
+    y.backward(dy)
+    w = {n: getattr(m, n).detach() for n in ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down")}
+    y_f, ctx = F.forward(x.detach(), ids, tw, **w, config=cfg)
+    assert torch.equal(y, y_f)
+    grads = F.backward(ctx, dy)
+    assert torch.equal(x.grad, grads.dx)
+    for n in w:
+        assert torch.equal(getattr(m, n).grad, getattr(grads, n)), n
+    # the other scale rule gives other bits: the option reaches the layer
+    other = F.forward(x.detach(), ids, tw, **w, config=F.MoKConfig(precision="fp8_block",
+                                                                         fp8_pow2_scales=not pow2))[0]
+    assert not torch.equal(y_f, other)
