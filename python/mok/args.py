@@ -7,7 +7,7 @@ mok.functional re-exports all of it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,9 @@ class ForwardContext:
     weights: Dict[str, Optional[torch.Tensor]]
     workspace: Workspace
     saved: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+    # precision fp8_block on CUDA: the weights' e4m3 copies the layer reads (mok.quantize_weights,
+    # kept on the workspace while the weights' versions say they are current)
+    fp8: Optional[Any] = None
 
 
 @dataclasses.dataclass
@@ -68,10 +71,14 @@ def _rank_tag(ep_size: int, rank: int) -> str:
 def _forward_args(views: _lib.Views, ctx: ForwardContext, y: Optional[torch.Tensor],
                   tag: str = "") -> _lib.mokForwardArgs:
     # tag: "rank r: " in an EP group of one process, as the C side's messages say it
-    return _lib.mokForwardArgs(x=views(ctx.x, tag + "x", _lib.BF16),
+    args = _lib.mokForwardArgs(x=views(ctx.x, tag + "x", _lib.BF16),
                                topk_ids=views(ctx.topk_ids, tag + "topk_ids", _lib.IDS),
                                topk_weights=views(ctx.topk_weights, tag + "topk_weights", _lib.FP32),
                                weights=views.weights(ctx.weights, tag, _lib.BF16), y=views(y, tag + "y", _lib.BF16))
+    if ctx.fp8 is not None:
+        from .quantized import fp8_views
+        args.fp8 = fp8_views(views, ctx.fp8.weights, tag)
+    return args
 
 
 def _grad_like(w: torch.Tensor, dtype) -> torch.Tensor:

@@ -85,7 +85,22 @@ def recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, w
     """The context forward would return, without computing y (activation checkpointing)."""
     weights = _weights_dict(w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
     ws = _resolve_workspace(workspace, config, x, topk_ids, weights)
-    return ForwardContext(x, topk_ids, topk_weights, weights, ws)
+    return ForwardContext(x, topk_ids, topk_weights, weights, ws, fp8=_fp8_weights(ws, weights, x))
+
+
+def _fp8_weights(ws: Workspace, weights, x):
+    """precision fp8_block on CUDA: the weights' e4m3 copies, quantised once and kept on the
+    workspace for as long as the weights' version counters say they are unchanged (an in-place
+    optimizer step advances them); None otherwise (the CPU reference quantises itself)."""
+    config = ws.config or MoKConfig()
+    if config.precision != "fp8_block" or x.device.type != "cuda":
+        return None
+    from .quantized import quantize_weights
+    cached = getattr(ws, "_fp8_weights", None)
+    if cached is None or cached.pow2 != bool(config.fp8_pow2_scales) or not cached.current(**weights):
+        cached = quantize_weights(**weights, pow2=bool(config.fp8_pow2_scales), transposed=False)
+        ws._fp8_weights = cached
+    return cached
 
 
 def forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up=None, ws_down=None, *,

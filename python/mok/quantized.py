@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import Dict, Optional
+import weakref
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -39,15 +40,15 @@ class Fp8Weights:
     weights: Dict[str, Optional[Fp8Weight]]
     pow2: bool
     versions: Dict[str, int]
-    sources: Dict[str, int]  # id() of each source tensor
+    sources: Dict[str, Any]  # a weak reference to each source tensor (a freed one is never current)
 
     def current(self, **weights: Optional[torch.Tensor]) -> bool:
-        """True when these tensors (name=tensor) are the ones quantised, unchanged since (their
-        autograd version counter, which in-place optimizer steps advance)."""
+        """True when these tensors (name=tensor) are the very ones quantised, unchanged since
+        (their autograd version counter, which in-place optimizer steps advance)."""
         for name, w in weights.items():
             if (w is None) != (self.weights.get(name) is None):
                 return False
-            if w is not None and (id(w) != self.sources[name] or w._version != self.versions[name]):
+            if w is not None and (self.sources[name]() is not w or w._version != self.versions[name]):
                 return False
         return True
 
@@ -108,7 +109,7 @@ def quantize_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Ten
         _lib.check(fn(ctypes.byref(config), ctypes.byref(views.weights(given, "weights.", _lib.BF16)),
                       ctypes.byref(fp8_views(views, out)), 1 if pow2 else 0, _lib.stream_of(config.device)))
     return Fp8Weights(out, pow2, {n: w._version for n, w in given.items() if w is not None},
-                      {n: id(w) for n, w in given.items() if w is not None})
+                      {n: weakref.ref(w) for n, w in given.items() if w is not None})
 
 
 def fp8_views(views: _lib.Views, weights: Dict[str, Optional[Fp8Weight]], tag: str = "") -> _lib.mokFp8Weights:

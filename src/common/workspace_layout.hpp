@@ -55,6 +55,7 @@ namespace mok {
   X(kHostErrors, "host_errors", int64_t, "i64", false)             \
   X(kUnfusedRing, "unfused.ring", uint16_t, "bf16", false)         \
   X(kUnfusedAct, "unfused.act", uint16_t, "bf16", false)           \
+  X(kFp8Buffers, "fp8.buffers", uint8_t, "u8", false)              \
   X(kTrace, "trace", mokTraceEvent_t, "event", false)              \
   X(kPlanScratch, "plan.scratch", int32_t, "i32", false)           \
   X(kUbXRows, "unfused_bwd.x_rows", uint16_t, "bf16", false)       \
@@ -88,6 +89,38 @@ namespace mok {
   X(kBwdCounters, "bwd.counters", int32_t, "i32", true)            \
   X(kBwdSymDy, "bwd.sym_dy", uint16_t, "bf16", true)               \
   X(kBwdSymDtw, "bwd.sym_dtw", float, "f32", true)
+
+// fp8_block's CUDA forward buffers (one allocation, cuda/forward.cu): the ring and act rows in
+// e4m3 [max_rows, H], [max_rows, I] with their scales [H/128, max_rows], [I/128, max_rows], and
+// the shared expert's x and act [T_max, H], [T_max, I_s] with scales [../128, T4] (T4: T_max
+// rounded up to 4, so that a scale row is 16-byte aligned); each part 1 KB aligned.
+struct Fp8BufferParts {
+  int64_t ring, ring_scales, act, act_scales, x, x_scales, shared_act, shared_act_scales, total;
+};
+MOK_HD int64_t fp8_t4(int64_t t_max) { return (t_max + 3) / 4 * 4; }
+MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, int64_t T, int64_t Is) {
+  const int64_t t4 = fp8_t4(T);
+  Fp8BufferParts p{};
+  int64_t at = 0;
+  auto part = [&](int64_t bytes) {
+    const int64_t offset = at;
+    at += (bytes + 1023) / 1024 * 1024;
+    return offset;
+  };
+  p.ring = part(max_rows * H);
+  p.ring_scales = part(H / 128 * max_rows * 4);
+  p.act = part(max_rows * I);
+  p.act_scales = part(I / 128 * max_rows * 4);
+  p.x = part(T * H);
+  p.x_scales = part(H / 128 * t4 * 4);
+  p.shared_act = part(T * Is);
+  p.shared_act_scales = part(Is / 128 * t4 * 4);
+  p.total = at;
+  return p;
+}
+MOK_HD int64_t fp8_buffer_bytes(int64_t max_rows, int64_t H, int64_t I, int64_t T, int64_t Is) {
+  return fp8_buffer_parts(max_rows, H, I, T, Is).total;
+}
 
 enum class WsBuffer : int32_t {
 #define MOK_WS_ENUM(id, name, T, tname, bwd) id,
@@ -328,6 +361,11 @@ MOK_HD WorkspaceLayout workspace_layout(const mokConfig_t& c, WorkspaceOptions o
         L.max_rows, H);
   L.put(WsBuffer::kUnfusedAct, WsPlace::kSeparate, "max_rows*I", "at the first MOK_FORWARD_PATH=unfused call", 0, 2,
         L.max_rows, I);
+  if (c.precision == mokPrecisionFP8Block)
+    L.put(WsBuffer::kFp8Buffers, WsPlace::kSeparate, "(max_rows*(H+I) + T4*(H+I_s))*(1 + 4/128), 1 KB each",
+          "at the first fp8_block forward on CUDA: ring, act, x, shared act in e4m3 and their fp32 scales "
+          "(T4 = T_max rounded up to 4)",
+          fp8_buffer_bytes(L.max_rows, H, I, T, Is), 0);
   if (o.trace_cap > 0)
     L.put(WsBuffer::kTrace, WsPlace::kSeparate, "num_sms*MOK_TRACE_RECORDERS*trace_cap", "MOK_TRACE=1 at creation: the timing ring", 0, 3,
           o.num_sms, MOK_TRACE_RECORDERS, o.trace_cap);

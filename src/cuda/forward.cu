@@ -19,6 +19,7 @@
 #include "cuda/fused/forward_kernel.cuh"
 #include "cuda/fused/wait_sites.hpp"
 #include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/quantize.cuh"
 #include "cuda/gemm/tensor_map.hpp"
 #include "plan/plan.hpp"
 #include "runtime/env.hpp"
@@ -67,6 +68,24 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint32_t* 
   });
 }
 
+// fp8_block: the plan's rows of x quantised as they are gathered (one warp a row,
+// gemm::quantize_row_warp): ring [max_rows, H] e4m3, scales [H/128, scales_ld]; a padding row
+// is zeros with scale 1.
+__global__ void gather_quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ rows,
+                                            const int32_t* __restrict__ expert_offset, int32_t num_local,
+                                            int64_t hidden, uint8_t* __restrict__ ring, float* __restrict__ scales,
+                                            int64_t scales_ld, bool pow2) {
+  for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
+    uint8_t* dst = ring + i * hidden;
+    if (row_is_pad(rec)) {
+      for (int64_t v = lane; v < hidden / 16; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+      for (int64_t kb = lane; kb < hidden / 128; kb += 32) scales[kb * scales_ld + i] = 1.0f;
+    } else {
+      gemm::quantize_row_warp(x + row_token(rec) * hidden, dst, scales, scales_ld, i, hidden, pow2);
+    }
+  });
+}
+
 // ---- combine: one warp per token (combine_token_warp), 4 warps per block -------------------------
 __global__ void combine_kernel(plan::RoutingView v, const float* __restrict__ topk_weights,
                                const uint4* __restrict__ slots, const uint4* __restrict__ shared_out,
@@ -93,6 +112,111 @@ T* device_alloc(size_t count, size_t* total) {
   return static_cast<T*>(p);
 }
 
+
+// fp8_block (docs/precision.md): the layer's forward as launches, the unfused path's sequence
+// in e4m3 with block scales: x quantised as the plan's rows are gathered, gate/up writing a in
+// e4m3 with its scales (128 x 256 tiles: a tile's gate half is one scale block), down
+// scattering bf16 rows to the route slots; the shared expert on x quantised once; the bf16
+// combine.  The weights are the caller's e4m3 copies (in.fp8_*: w_gate, w_up, w_down, ws_gate,
+// ws_up, ws_down).  EP = 1.
+void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
+                 void* y, cudaStream_t stream, const Saved& save) {
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, k = c.topk, T = in.num_tokens;
+  const int64_t El = plan_dims(c).local_experts();
+  const bool pow2 = c.fp8_pow2_scales != 0;
+  const Fp8BufferParts parts = fp8_buffer_parts(ws.max_rows, H, I, c.max_tokens, Is);
+  if (ws.fp8_block == nullptr) {
+    size_t unused = 0;
+    ws.fp8_block = device_alloc<uint8_t>(static_cast<size_t>(parts.total), &unused);
+  }
+  uint8_t* const b = ws.fp8_block;
+  auto scales_at = [&](int64_t offset) { return reinterpret_cast<float*>(b + offset); };
+  const int64_t t4 = fp8_t4(c.max_tokens);
+  const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
+  int64_t* timeout = ws.errors + kRouteErrorWords;
+  // A kind of the block-scaled step: A's scales (leading dimension a_ld) and the scales of
+  // weights w0 and w1 (indices into in.fp8_*)
+  auto block_scaled = [&](gemm::GroupedGemmArgs g, const float* a_scales, int64_t a_ld, int w0, int w1) {
+    g.operand_bytes = 1;
+    g.a_scales = a_scales;
+    g.a_scales_ld = a_ld;
+    g.b0_scales = in.fp8_scales[w0];
+    g.b1_scales = in.fp8_scales[w1];
+    g.timeout_s = c.timeout_s;
+    g.timeout_record = timeout;
+    return g;
+  };
+  // The plan's rows of x, quantised as they are gathered
+  if (T > 0) {
+    gather_quantize_rows_kernel<<<528, 256, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(static_cast<const void*>(in.x)), ws.rows, ws.expert_offset,
+        static_cast<int32_t>(El), H, b + parts.ring, scales_at(parts.ring_scales), ws.max_rows, pow2);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  // Gate/up writing a in e4m3 (and its scales) for down
+  gemm::GroupedGemmArgs gu = block_scaled(
+      gemm::with_tile_n(gemm::gate_up_args(b + parts.ring, ws.max_rows, H, in.fp8_q[0], in.fp8_q[1], El, I,
+                                           ws.block_expert, max_blocks, b + parts.act),
+                        256),
+      scales_at(parts.ring_scales), ws.max_rows, 0, 1);
+  gu.epilogue = static_cast<int32_t>(gemm::Epilogue::kSwiGLUE4m3);
+  gu.out_scales = scales_at(parts.act_scales);
+  gu.out_scales_ld = ws.max_rows;
+  gu.out_scales_pow2 = pow2;
+  gemm::launch_grouped_gemm(gu, stream);
+  if (save.h)  // the pre-activations at the plan rows, bf16
+    gemm::launch_grouped_gemm(
+        block_scaled(gemm::gate_up_preact_args(b + parts.ring, ws.max_rows, H, in.fp8_q[0], in.fp8_q[1], El, I,
+                                               ws.block_expert, max_blocks, save.h),
+                     scales_at(parts.ring_scales), ws.max_rows, 0, 1),
+        stream);
+  gemm::GroupedGemmArgs dn = block_scaled(
+      gemm::with_tile_n(gemm::down_args(b + parts.act, ws.max_rows, I, in.fp8_q[2], El, H, ws.block_expert,
+                                        max_blocks, ws.slots),
+                        256),
+      scales_at(parts.act_scales), ws.max_rows, 2, 2);
+  dn.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
+  dn.plan_rows = ws.rows;
+  dn.topk = static_cast<int32_t>(k);
+  gemm::launch_grouped_gemm(dn, stream);
+
+  // Shared expert: every token, x quantised once (scale rows of T4)
+  if (Is > 0 && T > 0) {
+    const int32_t blocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
+    gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, pow2, stream, t4);
+    gemm::GroupedGemmArgs sg = block_scaled(
+        gemm::with_tile_n(gemm::gate_up_args(b + parts.x, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is, ws.shared_block,
+                                             blocks, b + parts.shared_act),
+                          256),
+        scales_at(parts.x_scales), t4, 3, 4);
+    sg.epilogue = static_cast<int32_t>(gemm::Epilogue::kSwiGLUE4m3);
+    sg.out_scales = scales_at(parts.shared_act_scales);
+    sg.out_scales_ld = t4;
+    sg.out_scales_pow2 = pow2;
+    gemm::launch_grouped_gemm(sg, stream);
+    if (save.shared_h)
+      gemm::launch_grouped_gemm(
+          block_scaled(gemm::gate_up_preact_args(b + parts.x, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is,
+                                                 ws.shared_block, blocks, save.shared_h),
+                       scales_at(parts.x_scales), t4, 3, 4),
+          stream);
+    gemm::launch_grouped_gemm(
+        block_scaled(gemm::with_tile_n(gemm::down_args(b + parts.shared_act, T, Is, in.fp8_q[5], 1, H,
+                                                       ws.shared_block, blocks, ws.shared_out),
+                                       256),
+                     scales_at(parts.shared_act_scales), t4, 5, 5),
+        stream);
+  }
+
+  // Fixed-order combine (bf16, as the other paths)
+  if (T > 0) {
+    const int64_t row_vecs = H * 2 / 16;
+    combine_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
+        v, in.topk_weights, static_cast<const uint4*>(ws.slots),
+        Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr, row_vecs, static_cast<uint4*>(y));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+}
 
 // MOK_FORWARD_PATH=unfused selects the unfused sequence of launches (same tiles, same
 // reduction order): the bitwise reference of the fused kernel in tests.
@@ -357,7 +481,8 @@ void destroy_workspace(DeviceWorkspace* ws) {
   cudaGetDevice(&previous);
   cudaSetDevice(ws->device);
   // The block holds every layout pointer (slots at EP >= 2 are in the caller's region).
-  for (void* p : {static_cast<void*>(ws->block), ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->trace)})
+  for (void* p : {static_cast<void*>(ws->block), ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->fp8_block),
+                  static_cast<void*>(ws->trace)})
     if (p) cudaFree(p);
   destroy_backward_buffers(ws->bwd);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);
@@ -621,7 +746,10 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
       call_plan(ws, c, in, stream_ptr);
       return;
     case ForwardPhase::kLayer:
-      if (use_unfused_path()) {
+      if (c.precision == mokPrecisionFP8Block) {
+        MOK_CHECK_ARG(ws.ep_size == 1, "config.precision = fp8_block runs at EP = 1 so far");
+        forward_fp8(ws, c, in, routing_of(ws, c, in), y, stream, save);
+      } else if (use_unfused_path()) {
         MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "
                                            << ws.ep_size << ")");
         forward_unfused(ws, c, in, routing_of(ws, c, in), y, stream, save);

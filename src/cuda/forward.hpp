@@ -51,6 +51,9 @@ struct DeviceWorkspace {
   int64_t num_counters = 0;
   void* unfused_ring = nullptr;    // max_rows x H, allocated on first use of the unfused path
   void* unfused_act = nullptr;     // max_rows x I
+  // fp8_block's buffers (WsBuffer::kFp8Buffers: one allocation at its first forward), e4m3 rows
+  // and their fp32 scales, parts as fp8_buffer_parts lays them out
+  uint8_t* fp8_block = nullptr;
   void* slots = nullptr;
   void* shared_act = nullptr;
   void* shared_out = nullptr;

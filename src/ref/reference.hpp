@@ -89,6 +89,13 @@ struct RankInputs {
   const bf16_t* ws_up = nullptr;            // [I_s, H] or null
   const bf16_t* ws_down = nullptr;          // [H, I_s] or null
   WeightStrides strides;                    // of the six weights
+  // fp8_block on CUDA: the weights' e4m3 copies (mokFp8Weights_t), in the order w_gate, w_up,
+  // w_down, ws_gate, ws_up, ws_down: q [.., R, C] e4m3, its block scales [.., R/128, C/128]
+  // fp32, and the transpose qt when given (null: absent).  The CPU reference quantises the bf16
+  // weights itself and reads none of these.
+  const void* fp8_q[6] = {};
+  const void* fp8_qt[6] = {};
+  const float* fp8_scales[6] = {};
 };
 
 // One rank's weight gradients: bf16 outputs, and optional fp32 main_grad accumulators.

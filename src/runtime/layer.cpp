@@ -68,8 +68,9 @@ void check_config(const mokConfig_t& c) {
   MOK_CHECK_ARG(c.precision == mokPrecisionBF16 || c.precision == mokPrecisionFP8Block,
                 "config.precision = " << c.precision << ": bf16 (0) and fp8_block (2) are implemented, not mxfp8 (1)");
   if (c.precision == mokPrecisionFP8Block) {
-    MOK_CHECK_ARG(c.device < 0, "config.precision = fp8_block (2): the CPU reference runs it; the CUDA "
-                                "kernels do not yet (docs/precision.md)");
+    MOK_CHECK_ARG(c.device < 0 || c.ep_size == 1,
+                  "config.precision = fp8_block (2) on CUDA runs at EP = 1 so far (config.ep_size = "
+                      << c.ep_size << "; docs/precision.md)");
     MOK_CHECK_ARG(c.hidden % 128 == 0 && c.intermediate % 128 == 0 && c.shared_intermediate % 128 == 0,
                   "config.precision = fp8_block (2): hidden = " << c.hidden << ", intermediate = " << c.intermediate
                                                                 << " and shared_intermediate = " << c.shared_intermediate
@@ -311,11 +312,50 @@ ref::RankInputs check_forward_args(const mokConfig_t& c, const mokForwardArgs_t&
   in.ws_gate = static_cast<const bf16_t*>(a.weights.ws_gate.data);
   in.ws_up = static_cast<const bf16_t*>(a.weights.ws_up.data);
   in.ws_down = static_cast<const bf16_t*>(a.weights.ws_down.data);
+  if (device >= 0 && c.precision == mokPrecisionFP8Block) {
+    // The e4m3 copies the CUDA layer reads (mokQuantizeWeights), q and scales of each weight
+    const int64_t El = c.num_experts / c.ep_size, I = c.intermediate, Is = c.shared_intermediate;
+    struct One {
+      const mokFp8Weight_t& f;
+      const char* name;
+      std::vector<int64_t> q, s;
+    };
+    const One all[] = {{a.fp8.w_gate, "w_gate", {El, I, H}, {El, I / 128, H / 128}},
+                       {a.fp8.w_up, "w_up", {El, I, H}, {El, I / 128, H / 128}},
+                       {a.fp8.w_down, "w_down", {El, H, I}, {El, H / 128, I / 128}},
+                       {a.fp8.ws_gate, "ws_gate", {Is, H}, {Is / 128, H / 128}},
+                       {a.fp8.ws_up, "ws_up", {Is, H}, {Is / 128, H / 128}},
+                       {a.fp8.ws_down, "ws_down", {H, Is}, {H / 128, Is / 128}}};
+    for (int i = 0; i < 6; ++i) {
+      const One& o = all[i];
+      const std::string who = tag + "fp8." + o.name;
+      if (i >= 3 && Is == 0) {
+        MOK_CHECK_ARG(!present(o.f.q) && !present(o.f.scales), who << " given but config.shared_intermediate = 0");
+        continue;
+      }
+      MOK_CHECK_ARG(present(o.f.q) && present(o.f.scales),
+                    who << ": precision fp8_block on CUDA reads the weights' e4m3 copies (q and scales, from "
+                           "mokQuantizeWeights / mok.quantize_weights); absent");
+      check_tensor(o.f.q, who + ".q", {mokFloat8E4M3}, o.q, device);
+      check_tensor(o.f.scales, who + ".scales", {mokFloat32}, o.s, device);
+      if (present(o.f.qt)) {
+        std::vector<int64_t> t = o.q;
+        std::swap(t[t.size() - 1], t[t.size() - 2]);
+        check_tensor(o.f.qt, who + ".qt", {mokFloat8E4M3}, t, device);
+        in.fp8_qt[i] = o.f.qt.data;
+      }
+      in.fp8_q[i] = o.f.q.data;
+      in.fp8_scales[i] = static_cast<const float*>(o.f.scales.data);
+    }
+  }
   return in;
 }
 
 ref::RankGrads check_backward_args(const mokConfig_t& c, const mokBackwardArgs_t& a, int32_t device,
                                    const std::string& tag) {
+  MOK_CHECK_ARG(device < 0 || c.precision != mokPrecisionFP8Block,
+                tag << "config.precision = fp8_block (2): the CUDA backward is not built yet (the forward is; the "
+                       "CPU reference runs both; docs/precision.md)");
   const int64_t T = a.fwd.x.shape[0], H = c.hidden, k = c.topk;
   check_tensor(a.dy, tag + "dy", {mokBFloat16}, {T, H}, device);
   check_tensor(a.dx, tag + "dx", {mokBFloat16}, {T, H}, device);

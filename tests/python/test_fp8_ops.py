@@ -331,3 +331,13 @@ def test_quantize_weights_views_are_checked_before_the_device():
         call({"w_down": Fp8Weight(torch.empty(2, 256, 128, dtype=e4m3), None, good.scales)})
     with pytest.raises(ValueError, match="on the CPU"):
         call({"w_gate": good})
+
+
+def test_quantized_weights_are_current_only_for_the_same_live_tensors():
+    ws = _layer_weights(1, 128, 128, 128, False, seed=11)
+    fw = mok.quantize_weights(**ws)
+    assert fw.current(**ws)
+    assert not fw.current(**dict(ws, w_down=ws["w_down"].clone()))  # equal values, another tensor
+    assert not fw.current(**dict(ws, ws_gate=None))
+    ws["w_down"].add_(1)  # an optimizer step in place
+    assert not fw.current(**ws)

@@ -185,7 +185,7 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
   CUtensorMap map_sa = map_a;
   if constexpr (Prec::kBlockScaled) {
     const int64_t k_blocks = g.k / T::kBlockK;
-    map_sa = tensor_map_scales(g.a_scales, k_blocks, g.a_rows, T::kBlockM);
+    map_sa = tensor_map_scales(g.a_scales, k_blocks, g.a_scales_ld > 0 ? g.a_scales_ld : g.a_rows, T::kBlockM);
     p.sb0 = g.b0_scales;
     p.sb1 = g.b1_scales;
     p.sb_rows_per_expert = static_cast<int32_t>(tiles_of(g.b_rows_per_expert, 128));
@@ -194,7 +194,7 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     p.sb_n_stride = g.b_scales_transposed ? 1 : kbs;
     p.sb_k_stride = g.b_scales_transposed ? nb : 1;
     p.out_scales = g.out_scales;
-    p.out_scales_ld = g.out_rows;
+    p.out_scales_ld = g.out_scales_ld > 0 ? g.out_scales_ld : g.out_rows;
     p.out_scales_pow2 = g.out_scales_pow2 ? 1 : 0;
   }
   constexpr size_t smem = kGemmSmemBytesT<T, Prec>;
@@ -297,9 +297,13 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
                                                                     "2-byte and out_scales 4-byte aligned");
     }
     if (scales == 3) {
-      MOK_CHECK_ARG(g.a_rows % 4 == 0 && aligned16(g.a_scales),
-                    "grouped GEMM (e4m3 block scales): a_scales [K/128, a_rows] needs a_rows % 4 == 0 (a_rows = "
-                        << g.a_rows << ") and 16-byte alignment");
+      const int64_t a_ld = g.a_scales_ld > 0 ? g.a_scales_ld : g.a_rows;
+      MOK_CHECK_ARG(a_ld % 4 == 0 && a_ld >= g.a_rows && aligned16(g.a_scales),
+                    "grouped GEMM (e4m3 block scales): a_scales [K/128, " << a_ld << "] needs rows of a multiple of 4 "
+                        "(16-byte aligned) covering a_rows = " << g.a_rows << ", and 16-byte alignment");
+      MOK_CHECK_ARG(g.out_scales_ld == 0 || g.out_scales_ld >= g.out_rows,
+                    "grouped GEMM (e4m3 block scales): out_scales_ld = " << g.out_scales_ld << " < out_rows = "
+                                                                         << g.out_rows);
       MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(g.b0_scales) & 3u) == 0 && (reinterpret_cast<uintptr_t>(g.b1_scales) & 3u) == 0,
                     "grouped GEMM (e4m3 block scales): b0_scales and b1_scales must be 4-byte aligned");
     }

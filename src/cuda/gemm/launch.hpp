@@ -60,6 +60,11 @@ struct GroupedGemmArgs {
   const float* b0_scales = nullptr;
   const float* b1_scales = nullptr;
   bool b_scales_transposed = false;
+  // The scales' leading dimensions (0: a_rows, out_rows): a_scales [K / 128, a_scales_ld] and
+  // out_scales [I / 128, out_scales_ld], so that a stack of rows that is not a multiple of 4
+  // (the shared expert's T tokens) keeps 16-byte aligned scale rows (a_scales_ld % 4 == 0)
+  int64_t a_scales_ld = 0;
+  int64_t out_scales_ld = 0;
   // Epilogue::kSwiGLUE4m3 (block-scaled gate/up at tile N 256, I % 128 == 0): out is a in e4m3
   // [a_rows, I] and out_scales its scales [I / 128, out_rows] fp32 (per row and 128 channels,
   // k-block-major: the down kind's a_scales)
@@ -147,9 +152,9 @@ void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.
-// pow2: power-of-two scales (UE8M0).
+// pow2: power-of-two scales (UE8M0).  scales_ld (0: rows): the scales' leading dimension.
 void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2,
-                          cudaStream_t stream);
+                          cudaStream_t stream, int64_t scales_ld = 0);
 
 // fp8_block's weight quantiser (mok.fp8.quantize_blocks bit for bit): num matrices w [rows,
 // cols] bf16 (rows, cols multiples of 128; element (e, r, c) at e·w_expert_stride +

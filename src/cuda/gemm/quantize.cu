@@ -15,10 +15,11 @@ namespace mok::gemm {
 namespace {
 
 __global__ void quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, uint8_t* __restrict__ q,
-                                     float* __restrict__ scales, int64_t rows, int64_t n, bool pow2) {
+                                     float* __restrict__ scales, int64_t scales_ld, int64_t rows, int64_t n,
+                                     bool pow2) {
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
   for (int64_t r = int64_t{blockIdx.x} * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps)
-    quantize_row_warp(x + r * n, q + r * n, scales, rows, r, n, pow2);
+    quantize_row_warp(x + r * n, q + r * n, scales, scales_ld, r, n, pow2);
 }
 
 // One 128 x 128 block (blockIdx.x: its 128 columns, .y: its 128 rows, .z: the matrix) per
@@ -79,7 +80,9 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_blocks_kernel(const
 }  // namespace
 
 void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, int64_t scales_ld) {
+  if (scales_ld == 0) scales_ld = rows;
+  MOK_CHECK_ARG(scales_ld >= rows, "quantize rows: scales_ld = " << scales_ld << " < rows = " << rows);
   MOK_CHECK_ARG(n > 0 && n % 128 == 0, "quantize rows: n = " << n << " must be a positive multiple of 128");
   MOK_CHECK_ARG((reinterpret_cast<uintptr_t>(x) & 15u) == 0 && (reinterpret_cast<uintptr_t>(q) & 3u) == 0 &&
                     (reinterpret_cast<uintptr_t>(scales) & 3u) == 0,
@@ -88,7 +91,8 @@ void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, i
   constexpr int kThreads = 256;  // 8 rows a block
   const int64_t blocks = std::min<int64_t>((rows + kThreads / 32 - 1) / (kThreads / 32), 65535);
   quantize_rows_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                                          static_cast<uint8_t*>(q), scales, rows, n, pow2);
+                                                                          static_cast<uint8_t*>(q), scales, scales_ld, rows, n,
+                                                                          pow2);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
