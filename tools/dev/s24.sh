@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
-# Session 24's device calls (issue 23, fp8).  STAGE=fp8: tools/dev/s23.sh's fp8 stage (the
-# block-scaled GEMM's GPU tests, the weight quantiser's, then every fp8 kind at the sustained
-# clock on SHAPES, dgrad included).  STAGE=prof8: one ncu profile of the block-scaled gate/up
+# Session 24's device calls (issue 23, fp8).  STAGE=fp8: the tree built with its tests; the fp8
+# GPU tests (the block-scaled GEMM, the quantisers, the layer's CUDA forward against the CPU
+# reference), then every fp8 kind at the sustained clock on SHAPES, dgrad included.  STAGE=prof8: one ncu profile of the block-scaled gate/up
 # kind on dsv3 at each tile (SOL, warp states, per-instruction stall samples as CSV) and the
 # kernels' SASS K loops (tools/dev/sass_loops.py).  Logs under $OUT, packed into $OUT/logs.tar.xz.
 source "$(dirname "$0")/device_env.sh"
 case "${STAGE:-fp8}" in
-  fp8) exec env STAGE=fp8 bash tools/dev/s23.sh ;;
+  fp8)
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*E4m3*' > "$OUT/gtest_fp8.log" 2>&1
+    echo "gtest fp8 rc=$? $(grep -E 'PASSED|FAILED' "$OUT/gtest_fp8.log" | tr '\n' ' ')"
+    timeout 240 python3 -m pytest -q -rs tests/python/test_fp8_ops.py tests/python/test_fp8.py \
+      tests/python/test_fp8_layer_gpu.py tests/python/test_fp8_layer_cpu.py -s > "$OUT/pytest_fp8.log" 2>&1
+    echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED|relative Frobenius" "$OUT/pytest_fp8.log" | head -12
+    for shape in ${SHAPES:-dsv3 qwen3}; do
+      timeout 180 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-t128,t256:MOK_TMP_FP8_TILE=256}" 2>&1 |
+        tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -20
+      echo "at $(el) s"
+    done ;;
   prof8)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
