@@ -436,6 +436,34 @@ mokResult_t mokQuantizeRowsE4m3(const mokTensor_t* x, const mokTensor_t* q, cons
   });
 }
 
+namespace {
+// One weight's quantisation, every view checked: w [num, rows, cols] bf16 (num 0: one [rows,
+// cols] matrix; read in place) into scales and whichever of q, qt are present.  Names: `w_name`
+// for w, `prefix` + "q" / "qt" / "scales" for the copies.
+mok::cuda::QuantizeBlocksCall checked_blocks_call(const mokTensor_t& w, const mokTensor_t* q, const mokTensor_t* qt,
+                                                  const mokTensor_t& scales, const std::string& w_name,
+                                                  const std::string& prefix, int64_t num, int64_t rows, int64_t cols,
+                                                  int32_t pow2) {
+  MOK_CHECK_ARG(rows > 0 && cols > 0 && rows % 128 == 0 && cols % 128 == 0,
+                w_name << " is [" << rows << ", " << cols << "] per matrix: fp8_block needs positive multiples of 128 "
+                                                              "(whole 128 x 128 blocks)");
+  const auto shape = [&](int64_t a, int64_t b) {
+    return num > 0 ? std::vector<int64_t>{num, a, b} : std::vector<int64_t>{a, b};
+  };
+  const int32_t dev = w.device;
+  const mok::ref::MatrixStrides strides = mok::check_matrices(w, w_name, {mokBFloat16}, shape(rows, cols), dev);
+  const bool has_q = q != nullptr && mok::present(*q), has_qt = qt != nullptr && mok::present(*qt);
+  MOK_CHECK_ARG(has_q || has_qt, prefix << "q and " << prefix << "qt both absent: nothing to quantise into");
+  if (has_q) mok::check_tensor(*q, prefix + "q", {mokFloat8E4M3}, shape(rows, cols), dev);
+  if (has_qt) mok::check_tensor(*qt, prefix + "qt", {mokFloat8E4M3}, shape(cols, rows), dev);
+  mok::check_tensor(scales, prefix + "scales", {mokFloat32}, shape(rows / 128, cols / 128), dev);
+  MOK_CHECK_ARG(dev >= 0, w_name << " is on the CPU; the fp8 weight quantiser runs on CUDA tensors (on the CPU: "
+                                    "mok.fp8.quantize_blocks, and the reference quantises the weights itself)");
+  return mok::cuda::QuantizeBlocksCall{w.data, num > 0 ? num : 1, rows, cols, strides, has_q ? q->data : nullptr,
+                                       has_qt ? qt->data : nullptr, static_cast<float*>(scales.data), pow2 != 0};
+}
+}  // namespace
+
 mokResult_t mokQuantizeWeights(const mokConfig_t* config, const mokWeights_t* weights, const mokFp8Weights_t* fp8,
                                int32_t pow2, void* stream) {
   return guarded("mokQuantizeWeights", [&] {
@@ -463,27 +491,8 @@ mokResult_t mokQuantizeWeights(const mokConfig_t* config, const mokWeights_t* we
                       "fp8." << o.name << ": q or qt given without scales");
         continue;
       }
-      MOK_CHECK_ARG(o.rows > 0 && o.rows % 128 == 0 && o.cols % 128 == 0,
-                    "fp8." << o.name << ": the weight is [" << o.rows << ", " << o.cols
-                           << "]; fp8_block needs multiples of 128 (whole 128 x 128 blocks)");
-      const auto shape = [&](int64_t a, int64_t b) {
-        return o.num > 0 ? std::vector<int64_t>{o.num, a, b} : std::vector<int64_t>{a, b};
-      };
-      const int32_t dev = o.f.scales.device;
-      const mok::ref::MatrixStrides strides =
-          mok::check_matrices(o.w, std::string("weights.") + o.name, {mokBFloat16}, shape(o.rows, o.cols), dev);
-      const bool has_q = mok::present(o.f.q), has_qt = mok::present(o.f.qt);
-      MOK_CHECK_ARG(has_q || has_qt, "fp8." << o.name << ": scales without q or qt: nothing to quantise into");
-      if (has_q) mok::check_tensor(o.f.q, std::string("fp8.") + o.name + ".q", {mokFloat8E4M3}, shape(o.rows, o.cols), dev);
-      if (has_qt)
-        mok::check_tensor(o.f.qt, std::string("fp8.") + o.name + ".qt", {mokFloat8E4M3}, shape(o.cols, o.rows), dev);
-      mok::check_tensor(o.f.scales, std::string("fp8.") + o.name + ".scales", {mokFloat32},
-                        shape(o.rows / 128, o.cols / 128), dev);
-      MOK_CHECK_ARG(dev >= 0, "fp8." << o.name << ".scales is on the CPU; mokQuantizeWeights runs on CUDA tensors "
-                                        "(the CPU reference quantises the weights itself)");
-      calls.push_back(mok::cuda::QuantizeBlocksCall{o.w.data, o.num > 0 ? o.num : 1, o.rows, o.cols, strides,
-                                                    has_q ? o.f.q.data : nullptr, has_qt ? o.f.qt.data : nullptr,
-                                                    static_cast<float*>(o.f.scales.data), pow2 != 0});
+      calls.push_back(checked_blocks_call(o.w, &o.f.q, &o.f.qt, o.f.scales, std::string("weights.") + o.name,
+                                          std::string("fp8.") + o.name + ".", o.num, o.rows, o.cols, pow2));
     }
     // Every view checked before the first launch
     for (const auto& call : calls) mok::cuda::quantize_blocks(call, stream);
@@ -495,25 +504,9 @@ mokResult_t mokQuantizeBlocksE4m3(const mokTensor_t* w, const mokTensor_t* q, co
   return guarded("mokQuantizeBlocksE4m3", [&] {
     MOK_CHECK_ARG(w != nullptr && scales != nullptr, "w or scales is NULL");
     MOK_CHECK_ARG(w->ndim == 2 || w->ndim == 3, "w must be [E, R, C] or [R, C]");
-    const bool stack = w->ndim == 3;
-    const int64_t E = stack ? w->shape[0] : 1, R = w->shape[w->ndim - 2], C = w->shape[w->ndim - 1];
-    const int32_t dev = w->device;
-    MOK_CHECK_ARG(R > 0 && C > 0 && R % 128 == 0 && C % 128 == 0,
-                  "w is [" << R << ", " << C << "] per matrix: both must be positive multiples of 128 (whole blocks)");
-    const auto shape = [&](int64_t a, int64_t b) {
-      return stack ? std::vector<int64_t>{E, a, b} : std::vector<int64_t>{a, b};
-    };
-    const mok::ref::MatrixStrides strides = mok::check_matrices(*w, "w", {mokBFloat16}, shape(R, C), dev);
-    const bool has_q = q != nullptr && mok::present(*q), has_qt = qt != nullptr && mok::present(*qt);
-    MOK_CHECK_ARG(has_q || has_qt, "neither q nor qt given: nothing to write");
-    if (has_q) mok::check_tensor(*q, "q", {mokFloat8E4M3}, shape(R, C), dev);
-    if (has_qt) mok::check_tensor(*qt, "qt", {mokFloat8E4M3}, shape(C, R), dev);
-    mok::check_tensor(*scales, "scales", {mokFloat32}, shape(R / 128, C / 128), dev);
-    MOK_CHECK_ARG(dev >= 0, "w is on the CPU; mokQuantizeBlocksE4m3 runs on CUDA tensors (mok.fp8.quantize_blocks "
-                            "on the CPU)");
-    mok::cuda::quantize_blocks(mok::cuda::QuantizeBlocksCall{w->data, E, R, C, strides, has_q ? q->data : nullptr,
-                                                             has_qt ? qt->data : nullptr,
-                                                             static_cast<float*>(scales->data), pow2 != 0},
+    const int64_t num = w->ndim == 3 ? w->shape[0] : 0;
+    mok::cuda::quantize_blocks(checked_blocks_call(*w, q, qt, *scales, "w", "", num, w->shape[w->ndim - 2],
+                                                   w->shape[w->ndim - 1], pow2),
                                stream);
   });
 }

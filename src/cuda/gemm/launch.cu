@@ -325,7 +325,6 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   launch_tile_shape<false>(g, sms, stream);
 }
 
-// x [rows, n] bf16 -> q [rows, n] e4m3, scales [n / 128, rows] fp32: a warp a row, grid-stride
 void load_backward_kernels() {
   cudaFuncAttributes a;
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfig, false>));

@@ -144,7 +144,7 @@ struct PrecisionE4m3 {
 };
 struct PrecisionE4m3Block : PrecisionE4m3 {
   template <class T>
-  using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass the scale maps)
+  using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass A's scale map)
   static constexpr bool kBlockScaled = true;
   template <class T>
   static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);  // A's; B's are stored by the producer
