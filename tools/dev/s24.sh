@@ -10,6 +10,8 @@ case "${STAGE:-fp8}" in
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
     echo "== built at $(el) s"
+    cuobjdump -sass build/lib/libmok.so > /tmp/sass.txt 2>/dev/null
+    python3 tools/dev/sass_loops.py /tmp/sass.txt E4m3Block > "$OUT/sass_loops.txt" 2>&1; head -8 "$OUT/sass_loops.txt"
     timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*E4m3*' > "$OUT/gtest_fp8.log" 2>&1
     echo "gtest fp8 rc=$? $(grep -E 'PASSED|FAILED' "$OUT/gtest_fp8.log" | tr '\n' ' ')"
     timeout 240 python3 -m pytest -q -rs tests/python/test_fp8_ops.py tests/python/test_fp8.py \
