@@ -247,7 +247,7 @@ def test_dgrad_reads_the_transposed_copy_with_the_weights_scales(tile, monkeypat
     poison = lambda: torch.full((qa.shape[0], I), float("nan"), dtype=torch.bfloat16, device="cuda")  # noqa: E731
     got = ops.grouped_mm_fp8(qa.cuda(), sa.cuda(), qt, s, be, out=poison(), b_transposed=True)
     same = ops.grouped_mm_fp8(qa.cuda(), sa.cuda(), qt, s.transpose(1, 2).contiguous(), be, out=poison())
-    assert torch.equal(got, same)
+    assert torch.equal(got.view(torch.int16), same.view(torch.int16))  # bits: the -1 block's rows stay NaN
     for i, e in enumerate(blocks):
         rows = slice(128 * i, 128 * i + 128)
         if e < 0:

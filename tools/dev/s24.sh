@@ -22,6 +22,16 @@ case "${STAGE:-fp8}" in
         tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -20
       echo "at $(el) s"
     done ;;
+  dbg)
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    timeout 120 python3 tools/dev/dbg_fp8.py 2>&1 | tee "$OUT/dbg.log" | tail -40
+    timeout 240 python3 -m pytest -q -rs tests/python/test_fp8_ops.py tests/python/test_fp8.py \
+      tests/python/test_fp8_layer_gpu.py > "$OUT/pytest_fp8.log" 2>&1
+    echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED" "$OUT/pytest_fp8.log" | head -12
+    timeout 180 python3 tools/sustained.py dsv3 --fp8 --variants "${FP8_VARIANTS:-t128,t256:MOK_TMP_FP8_TILE=256}" 2>&1 |
+        tee "$OUT/fp8_dsv3.log" | grep -vE "^\s*$" | tail -20 ;;
   prof8)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }

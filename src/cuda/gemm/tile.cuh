@@ -112,9 +112,9 @@ struct MmaE4m3 {
 // 128 block, one fp32 FFMA an element per k-block (128 of K) promoting the fp8 MMAs' partial sum.
 struct NoScales {};
 // The scales of each stage's k-block: A's, one per tile row (a TMA box of BLOCK_M fp32), and
-// the two B halves' 128 x 128 blocks' (sb[stage][h]: the producer's own loads and stores, its
-// second arrival on the stage's full barrier), so that no consumer waits on a global load in
-// its K loop
+// the two B halves' 128 x 128 blocks' (sb[stage][h]: the producer's cp.async copies, whose
+// completion is the second arrival on the stage's full barrier), so that neither the consumers
+// nor the producer waits on a global load in its K loop
 template <class T>
 struct BlockScales {
   alignas(128) float sa[T::kStages][T::kBlockM];
@@ -147,7 +147,7 @@ struct PrecisionE4m3Block : PrecisionE4m3 {
   using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass A's scale map)
   static constexpr bool kBlockScaled = true;
   template <class T>
-  static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);  // A's; B's are stored by the producer
+  static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);  // A's; B's come by cp.async
 };
 // The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
@@ -176,7 +176,7 @@ struct StageStorageT : Prec::template StageScales<T> {
   uint64_t turn[2];
 
   // Arrivals that fill a stage: the producer's with the TMA bytes, and a block-scaled stage's
-  // B scales, stored by the producer itself
+  // B scales' (the completion of the producer's cp.async copies)
   static constexpr int kFills = Prec::kBlockScaled ? 2 : 1;
   __device__ void init_barriers() {
     pipe.init(kFills, kReleases);
@@ -272,18 +272,15 @@ __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineSta
     ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, t.b1, full, kb * C::kBlockK, t.b_row + t.b_half_offset);
   };
   if constexpr (P::kBlockScaled) {
-    if (t.num_k_blocks == 0) return true;
-    float b0 = __ldg(t.sb0), b1 = __ldg(t.sb1);  // k-block 0's
+    // B's two scales of the k-block land in the stage by cp.async, whose completion is the full
+    // barrier's second arrival: the producer never waits on a global load (a load it waited on
+    // bounded the ring at one L2 round trip a k-block)
     return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
       operands(kb, i, full);
       ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
-      s.sb[i][0] = b0;
-      s.sb[i][1] = b1;
-      ptx::mbar_arrive(full);
-      if (kb + 1 < t.num_k_blocks) {
-        b0 = __ldg(t.sb0 + (kb + 1) * t.sb_k_stride);
-        b1 = __ldg(t.sb1 + (kb + 1) * t.sb_k_stride);
-      }
+      ptx::cp_async_4(&s.sb[i][0], t.sb0 + kb * t.sb_k_stride);
+      ptx::cp_async_4(&s.sb[i][1], t.sb1 + kb * t.sb_k_stride);
+      ptx::cp_async_mbar_arrive_noinc(full);
     });
   } else {
     return produce_stages(s, stage, t.num_k_blocks, wait, operands);
