@@ -32,6 +32,20 @@ case "${STAGE:-fp8}" in
     echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED" "$OUT/pytest_fp8.log" | head -12
     timeout 180 python3 tools/sustained.py dsv3 --fp8 --variants "${FP8_VARIANTS:-t128,t256:MOK_TMP_FP8_TILE=256}" 2>&1 |
         tee "$OUT/fp8_dsv3.log" | grep -vE "^\s*$" | tail -20 ;;
+  dbg2)
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    timeout 60 python3 -m pytest -q tests/python/test_fp8_ops.py -k "quantised_for_down" 2>&1 | grep -E "^E |passed|failed" | head -8
+    timeout 200 compute-sanitizer --tool initcheck --print-limit 12 python3 -m pytest -q -x tests/python/test_fp8_layer_gpu.py \
+      -k "reference" > "$OUT/initcheck.log" 2>&1
+    echo "initcheck rc=$? at $(el) s"; grep -E "Uninitialized|ERROR SUMMARY|passed|failed|at .*0x|in .*kernel" "$OUT/initcheck.log" | head -30
+    timeout 120 compute-sanitizer --tool memcheck --print-limit 12 python3 -m pytest -q -x tests/python/test_fp8_layer_gpu.py \
+      -k "reference" > "$OUT/memcheck.log" 2>&1
+    echo "memcheck rc=$? at $(el) s"; grep -E "Invalid|ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | head -12
+    for i in 1 2 3; do timeout 60 python3 -m pytest -q tests/python/test_fp8_layer_gpu.py 2>&1 | tail -1; done
+    STAGE=prof8 TILES=256 NOPACK=1 bash "$0" >/dev/null 2>&1; echo "prof at $(el) s"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Warp Cycles Per Issued|Issue Slot|Stall" "$OUT/ncu_details_t256.csv" | head -30 ;;
   prof8)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
@@ -54,7 +68,7 @@ for _ in range(3):
     ops.grouped_mm_fp8(qx, sx, qg, sg, be, qu, su, out=out, kind="gate_up")
 torch.cuda.synchronize()
 PY
-    for t in 128 256; do
+    for t in ${TILES:-128 256}; do
       MOK_TMP_FP8_TILE=$t timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         -k regex:grouped_gemm_kernel --launch-skip 2 --launch-count 1 -o /tmp/ncu_t$t -f python3 /tmp/gu8.py \
         > "$OUT/ncu_run_t$t.log" 2>&1
@@ -64,4 +78,4 @@ PY
       grep -E "Duration|Compute \(SM\) Throughput|Warp Cycles Per Issued|Stall" "$OUT/ncu_details_t$t.csv" | head -12
     done ;;
 esac
-(cd "$OUT" && find . -type f ! -name logs.tar.xz | tar -cJf logs.tar.xz -T - && find . -type f ! -name logs.tar.xz -delete)
+[ -n "${NOPACK:-}" ] || (cd "$OUT" && find . -type f ! -name logs.tar.xz | tar -cJf logs.tar.xz -T - && find . -type f ! -name logs.tar.xz -delete)
