@@ -5,6 +5,23 @@
 # kind on dsv3 at each tile (SOL, warp states, per-instruction stall samples as CSV) and the
 # kernels' SASS K loops (tools/dev/sass_loops.py).  Logs under $OUT, packed into $OUT/logs.tar.xz.
 source "$(dirname "$0")/device_env.sh"
+cat > /tmp/gu8.py <<'PY'
+import sys, torch
+sys.path.insert(0, "python")
+from mok import fp8, ops
+E, rows, H, I = 16, 2048, 7168, 2048
+M = E * rows
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
+w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16() for _ in range(2)]
+(qx, sx), (qg, sg), (qu, su) = fp8.quantize_rows(x), fp8.quantize_blocks(w[0]), fp8.quantize_blocks(w[1])
+be = torch.arange(E, device="cuda", dtype=torch.int32).repeat_interleave(rows // 128)
+out = torch.empty(M, I, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    ops.grouped_mm_fp8(qx, sx, qg, sg, be, qu, su, out=out, kind="gate_up")
+torch.cuda.synchronize()
+PY
+
 case "${STAGE:-fp8}" in
   fp8)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=ON -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
@@ -46,28 +63,39 @@ case "${STAGE:-fp8}" in
     for i in 1 2 3; do timeout 60 python3 -m pytest -q tests/python/test_fp8_layer_gpu.py 2>&1 | tail -1; done
     STAGE=prof8 TILES=256 NOPACK=1 bash "$0" >/dev/null 2>&1; echo "prof at $(el) s"
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Warp Cycles Per Issued|Issue Slot|Stall" "$OUT/ncu_details_t256.csv" | head -30 ;;
+  dbg3)
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    for sh in 0 128; do
+      timeout 100 compute-sanitizer --tool initcheck --print-limit 40 python3 tools/dev/dbg_fp8_init.py $sh > "$OUT/init_$sh.log" 2>&1
+      grep -vE "Host Frame|^=========\s*$|Saved host" "$OUT/init_$sh.log" | grep -E "scales|NaN|expert_count|block_m|Address|by thread|ERROR SUMMARY" | head -40
+    done
+    cat > /tmp/bf.py <<'PY'
+import sys, torch
+sys.path.insert(0, "python")
+from mok import ops
+E, rows, H, I = 16, 2048, 7168, 2048
+x = torch.randn(E * rows, H, device="cuda").bfloat16()
+wg, wu = [(torch.randn(E, I, H, device="cuda") / H ** 0.5).bfloat16() for _ in range(2)]
+be = torch.arange(E, device="cuda", dtype=torch.int32).repeat_interleave(rows // 128)
+for _ in range(3):
+    ops.grouped_mm(x, wg, be, wu)
+torch.cuda.synchronize()
+PY
+    for t in 256 128; do
+      MOK_TMP_FP8_TILE=$t timeout 150 ncu --set full -k regex:grouped_gemm_kernel --launch-skip 2 --launch-count 1 \
+        -o /tmp/full_t$t -f python3 /tmp/gu8.py > "$OUT/ncu_full_run_t$t.log" 2>&1
+      ncu -i /tmp/full_t$t.ncu-rep --page details --csv > "$OUT/ncu_full_t$t.csv" 2>&1; echo "ncu t$t at $(el) s"
+    done
+    timeout 150 ncu --set full -k regex:grouped_gemm_kernel --launch-skip 2 --launch-count 1 -o /tmp/full_bf -f python3 /tmp/bf.py > "$OUT/ncu_full_run_bf.log" 2>&1
+    ncu -i /tmp/full_bf.ncu-rep --page details --csv > "$OUT/ncu_full_bf.csv" 2>&1; echo "ncu bf16 at $(el) s" ;;
   prof8)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
     echo "== built at $(el) s"
     cuobjdump -sass build/lib/libmok.so > /tmp/sass.txt 2>/dev/null
     python3 tools/dev/sass_loops.py /tmp/sass.txt E4m3Block 2>&1 | tee "$OUT/sass_loops.txt" | head -12
-    cat > /tmp/gu8.py <<'PY'
-import sys, torch
-sys.path.insert(0, "python")
-from mok import fp8, ops
-E, rows, H, I = 16, 2048, 7168, 2048
-M = E * rows
-g = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
-w = [(torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16() for _ in range(2)]
-(qx, sx), (qg, sg), (qu, su) = fp8.quantize_rows(x), fp8.quantize_blocks(w[0]), fp8.quantize_blocks(w[1])
-be = torch.arange(E, device="cuda", dtype=torch.int32).repeat_interleave(rows // 128)
-out = torch.empty(M, I, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    ops.grouped_mm_fp8(qx, sx, qg, sg, be, qu, su, out=out, kind="gate_up")
-torch.cuda.synchronize()
-PY
     for t in ${TILES:-128 256}; do
       MOK_TMP_FP8_TILE=$t timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section SourceCounters \
         -k regex:grouped_gemm_kernel --launch-skip 2 --launch-count 1 -o /tmp/ncu_t$t -f python3 /tmp/gu8.py \
