@@ -125,17 +125,19 @@ MatrixStack b_stack(const GroupedGemmArgs& g, const void* q, int64_t cols) {
   return MatrixStack{q, g.num_experts, g.b_rows_per_expert, cols, g.b_expert_stride, g.b_row_stride};
 }
 
-// The kernel parameters every orientation shares.
-GroupedGemmParams common_params(const GroupedGemmArgs& g) {
+// The kernel parameters every orientation shares; k-blocks of the launch's tile shape (64 of K
+// for bf16, 128 for e4m3: a count in the bf16 tile's k-blocks would run an e4m3 kernel over
+// twice K, its loads past K zero-filled and its scale reads past the scales' end)
+GroupedGemmParams common_params(const GroupedGemmArgs& g, int block_k) {
   GroupedGemmParams p{};
   p.num_n_blocks = g.num_n_blocks;
-  p.num_k_blocks = static_cast<int32_t>(g.k / TileConfig::kBlockK);
+  p.num_k_blocks = static_cast<int32_t>(g.k / block_k);
   p.max_m_blocks = g.max_m_blocks;
   // B's rows per expert in its maps: the stack's pitch (independent of its columns)
   p.b_rows_per_expert = static_cast<int32_t>(matrix_pitch(b_stack(g, g.b0, g.k)));
   p.b_n_step = g.b_n_step;
   p.b_half_offset = g.b_half_offset;
-  p.k_split_blocks = static_cast<int32_t>(g.b_k_split / TileConfig::kBlockK);
+  p.k_split_blocks = static_cast<int32_t>(g.b_k_split / block_k);
   p.block_expert = g.block_expert;
   p.epilogue = static_cast<Epilogue>(g.epilogue);
   p.out = static_cast<__nv_bfloat16*>(g.out);
@@ -150,9 +152,9 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g) {
 }
 
 // The parameters of the SwiGLU-backward kernel: the shared ones and the epilogue's operands.
-GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g) {
+GroupedGemmSwiGLUBwdParams swiglu_bwd_params(const GroupedGemmArgs& g, int block_k) {
   GroupedGemmSwiGLUBwdParams p{};
-  static_cast<GroupedGemmParams&>(p) = common_params(g);
+  static_cast<GroupedGemmParams&>(p) = common_params(g, block_k);
   p.h = static_cast<const __nv_bfloat16*>(g.h);
   p.row_weight = g.row_weight;
   p.wa = static_cast<__nv_bfloat16*>(g.wa);
@@ -180,8 +182,8 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     map_b1 = tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2, kBytes);
   }
   GroupedGemmParamsOf<kSwiGLUBwd> p;
-  if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g);
-  else p = common_params(g);
+  if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g, T::kBlockK);
+  else p = common_params(g, T::kBlockK);
   CUtensorMap map_sa = map_a;
   if constexpr (Prec::kBlockScaled) {
     const int64_t k_blocks = g.k / T::kBlockK;
