@@ -246,6 +246,20 @@ def gemm_fp8(args, H, I, k, E, T):
         ops.grouped_mm(y_gu, wd, be, out=y_d)
     variants["mok fp8 experts chain"] = fp8_chain
     variants["mok bf16 experts chain"] = bf16_chain
+    # The layer's forward in each precision (the bar: fp8_block >= 1.5x bf16), routed by
+    # a softmax top-k over T tokens; inference (no h kept) and training (h kept for the backward)
+    xt = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    tw, ids = torch.randn(T, E, device=dev, generator=g).softmax(-1).topk(k, dim=-1)
+    ids = ids.int()
+    layer = {}
+    for prec in ("bf16", "fp8_block"):
+        lws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=F.MoKConfig(precision=prec))
+        layer[prec] = (lambda w: lambda save: F.forward(xt, ids, tw, wg, wu, wd, workspace=w, save_for_backward=save)[0])(lws)
+        variants[f"mok {prec} layer fwd"] = (lambda f: lambda: f(False))(layer[prec])
+        variants[f"mok {prec} layer fwd +save h"] = (lambda f: lambda: f(True))(layer[prec])
+    y16, y8 = layer["bf16"](False), layer["fp8_block"](False)
+    print(f"  fp8_block layer forward against bf16: relative Frobenius difference "
+          f"{((y8.float() - y16.float()).norm() / y16.float().norm()).item():.2e}")
     if hasattr(torch, "_scaled_grouped_mm"):
         # rowwise: a scale per row of the activations and per output column of each expert
         def rowwise(t):
@@ -302,6 +316,9 @@ def gemm_fp8(args, H, I, k, E, T):
     f8, b16 = ms["mok fp8 experts chain"], ms["mok bf16 experts chain"]
     print(f"  experts chain (quantise x, gate/up -> a in e4m3, down): fp8 {f8:.3f} ms, bf16 {b16:.3f} ms, "
           f"bf16/fp8 {b16 / f8:.2f}")
+    for tag in ("", " +save h"):
+        f8, b16 = ms[f"mok fp8_block layer fwd{tag}"], ms[f"mok bf16 layer fwd{tag}"]
+        print(f"  layer forward{tag}: fp8_block {f8:.3f} ms, bf16 {b16:.3f} ms, bf16/fp8 {b16 / f8:.2f}")
 
 
 def backward_rows(args, H, I, k, E, T):

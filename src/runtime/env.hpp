@@ -46,10 +46,6 @@ inline constexpr Knob kGemmTimeout{"MOK_GEMM_TIMEOUT_S", "60",
                                    "grouped-GEMM launches (mokGroupedGemm, mokGroupedWgrad): seconds every wait "
                                    "of the kernel may take before it gives up (tests set it low)"};
 
-inline constexpr Knob kTmpFp8Tile{"MOK_TMP_FP8_TILE", "128",
-                                  "temporary, for measuring (issue 23): tile N of the block-scaled fp8 GEMM kinds "
-                                  "(mokGroupedGemmBlockScaled), 128 or 256; goes once one is chosen"};
-
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

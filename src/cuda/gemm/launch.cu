@@ -286,9 +286,10 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     const int scales = (g.a_scales != nullptr) + (g.b0_scales != nullptr) + (g.b1_scales != nullptr);
     MOK_CHECK_ARG(scales == 0 || scales == 3, "grouped GEMM (e4m3): block scales need a_scales, b0_scales and b1_scales ("
                                                    << scales << " of 3 given)");
-    MOK_CHECK_ARG(g.tile_n == 128 || (scales == 3 && g.tile_n == 256),
+    MOK_CHECK_ARG(g.tile_n == (scales == 3 ? 256 : 128),
                   "grouped GEMM (e4m3): tile N = " << g.tile_n
-                                                   << "; e4m3 runs 128 x 128 tiles, and 128 x 256 with block scales (with_tile_n)");
+                                                   << "; e4m3 runs 128 x 256 tiles with block scales and 128 x 128 "
+                                                      "without (with_tile_n)");
     if (g.epilogue == static_cast<int32_t>(Epilogue::kSwiGLUE4m3)) {
       MOK_CHECK_ARG(scales == 3 && g.tile_n == 256 && g.out_scales != nullptr,
                     "grouped GEMM (e4m3 SwiGLU quantised): needs the block scales, tile N = 256 and out_scales");
@@ -313,9 +314,7 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     int device = 0, sms = 0;
     MOK_CUDA_CHECK(cudaGetDevice(&device));
     MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (scales == 3 && g.tile_n == 256)
-      return launch_tiles<TileConfigE4m3Wide, false, false, PrecisionE4m3Block>(g, sms, stream);
-    if (scales == 3) return launch_tiles<TileConfigE4m3, false, false, PrecisionE4m3Block>(g, sms, stream);
+    if (scales == 3) return launch_tiles<TileConfigE4m3Wide, false, false, PrecisionE4m3Block>(g, sms, stream);
     return launch_tiles<TileConfigE4m3, false>(g, sms, stream);
   }
   if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;

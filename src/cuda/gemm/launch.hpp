@@ -43,8 +43,8 @@ struct GroupedGemmArgs {
   // Tile N of the launch (config.hpp): 256, or 128 (TileConfigN128) through with_tile_n.
   int32_t tile_n = 256;
   bool ping_pong = false;  // tile_n 128: each consumer warpgroup owns whole tiles (TileConfigPingPong)
-  // Operand bytes: 2 (bf16), or 1: a and b e4m3 (K-major kinds only, 128 x 128 tiles of
-  // TileConfigE4m3, K % 128 == 0).
+  // Operand bytes: 2 (bf16), or 1: a and b e4m3 (K-major kinds only, K % 128 == 0): 128 x 256
+  // tiles with block scales (TileConfigE4m3Wide), 128 x 128 without (TileConfigE4m3).
   int32_t operand_bytes = 2;
   // e4m3 with block scales (DeepSeek-V3's recipe, PrecisionE4m3Block), all three or none:
   //   a_scales   [K / 128, a_rows] fp32: row r's scale of K columns [128 kb, 128 kb + 128) at
