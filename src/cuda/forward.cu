@@ -68,20 +68,25 @@ __global__ void gather_rows_kernel(const uint4* __restrict__ x, const uint32_t* 
   });
 }
 
-// fp8_block: the plan's rows of x quantised as they are gathered (one warp a row,
-// gemm::quantize_row_warp): ring [max_rows, H] e4m3, scales [H/128, scales_ld]; a padding row
-// is zeros with scale 1.
-__global__ void gather_quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, const uint32_t* __restrict__ rows,
-                                            const int32_t* __restrict__ expert_offset, int32_t num_local,
-                                            int64_t hidden, uint8_t* __restrict__ ring, float* __restrict__ scales,
-                                            int64_t scales_ld, bool pow2) {
+// fp8_block: the plan's rows of x gathered from x quantised once per token (q [T, H] e4m3, its
+// scales [H/128, q_scales_ld]): ring [max_rows, H] e4m3, scales [H/128, scales_ld]; a padding row
+// is zeros with scale 1.  One warp a row, 16 bytes a lane.
+__global__ void gather_e4m3_rows_kernel(const uint4* __restrict__ q, const float* __restrict__ q_scales,
+                                        int64_t q_scales_ld, const uint32_t* __restrict__ rows,
+                                        const int32_t* __restrict__ expert_offset, int32_t num_local,
+                                        int64_t hidden, uint4* __restrict__ ring, float* __restrict__ scales,
+                                        int64_t scales_ld) {
+  const int64_t row_vecs = hidden / 16;
   for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
-    uint8_t* dst = ring + i * hidden;
+    uint4* dst = ring + i * row_vecs;
     if (row_is_pad(rec)) {
-      for (int64_t v = lane; v < hidden / 16; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+      for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
       for (int64_t kb = lane; kb < hidden / 128; kb += 32) scales[kb * scales_ld + i] = 1.0f;
     } else {
-      gemm::quantize_row_warp(x + row_token(rec) * hidden, dst, scales, scales_ld, i, hidden, pow2);
+      const int64_t t = row_token(rec);
+      const uint4* src = q + t * row_vecs;
+      for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = __ldg(src + v);
+      for (int64_t kb = lane; kb < hidden / 128; kb += 32) scales[kb * scales_ld + i] = __ldg(q_scales + kb * q_scales_ld + t);
     }
   });
 }
@@ -114,7 +119,7 @@ T* device_alloc(size_t count, size_t* total) {
 
 
 // fp8_block (docs/precision.md): the layer's forward as launches, the unfused path's sequence
-// in e4m3 with block scales: x quantised as the plan's rows are gathered, gate/up writing a in
+// in e4m3 with block scales: x quantised once, the plan's rows gathered in e4m3, gate/up writing a in
 // e4m3 with its scales (128 x 256 tiles: a tile's gate half is one scale block), down
 // scattering bf16 rows to the route slots; the shared expert on x quantised once; the bf16
 // combine.  The weights are the caller's e4m3 copies (in.fp8_*: w_gate, w_up, w_down, ws_gate,
@@ -146,11 +151,14 @@ void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInput
     g.timeout_record = timeout;
     return g;
   };
-  // The plan's rows of x, quantised as they are gathered
+  // x quantised once per token (the shared expert reads it too), then the plan's rows gathered
+  // in e4m3 with their scales (half the bytes of a bf16 gather)
   if (T > 0) {
-    gather_quantize_rows_kernel<<<528, 256, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(static_cast<const void*>(in.x)), ws.rows, ws.expert_offset,
-        static_cast<int32_t>(El), H, b + parts.ring, scales_at(parts.ring_scales), ws.max_rows, pow2);
+    gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, pow2, stream, t4);
+    gather_e4m3_rows_kernel<<<528, 256, 0, stream>>>(
+        reinterpret_cast<const uint4*>(b + parts.x), scales_at(parts.x_scales), t4, ws.rows, ws.expert_offset,
+        static_cast<int32_t>(El), H, reinterpret_cast<uint4*>(b + parts.ring), scales_at(parts.ring_scales),
+        ws.max_rows);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
   // Gate/up writing a in e4m3 (and its scales) for down
@@ -163,13 +171,8 @@ void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInput
   gu.out_scales = scales_at(parts.act_scales);
   gu.out_scales_ld = ws.max_rows;
   gu.out_scales_pow2 = pow2;
+  gu.preact = save.h;  // the pre-activations at the plan rows, bf16, from the same accumulators
   gemm::launch_grouped_gemm(gu, stream);
-  if (save.h)  // the pre-activations at the plan rows, bf16
-    gemm::launch_grouped_gemm(
-        block_scaled(gemm::gate_up_preact_args(b + parts.ring, ws.max_rows, H, in.fp8_q[0], in.fp8_q[1], El, I,
-                                               ws.block_expert, max_blocks, save.h),
-                     scales_at(parts.ring_scales), ws.max_rows, 0, 1),
-        stream);
   gemm::GroupedGemmArgs dn = block_scaled(
       gemm::with_tile_n(gemm::down_args(b + parts.act, ws.max_rows, I, in.fp8_q[2], El, H, ws.block_expert,
                                         max_blocks, ws.slots),
@@ -180,10 +183,9 @@ void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInput
   dn.topk = static_cast<int32_t>(k);
   gemm::launch_grouped_gemm(dn, stream);
 
-  // Shared expert: every token, x quantised once (scale rows of T4)
+  // Shared expert: every token, on x quantised above (scale rows of t4)
   if (Is > 0 && T > 0) {
     const int32_t blocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
-    gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, pow2, stream, t4);
     gemm::GroupedGemmArgs sg = block_scaled(
         gemm::with_tile_n(gemm::gate_up_args(b + parts.x, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is, ws.shared_block,
                                              blocks, b + parts.shared_act),
@@ -193,13 +195,8 @@ void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInput
     sg.out_scales = scales_at(parts.shared_act_scales);
     sg.out_scales_ld = t4;
     sg.out_scales_pow2 = pow2;
+    sg.preact = save.shared_h;
     gemm::launch_grouped_gemm(sg, stream);
-    if (save.shared_h)
-      gemm::launch_grouped_gemm(
-          block_scaled(gemm::gate_up_preact_args(b + parts.x, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is,
-                                                 ws.shared_block, blocks, save.shared_h),
-                       scales_at(parts.x_scales), t4, 3, 4),
-          stream);
     gemm::launch_grouped_gemm(
         block_scaled(gemm::with_tile_n(gemm::down_args(b + parts.shared_act, T, Is, in.fp8_q[5], 1, H,
                                                        ws.shared_block, blocks, ws.shared_out),

@@ -1,6 +1,8 @@
 """precision="fp8_block" on CUDA (docs/precision.md): the forward against the CPU reference's
 (the same recipe; the tensor cores' fp8 k-block sums keep about 14 bits, so within tolerance),
-bitwise reproducible and batch invariant; the backward refused by name until it is built."""
+bitwise reproducible and batch invariant; the training forward's saved pre-activations those of
+the block-scaled gate/up kind on the same e4m3 rows, bit for bit; the backward refused by name
+until it is built."""
 import pytest
 import torch
 
@@ -47,3 +49,41 @@ def test_cuda_forward_requantises_after_an_optimizer_step():
     y1 = F.forward(x, ids, tw, **w, config=cfg)[0]
     fresh = F.forward(x, ids, tw, **{n: (None if v is None else v.clone()) for n, v in w.items()}, config=cfg)[0]
     assert not torch.equal(y0, y1) and torch.equal(y1, fresh)
+
+
+@gpu
+@pytest.mark.parametrize("shared", [0, 128])
+def test_saved_pre_activations_are_the_gate_up_kinds(shared):
+    # h = [bf16(g) | bf16(u)] comes out of the forward's gate/up epilogue beside a in e4m3: at
+    # every plan row, the gate_up_preact kind's value on the row's token quantised per row (pad
+    # rows: zeros); the shared expert's per token.  Bit for bit (the same tiles, the same
+    # k-block order).
+    from mok import fp8, ops
+    g = torch.Generator().manual_seed(40 + shared)
+    w = {n: (None if v is None else v.cuda()) for n, v in make_weights(g, H, I, E, shared).items()}
+    x = make_x(g, T, H).cuda()
+    ids, tw = [t.cuda() for t in make_routing(g, T, E, K)]
+    _, ctx = F.forward(x, ids, tw, **w, config=F.MoKConfig(precision="fp8_block"))
+    h, shared_h = ctx.saved[0], ctx.saved[1]
+    rows, _, offsets, block_expert, _ = ops.build_schedule([ids], E)
+    used = int(offsets[-1])
+    rec = rows[:used].to(torch.int64) & 0xFFFFFFFF
+    pad = rec == 0xFFFFFFFF
+    token = torch.where(pad, 0, rec & ((1 << F.TOKEN_BITS) - 1))
+    qx, sx = fp8.quantize_rows(x)
+    ring = qx.view(torch.uint8)[token]
+    ring[pad] = 0
+    ring = ring.view(torch.float8_e4m3fn)
+    ring_s = sx[:, token].contiguous()
+    ring_s[:, pad] = 1.0
+    fw = mok.quantize_weights(**w, transposed=False)
+    want = ops.grouped_mm_fp8(ring, ring_s, fw["w_gate"].q, fw["w_gate"].scales, block_expert[: used // 128].contiguous(),
+                              fw["w_up"].q, fw["w_up"].scales, kind="gate_up_preact")
+    assert torch.equal(h[:used].view(torch.int16), want.view(torch.int16))
+    if shared:
+        t4 = (T + 3) // 4 * 4
+        qx4, sx4 = fp8.quantize_rows(torch.cat([x, x.new_zeros(t4 - T, H)]))
+        ws = ops.grouped_mm_fp8(qx4, sx4, fw["ws_gate"].q[None], fw["ws_gate"].scales[None],
+                                torch.zeros((t4 + 127) // 128, dtype=torch.int32, device="cuda"),
+                                fw["ws_up"].q[None], fw["ws_up"].scales[None], kind="gate_up_preact")
+        assert torch.equal(shared_h.view(torch.int16), ws[:T].view(torch.int16))

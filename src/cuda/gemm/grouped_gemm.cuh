@@ -62,10 +62,13 @@ struct GroupedGemmParams {
   const float* sb1;
   int32_t sb_rows_per_expert;
   int32_t sb_expert_stride, sb_n_stride, sb_k_stride;
-  // Epilogue::kSwiGLUE4m3: out is e4m3 [rows, I]; its scales [I / 128, out_scales_ld] fp32
+  // Epilogue::kSwiGLUE4m3: out is e4m3 [rows, I]; its scales [I / 128, out_scales_ld] fp32;
+  // preact (or null): h = [bf16(g) | bf16(u)] [rows, 2I] too, from the same accumulators (the
+  // training forward's saved pre-activations, kGateUpPreact's layout)
   float* out_scales;
   int64_t out_scales_ld;
   int32_t out_scales_pow2;  // power-of-two scales (UE8M0)
+  __nv_bfloat16* preact;
 };
 
 // The parameters of the SwiGLU-backward kernel (grouped_gemm_kernel<true, T, true>, the
@@ -199,10 +202,14 @@ __global__ void __launch_bounds__(T::kThreads, 1)
             epilogue_swiglu(acc[j], slab, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * (C::kBlockN / 2));
             break;
           case Epilogue::kSwiGLUE4m3:
-            if constexpr (Prec::kBlockScaled && C::kBlockN == 256)
+            if constexpr (Prec::kBlockScaled && C::kBlockN == 256) {
               epilogue_swiglu_e4m3(acc[j], slab, reinterpret_cast<uint8_t*>(p.out), p.out_ld, row0, p.out_rows,
                                    int64_t{n_block} * (C::kBlockN / 2), p.out_scales, p.out_scales_ld,
                                    p.out_scales_pow2 != 0);
+              if (p.preact != nullptr)
+                epilogue_gate_up_preact(acc[j], slab, p.preact, 2 * p.out_ld, row0, p.out_rows,
+                                        int64_t{n_block} * (C::kBlockN / 2));
+            }
             break;
           case Epilogue::kGateUpPreact:
             epilogue_gate_up_preact(acc[j], slab, p.out, p.out_ld, row0, p.out_rows,

@@ -198,6 +198,7 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     p.out_scales = g.out_scales;
     p.out_scales_ld = g.out_scales_ld > 0 ? g.out_scales_ld : g.out_rows;
     p.out_scales_pow2 = g.out_scales_pow2 ? 1 : 0;
+    p.preact = static_cast<__nv_bfloat16*>(g.preact);
   }
   constexpr size_t smem = kGemmSmemBytesT<T, Prec>;
   static_assert(smem <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
@@ -293,6 +294,7 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     if (g.epilogue == static_cast<int32_t>(Epilogue::kSwiGLUE4m3)) {
       MOK_CHECK_ARG(scales == 3 && g.tile_n == 256 && g.out_scales != nullptr,
                     "grouped GEMM (e4m3 SwiGLU quantised): needs the block scales, tile N = 256 and out_scales");
+      MOK_CHECK_ARG(aligned16(g.preact), "grouped GEMM (e4m3 SwiGLU quantised): preact (h) must be 16-byte aligned");
       MOK_CHECK_ARG(g.out_ld % 128 == 0 && (reinterpret_cast<uintptr_t>(g.out) & 1u) == 0 &&
                         (reinterpret_cast<uintptr_t>(g.out_scales) & 3u) == 0,
                     "grouped GEMM (e4m3 SwiGLU quantised): I = " << g.out_ld

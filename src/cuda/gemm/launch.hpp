@@ -70,6 +70,9 @@ struct GroupedGemmArgs {
   // k-block-major: the down kind's a_scales)
   float* out_scales = nullptr;
   bool out_scales_pow2 = false;  // power-of-two scales (UE8M0)
+  // ... and with preact (16-byte aligned), h = [bf16(g) | bf16(u)] [a_rows, 2I] from the same
+  // accumulators (kGateUpPreact's values): the training forward's saved pre-activations
+  void* preact = nullptr;
   // Epilogue::kDgradSwiGLU (dgrad_down_swiglu_args): out is dh [a_rows, 2I]; these as in
   // gemm/epilogue_bwd.cuh, row r of each at row r of a.
   const void* h = nullptr;             // [a_rows, 2I] bf16
