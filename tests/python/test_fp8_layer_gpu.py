@@ -79,7 +79,10 @@ def test_saved_pre_activations_are_the_gate_up_kinds(shared):
     fw = mok.quantize_weights(**w, transposed=False)
     want = ops.grouped_mm_fp8(ring, ring_s, fw["w_gate"].q, fw["w_gate"].scales, block_expert[: used // 128].contiguous(),
                               fw["w_up"].q, fw["w_up"].scales, kind="gate_up_preact")
-    assert torch.equal(h[:used].view(torch.int16), want.view(torch.int16))
+    diff = (h[:used].view(torch.int16) != want.view(torch.int16)).nonzero()
+    assert diff.numel() == 0, (
+        f"{diff.shape[0]} values differ, rows {diff[:, 0].unique().tolist()[:8]} cols {diff[:, 1].unique().tolist()[:8]}; "
+        f"first: saved {h[tuple(diff[0])].item()} want {want[tuple(diff[0])].item()} (pad row: {bool(pad[diff[0, 0]])})")
     if shared:
         t4 = (T + 3) // 4 * 4
         qx4, sx4 = fp8.quantize_rows(torch.cat([x, x.new_zeros(t4 - T, H)]))

@@ -39,6 +39,11 @@ case "${STAGE:-fp8}" in
         tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -20
       echo "at $(el) s"
     done ;;
+  one)  # the library and one pytest selection (PYTEST)
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    timeout 120 python3 -m pytest -q -x $PYTEST 2>&1 | grep -E "^E  |passed|failed" | cut -c1-600 | head -12 ;;
   prof8)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
