@@ -58,7 +58,7 @@ def test_saved_pre_activations_are_the_gate_up_kinds(shared):
     # every plan row, the gate_up_preact kind's value on the row's token quantised per row (pad
     # rows: zeros); the shared expert's per token.  Bit for bit (the same tiles, the same
     # k-block order).
-    from mok import fp8, ops
+    from mok import ops
     g = torch.Generator().manual_seed(40 + shared)
     w = {n: (None if v is None else v.cuda()) for n, v in make_weights(g, H, I, E, shared).items()}
     x = make_x(g, T, H).cuda()
@@ -70,7 +70,7 @@ def test_saved_pre_activations_are_the_gate_up_kinds(shared):
     rec = rows[:used].to(torch.int64) & 0xFFFFFFFF
     pad = rec == 0xFFFFFFFF
     token = torch.where(pad, 0, rec & ((1 << F.TOKEN_BITS) - 1))
-    qx, sx = fp8.quantize_rows(x)
+    qx, sx = ops.quantize_rows_fp8(x)
     ring = qx.view(torch.uint8)[token]
     ring[pad] = 0
     ring = ring.view(torch.float8_e4m3fn)
@@ -85,7 +85,7 @@ def test_saved_pre_activations_are_the_gate_up_kinds(shared):
         f"first: saved {h[tuple(diff[0])].item()} want {want[tuple(diff[0])].item()} (pad row: {bool(pad[diff[0, 0]])})")
     if shared:
         t4 = (T + 3) // 4 * 4
-        qx4, sx4 = fp8.quantize_rows(torch.cat([x, x.new_zeros(t4 - T, H)]))
+        qx4, sx4 = ops.quantize_rows_fp8(torch.cat([x, x.new_zeros(t4 - T, H)]))
         ws = ops.grouped_mm_fp8(qx4, sx4, fw["ws_gate"].q[None], fw["ws_gate"].scales[None],
                                 torch.zeros((t4 + 127) // 128, dtype=torch.int32, device="cuda"),
                                 fw["ws_up"].q[None], fw["ws_up"].scales[None], kind="gate_up_preact")
