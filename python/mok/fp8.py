@@ -35,8 +35,10 @@ def _check(t: torch.Tensor, name: str, min_dims: int) -> None:
 
 
 def _scales(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
-    """fp32 scales from fp32 block maxima: amax / 448 (or its power-of-two ceiling); 1 for 0."""
-    s = amax / E4M3_MAX
+    """fp32 scales from fp32 block maxima: amax / 448 (or its power-of-two ceiling); 1 for 0.
+    Divided by a tensor, not a Python number: torch on CUDA multiplies by a number's reciprocal
+    (1/448 is inexact), so that the reference is the same bits on every device."""
+    s = amax / amax.new_full((), E4M3_MAX)
     if pow2:
         # 2^ceil(log2 s), exactly: frexp gives s = m · 2^e with m in [0.5, 1)
         m, e = torch.frexp(s)

@@ -197,6 +197,9 @@ def test_quantize_rows_on_the_gpu_is_the_reference_bit_for_bit(pow2):
     assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
     q2, s2 = ops.quantize_rows_fp8(x.cuda(), pow2=pow2)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    # the reference run on the GPU too (a scale divided by 448 exactly there as well)
+    qg, sg = fp8.quantize_rows(x.cuda(), pow2=pow2)
+    assert torch.equal(sg, s) and torch.equal(qg.view(torch.uint8), q.view(torch.uint8))
 
 
 blocks_lib = pytest.mark.skipif(not mok._lib.has_symbol("mokQuantizeBlocksE4m3"),
