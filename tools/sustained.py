@@ -203,6 +203,18 @@ def gemm_fp8(args, H, I, k, E, T):
                                                              out=y_da8, b_transposed=True)
         fp8_kinds["dgrad gate/up"] = lambda: ops.grouped_mm_fp8(qdh, sdh, qt_gu, st_gu, be, out=y_dx8,
                                                                 b_transposed=True)
+    # The wgrad kind (K-grouped over each expert's rows, both operands per channel and 128 rows,
+    # transposed): dW_down = (w·dy)ᵀ · a (Mo = H, No = I) and [dW_gate; dW_up] = [dg | du]ᵀ · x
+    # (Mo = 2I, No = H); the rows' operands from quantize_cols (not timed: the epilogues will
+    # write them)
+    if mok._lib.has_symbol("mokGroupedWgradBlockScaled"):
+        cnt = torch.full((E,), rows, device=dev, dtype=torch.int32)
+        off = torch.arange(E + 1, device=dev, dtype=torch.int32) * rows
+        (qxt, sxt), (qat, sat) = ops.quantize_cols_fp8(x), ops.quantize_cols_fp8(act)
+        (qdyt, sdyt), (qdht, sdht) = ops.quantize_cols_fp8(x), ops.quantize_cols_fp8(torch.cat([act, act], 1))
+        dwd, dwgu = torch.empty(E, H, I, **bf), torch.empty(E, 2 * I, H, **bf)
+        fp8_kinds["wgrad down"] = lambda: ops.grouped_wgrad_fp8(qdyt, sdyt, qat, sat, off, cnt, out=dwd)
+        fp8_kinds["wgrad gate/up"] = lambda: ops.grouped_wgrad_fp8(qdht, sdht, qxt, sxt, off, cnt, out=dwgu)
     variants = {
         "dense bf16 8192^3": lambda: torch.mm(mm_a, mm_b),
         "dense fp8 8192^3": lambda: torch._scaled_mm(mm_a8, mm_b8.t(), one, one, out_dtype=torch.bfloat16),
@@ -214,6 +226,8 @@ def gemm_fp8(args, H, I, k, E, T):
             variants[f"mok[{vname}] fp8 {name}"] = with_env(env, fn)
     # Every knob's fp8 output equals the first's (the tile changes the schedule, not the bits)
     outs = {"gate/up": y_gu8, "down": y_d8}
+    if "wgrad down" in fp8_kinds:
+        outs.update({"wgrad down": dwd, "wgrad gate/up": dwgu})
     if "dgrad down" in fp8_kinds:
         outs.update({"dgrad down": y_da8, "dgrad gate/up": y_dx8})
         variants["mok quantise weights"] = lambda: mok.quantize_weights(wg, wu, wd)
@@ -291,7 +305,7 @@ def gemm_fp8(args, H, I, k, E, T):
     print(f"{args.shape} fp8 GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved "
           f"rounds); dense fp8 {dense8:.0f} TFLOP/s, bf16 {dense16:.0f}; {E} experts x {rows} rows")
     flops = {"gate/up": 4 * M * H * I, "down": 2 * M * H * I, "dgrad down": 2 * M * H * I,
-             "dgrad gate/up": 4 * M * H * I}
+             "dgrad gate/up": 4 * M * H * I, "wgrad down": 2 * M * H * I, "wgrad gate/up": 4 * M * H * I}
     for name, f in flops.items():
         if name not in fp8_kinds:
             continue

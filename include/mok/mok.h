@@ -27,9 +27,9 @@ extern "C" {
 /* The one version number of mok: CMake's project() version, the Python package's
  * (pyproject.toml) and mok.__version__ are all read from these lines. */
 #define MOK_VERSION_MAJOR 0
-#define MOK_VERSION_MINOR 5
+#define MOK_VERSION_MINOR 6
 #define MOK_VERSION_PATCH 0
-#define MOK_VERSION_STRING "0.5.0"
+#define MOK_VERSION_STRING "0.6.0"
 #define MOK_VERSION_CODE (MOK_VERSION_MAJOR * 10000 + MOK_VERSION_MINOR * 100 + MOK_VERSION_PATCH)
 
 typedef enum mokResult_t {
@@ -430,6 +430,29 @@ MOK_API mokResult_t mokQuantizeWeights(const mokConfig_t* config, const mokWeigh
                                        const mokFp8Weights_t* fp8, int32_t pow2, void* stream);
 MOK_API mokResult_t mokQuantizeBlocksE4m3(const mokTensor_t* w, const mokTensor_t* q, const mokTensor_t* qt,
                                           const mokTensor_t* scales, int32_t pow2, void* stream);
+/* fp8_block's weight-gradient kind (since 0.6): out[e] = the sum over expert e's k-blocks of 128
+ * rows of (the k-block's e4m3 sum of a[m, r]·b[n, r]) · a_scales[kb, m] · b_scales[kb, n], promoted
+ * into fp32 once per k-block (fma, k-block order).  The operands come transposed (K-major, as fp8
+ * MMAs read them, mokQuantizeColsE4m3 writes them): a [Mo, R] and b [No, R] float8_e4m3fn, their
+ * scales a_scales [R/128, Mo] and b_scales [R/128, No] float32 (per channel and 128 rows).
+ * expert_offset [E + 1] / expert_count [E] int32 (device): expert e's rows [offset, + count), the
+ * offsets multiples of 128 and the rows past each count up to the next multiple of 128 zero (the
+ * plan's padding).  out [E, Mo, No] bfloat16, acc and main_grad [E, Mo, No] float32 as
+ * mokGroupedWgrad's.  Mo, No, R multiples of 128.  CUDA tensors, contiguous. */
+typedef struct mokGroupedWgradBlockScaledArgs_t {
+  mokTensor_t a, b, a_scales, b_scales, expert_offset, expert_count;
+  mokTensor_t out, acc, main_grad;
+  int64_t accumulate;
+  int64_t store_acc;
+  int64_t num_blocks;
+} mokGroupedWgradBlockScaledArgs_t;
+MOK_API mokResult_t mokGroupedWgradBlockScaled(const mokGroupedWgradBlockScaledArgs_t* args, void* stream);
+/* The fp8 wgrad operands' quantiser (since 0.6): v [R, C] bfloat16 (R, C multiples of 128) ->
+ * qt [C, R] float8_e4m3fn (v transposed) and scales [R/128, C] float32: each column's scale over
+ * each 128 rows (max |v| / 448, 1 for zeros; pow2 != 0: its power-of-two ceiling), v / scale
+ * rounded to nearest even, saturating.  CUDA tensors, contiguous. */
+MOK_API mokResult_t mokQuantizeColsE4m3(const mokTensor_t* v, const mokTensor_t* qt, const mokTensor_t* scales,
+                                        int32_t pow2, void* stream);
 
 /* Copies the timing ring of the last call (synchronising) into buffer; *needed (if not NULL)
  * gets its size in bytes, 0 when the workspace records none (MOK_TRACE unset at creation);

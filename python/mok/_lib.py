@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 
 # Version of the C ABI this binding mirrors (MOK_VERSION_MAJOR/MINOR, MOK_CONFIG_VERSION).
-ABI_VERSION = (0, 5)
+ABI_VERSION = (0, 6)
 CONFIG_VERSION = 3
 MAX_DIMS = 4
 DEVICE_CPU = -1
@@ -179,6 +179,13 @@ class mokGroupedWgradArgs(ctypes.Structure):
                 ("accumulate", c_int64), ("store_acc", c_int64), ("num_blocks", c_int64)]
 
 
+class mokGroupedWgradBlockScaledArgs(ctypes.Structure):
+    _fields_ = [("a", mokTensor), ("b", mokTensor), ("a_scales", mokTensor), ("b_scales", mokTensor),
+                ("expert_offset", mokTensor), ("expert_count", mokTensor),
+                ("out", mokTensor), ("acc", mokTensor), ("main_grad", mokTensor),
+                ("accumulate", c_int64), ("store_acc", c_int64), ("num_blocks", c_int64)]
+
+
 # mokGemmKind_t
 GEMM_KINDS = {"down": 0, "gate_up": 1, "dgrad_down": 2, "dgrad_gate_up": 3, "dgrad_down_swiglu": 4, "gate_up_preact": 5}
 
@@ -225,6 +232,8 @@ OPTIONAL_SIGNATURES = {
                                    c_void_p]),
     "mokQuantizeBlocksE4m3": (c_int, [POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor),
                                       c_int32, c_void_p]),
+    "mokGroupedWgradBlockScaled": (c_int, [POINTER(mokGroupedWgradBlockScaledArgs), c_void_p]),
+    "mokQuantizeColsE4m3": (c_int, [POINTER(mokTensor), POINTER(mokTensor), POINTER(mokTensor), c_int32, c_void_p]),
     "mokForwardSave": (c_int, [c_void_p, POINTER(mokForwardArgs), POINTER(mokSaved), c_void_p]),
     "mokBackwardSaved": (c_int, [c_void_p, POINTER(mokBackwardArgs), POINTER(mokSaved), c_void_p]),
     "mokSymmetricBytes": (c_int, [POINTER(mokConfig), POINTER(c_size_t)]),

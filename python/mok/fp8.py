@@ -77,6 +77,34 @@ def quantize_blocks(w: torch.Tensor, *, pow2: bool = False) -> Tuple[torch.Tenso
     return q.contiguous(), s
 
 
+def quantize_cols(v: torch.Tensor, *, pow2: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """v [R, C] (R, C multiples of 128) -> (e4m3 [C, R]: v transposed, fp32 scales [R/128, C]):
+    a scale per column and 128 rows (the wgrad operands, per channel and 128 tokens of an
+    expert, written K-major for the fp8 wgrad kind)."""
+    _check(v, "v", 2)
+    r, c = v.shape
+    if r % BLOCK or c % BLOCK:
+        raise ValueError(f"v is [{r}, {c}]: both must be multiples of {BLOCK}")
+    blocks = v.float().reshape(r // BLOCK, BLOCK, c)
+    s = _scales(blocks.abs().amax(dim=1), pow2)  # [R/128, C]
+    q = _quantize(blocks, s.unsqueeze(1)).reshape(r, c)
+    return q.t().contiguous(), s
+
+
+def wgrad_reference(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, offsets, counts
+                    ) -> torch.Tensor:
+    """The fp8 wgrad kind's recipe in float64: out[e][m, n] = Σ over expert e's k-blocks of 128
+    rows of (Σ_r qa[m, r]·qb[n, r]) · sa[kb, m] · sb[kb, n], for qa [Mo, R], qb [No, R] e4m3 and
+    their scales [R/128, Mo], [R/128, No] (quantize_cols); offsets / counts per expert."""
+    a, b = qa.double(), qb.double()
+    out = torch.zeros(len(counts), qa.shape[0], qb.shape[0], dtype=torch.float64)
+    for e, (o, n) in enumerate(zip(offsets, counts)):
+        for kb in range(o // BLOCK, (o + n + BLOCK - 1) // BLOCK):
+            part = a[:, kb * BLOCK:(kb + 1) * BLOCK] @ b[:, kb * BLOCK:(kb + 1) * BLOCK].t()
+            out[e] += part * sa[kb].double()[:, None] * sb[kb].double()[None, :]
+    return out
+
+
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The fp32 values quantize_rows' output stands for: q · scale."""
     m, k = q.shape

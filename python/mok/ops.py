@@ -380,6 +380,54 @@ def quantize_blocks_fp8(w: Tensor, *, q: bool = True, qt: bool = True, pow2: boo
     return oq, oqt, scales
 
 
+def quantize_cols_fp8(v: Tensor, qt: Optional[Tensor] = None, scales: Optional[Tensor] = None, *,
+                      pow2: bool = False):
+    """mok.fp8.quantize_cols on the GPU, one kernel: v [R, C] bf16 (R, C multiples of 128) ->
+    (qt [C, R] float8_e4m3fn: v transposed, scales [R/128, C] fp32): a scale per column and 128
+    rows, the fp8 wgrad kind's operands (grouped_wgrad_fp8)."""
+    _lib.expect_tensor(v, "v", _lib.BF16, ndim=2)
+    r, c = v.shape
+    if r % 128 or c % 128:
+        raise ValueError(f"v is [{r}, {c}]: both must be multiples of 128 (scales per 128 rows)")
+    if qt is None:
+        qt = torch.empty(c, r, dtype=torch.float8_e4m3fn, device=v.device)
+    if scales is None:
+        scales = torch.empty(r // 128, c, dtype=torch.float32, device=v.device)
+    views = _lib.Views()
+    fn = _lib.symbol("mokQuantizeColsE4m3")
+    _lib.check(fn(ctypes.byref(views(v, "v", _lib.BF16)), ctypes.byref(views(qt, "qt", _lib.E4M3)),
+                  ctypes.byref(views(scales, "scales", _lib.FP32)), 1 if pow2 else 0,
+                  _lib.stream_of(_lib.device_index(v.device))))
+    return qt, scales
+
+
+def grouped_wgrad_fp8(a: Tensor, a_scales: Tensor, b: Tensor, b_scales: Tensor, expert_offset: Tensor,
+                      expert_count: Tensor, out: Optional[Tensor] = None, acc: Optional[Tensor] = None,
+                      main_grad: Optional[Tensor] = None, accumulate: bool = False,
+                      store_acc: bool = False) -> Optional[Tensor]:
+    """The fp8 wgrad kind on CUDA tensors: out[e] = Σ over expert e's k-blocks of 128 rows of the
+    k-block's e4m3 sum of a[m, r]·b[n, r], times a_scales[kb, m]·b_scales[kb, n], promoted into
+    fp32 once per k-block (mok.fp8.wgrad_reference is the recipe).  a [Mo, R] and b [No, R]
+    float8_e4m3fn, the operands transposed as quantize_cols_fp8 writes them, with their scales
+    [R/128, Mo] and [R/128, No]; expert_offset [E+1] (multiples of 128) and expert_count [E]
+    int32, the rows past each count up to the next multiple of 128 zero.  out bf16 [E, Mo, No],
+    acc / main_grad fp32 as in grouped_wgrad; without any, a bf16 out is allocated and returned."""
+    _lib.expect_tensor(a, "a", _lib.E4M3, ndim=2)
+    _lib.expect_tensor(b, "b", _lib.E4M3, ndim=2)
+    e = expert_count.shape[0]
+    if out is None and acc is None and main_grad is None:
+        out = torch.empty(e, a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+    views = _lib.Views()
+    args = _lib.mokGroupedWgradBlockScaledArgs(
+        views(a, "a", _lib.E4M3), views(b, "b", _lib.E4M3), views(a_scales, "a_scales", _lib.FP32),
+        views(b_scales, "b_scales", _lib.FP32), views(expert_offset, "expert_offset", _lib.INT32),
+        views(expert_count, "expert_count", _lib.INT32), views(out, "out", _lib.BF16), views(acc, "acc", _lib.FP32),
+        views(main_grad, "main_grad", _lib.FP32), 1 if accumulate else 0, 1 if store_acc else 0, 0)
+    fn = _lib.symbol("mokGroupedWgradBlockScaled")
+    _lib.check(fn(ctypes.byref(args), _lib.stream_of(_lib.device_index(a.device))))
+    return out
+
+
 def grouped_wgrad(a: Tensor, b: Tensor, expert_offset: Tensor, expert_count: Tensor,
                   out: Optional[Tensor] = None, acc: Optional[Tensor] = None, main_grad: Optional[Tensor] = None,
                   accumulate: bool = False, store_acc: bool = False) -> Optional[Tensor]:

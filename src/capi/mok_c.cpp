@@ -543,6 +543,59 @@ mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream) {
   });
 }
 
+mokResult_t mokGroupedWgradBlockScaled(const mokGroupedWgradBlockScaledArgs_t* args, void* stream) {
+  return guarded("mokGroupedWgradBlockScaled", [&] {
+    MOK_CHECK_ARG(args != nullptr, "args is NULL");
+    const int32_t dev = args->a.device;
+    MOK_CHECK_ARG(args->a.ndim == 2 && args->b.ndim == 2, "a must be [Mo, R] and b [No, R] (transposed operands)");
+    MOK_CHECK_ARG(args->expert_count.ndim == 1, "expert_count must be [E]");
+    const int64_t Mo = args->a.shape[0], R = args->a.shape[1], No = args->b.shape[0], E = args->expert_count.shape[0];
+    MOK_CHECK_ARG(Mo > 0 && Mo % 128 == 0, "Mo = a.shape[0] = " << Mo << " must be a positive multiple of 128");
+    MOK_CHECK_ARG(No > 0 && No % 128 == 0, "No = b.shape[0] = " << No << " must be a positive multiple of 128");
+    MOK_CHECK_ARG(R % 128 == 0, "R = a.shape[1] = " << R << " rows must be a multiple of 128 (k-blocks of 128 rows)");
+    mok::check_tensor(args->a, "a", {mokFloat8E4M3}, {Mo, R}, dev);
+    mok::check_tensor(args->b, "b", {mokFloat8E4M3}, {No, R}, dev);
+    mok::check_tensor(args->a_scales, "a_scales", {mokFloat32}, {R / 128, Mo}, dev);
+    mok::check_tensor(args->b_scales, "b_scales", {mokFloat32}, {R / 128, No}, dev);
+    mok::check_tensor(args->expert_offset, "expert_offset", {mokInt32}, {E + 1}, dev);
+    mok::check_tensor(args->expert_count, "expert_count", {mokInt32}, {E}, dev);
+    const bool has_out = args->out.data != nullptr, has_acc = args->acc.data != nullptr,
+               has_mg = args->main_grad.data != nullptr;
+    if (has_out) mok::check_tensor(args->out, "out", {mokBFloat16}, {E, Mo, No}, dev);
+    if (has_acc) mok::check_tensor(args->acc, "acc", {mokFloat32}, {E, Mo, No}, dev);
+    if (has_mg) mok::check_tensor(args->main_grad, "main_grad", {mokFloat32}, {E, Mo, No}, dev);
+    MOK_CHECK_ARG(!(args->accumulate || args->store_acc) || has_acc, "accumulate / store_acc need acc");
+    MOK_CHECK_ARG(has_out || has_mg || args->store_acc, "nothing to write: give out, main_grad or store_acc with acc");
+    MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedWgradBlockScaled runs on CUDA tensors");
+    mok::cuda::grouped_wgrad_fp8(
+        mok::cuda::GroupedWgradFp8Call{args->a.data, args->b.data, static_cast<const float*>(args->a_scales.data),
+                                       static_cast<const float*>(args->b_scales.data), R, Mo, No, E,
+                                       static_cast<const int32_t*>(args->expert_offset.data),
+                                       static_cast<const int32_t*>(args->expert_count.data), args->out.data,
+                                       static_cast<float*>(args->acc.data), static_cast<float*>(args->main_grad.data),
+                                       args->accumulate != 0, args->store_acc != 0,
+                                       static_cast<int32_t>(args->num_blocks)},
+        stream);
+  });
+}
+
+mokResult_t mokQuantizeColsE4m3(const mokTensor_t* v, const mokTensor_t* qt, const mokTensor_t* scales, int32_t pow2,
+                                void* stream) {
+  return guarded("mokQuantizeColsE4m3", [&] {
+    MOK_CHECK_ARG(v != nullptr && qt != nullptr && scales != nullptr, "v, qt or scales is NULL");
+    MOK_CHECK_ARG(v->ndim == 2, "v must be [R, C]");
+    const int64_t R = v->shape[0], C = v->shape[1];
+    const int32_t dev = v->device;
+    MOK_CHECK_ARG(R > 0 && C > 0 && R % 128 == 0 && C % 128 == 0,
+                  "v is [" << R << ", " << C << "]: both must be positive multiples of 128 (scales per 128 rows)");
+    mok::check_tensor(*v, "v", {mokBFloat16}, {R, C}, dev);
+    mok::check_tensor(*qt, "qt", {mokFloat8E4M3}, {C, R}, dev);
+    mok::check_tensor(*scales, "scales", {mokFloat32}, {R / 128, C}, dev);
+    MOK_CHECK_ARG(dev >= 0, "v is on the CPU; mokQuantizeColsE4m3 runs on CUDA tensors (mok.fp8.quantize_cols on the CPU)");
+    mok::cuda::quantize_cols(v->data, R, C, qt->data, static_cast<float*>(scales->data), pow2 != 0, stream);
+  });
+}
+
 mokResult_t mokPlanGetCapacity(const mokConfig_t* config, mokPlanCapacity_t* capacity) {
   return guarded("mokPlanGetCapacity", [&] {
     MOK_CHECK_ARG(capacity != nullptr, "capacity out-pointer is NULL");

@@ -88,6 +88,18 @@ struct GroupedWgradCall {
   void* out; float* acc; float* main_grad; bool accumulate; bool store_acc; int32_t num_blocks;
 };
 void grouped_wgrad(const GroupedWgradCall& call, void* stream);
+// The fp8 wgrad kind (mokGroupedWgradBlockScaled): a [mo, rows], b [no, rows] e4m3 with their
+// per-channel, per-128-rows scales [rows/128, mo] and [rows/128, no]
+struct GroupedWgradFp8Call {
+  const void* a; const void* b; const float* a_scales; const float* b_scales;
+  int64_t rows; int64_t mo; int64_t no; int64_t num_experts;
+  const int32_t* expert_offset; const int32_t* expert_count;
+  void* out; float* acc; float* main_grad; bool accumulate; bool store_acc; int32_t num_blocks;
+};
+void grouped_wgrad_fp8(const GroupedWgradFp8Call& call, void* stream);
+// Its operands' quantiser (mokQuantizeColsE4m3): v [rows, cols] bf16 -> qt [cols, rows] e4m3,
+// scales [rows/128, cols]
+void quantize_cols(const void* v, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2, void* stream);
 
 // fp8_block's activation quantiser (mokQuantizeRowsE4m3): x [rows, n] bf16 -> q e4m3, scales [n/128, rows]
 void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2, void* stream);

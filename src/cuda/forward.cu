@@ -621,6 +621,31 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   gemm::launch_grouped_gemm(gemm::with_kind_tile(g), static_cast<cudaStream_t>(stream));
 }
 
+void grouped_wgrad_fp8(const GroupedWgradFp8Call& c, void* stream) {
+  gemm::GroupedWgradFp8Args g;
+  g.a = c.a;
+  g.b = c.b;
+  g.a_scales = c.a_scales;
+  g.b_scales = c.b_scales;
+  g.rows = c.rows;
+  g.mo = c.mo;
+  g.no = c.no;
+  g.num_experts = c.num_experts;
+  g.expert_offset = c.expert_offset;
+  g.expert_count = c.expert_count;
+  g.out = c.out;
+  g.acc = c.acc;
+  g.main_grad = c.main_grad;
+  g.accumulate = c.accumulate;
+  g.store_acc = c.store_acc;
+  g.num_blocks = c.num_blocks;
+  gemm::launch_grouped_wgrad_fp8(g, static_cast<cudaStream_t>(stream));
+}
+
+void quantize_cols(const void* v, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2, void* stream) {
+  gemm::launch_quantize_cols(v, cols, rows, cols, qt, scales, pow2, static_cast<cudaStream_t>(stream));
+}
+
 void quantize_rows(const void* x, void* q, float* scales, int64_t rows, int64_t n, bool pow2, void* stream) {
   gemm::launch_quantize_rows(x, q, scales, rows, n, pow2, static_cast<cudaStream_t>(stream));
 }

@@ -43,6 +43,8 @@ void prepare_backward(DeviceWorkspace&, const mokConfig_t&) { no_cuda(); }
 void load_plan_kernels() { no_cuda(); }
 void grouped_gemm(const GroupedGemmCall&, void*) { no_cuda(); }
 void grouped_wgrad(const GroupedWgradCall&, void*) { no_cuda(); }
+void grouped_wgrad_fp8(const GroupedWgradFp8Call&, void*) { no_cuda(); }
+void quantize_cols(const void*, int64_t, int64_t, void*, float*, bool, void*) { no_cuda(); }
 void quantize_rows(const void*, void*, float*, int64_t, int64_t, bool, void*) { no_cuda(); }
 void quantize_blocks(const QuantizeBlocksCall&, void*) { no_cuda(); }
 

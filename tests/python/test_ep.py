@@ -60,7 +60,7 @@ def test_config_layout_mirrors_the_c_struct():
         assert ctypes.sizeof(ctype) == 8, name
         assert getattr(_lib.mokConfig, name).offset == 8 * i, name
     assert [name for name, _ in fields[-2:]] == ["num_blocks", "fp8_pow2_scales"]
-    assert _lib.ABI_VERSION == (0, 5) and _lib.CONFIG_VERSION == 3
+    assert _lib.ABI_VERSION == (0, 6) and _lib.CONFIG_VERSION == 3
     c = _lib.default_config()
     assert (c.size, c.version, c.num_blocks, c.fp8_pow2_scales) == (176, 3, 0, 0)
     if HEADER.is_file():

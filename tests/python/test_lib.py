@@ -27,6 +27,8 @@ def test_struct_layouts():
     assert ctypes.sizeof(_lib.mokGroupedGemmArgs) == 5 * 88 + 16 + 4 * 88
     assert _lib.mokGroupedGemmArgs.h.offset == 5 * 88 + 16
     assert _lib.mokConfig.timeout_s.offset == 17 * 8 and _lib.mokConfig.num_threads.offset == 19 * 8
+    # since 0.6: the fp8 wgrad kind's args, nine tensors then three int64
+    assert ctypes.sizeof(_lib.mokGroupedWgradBlockScaledArgs) == 9 * 88 + 3 * 8
 
 
 def test_default_config_matches_initializer_and_mokconfig():

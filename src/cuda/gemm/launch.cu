@@ -14,6 +14,8 @@
 
 namespace mok::gemm {
 
+double env_gemm_timeout_s() { return std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr)); }
+
 namespace {
 
 // The fields every kind sets: A rows, K, the B maps' sources, the row blocks and the output.
@@ -117,8 +119,6 @@ GroupedGemmArgs dgrad_gate_up_args(const void* a, int64_t a_rows, int64_t inter,
 
 namespace {
 
-// MOK_GEMM_TIMEOUT_S caps the launch's own deadline.
-double env_timeout_s() { return std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr)); }
 
 // B's stack of expert matrices [b_rows_per_expert, cols] at q (b0 or b1), in place.
 MatrixStack b_stack(const GroupedGemmArgs& g, const void* q, int64_t cols) {
@@ -146,7 +146,7 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g, int block_k) {
   p.plan_rows = g.plan_rows;
   p.topk = g.topk;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
+  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   return p;
 }
@@ -373,7 +373,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   p.mo = g.mo;
   p.no = g.no;
   p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_timeout_s()) * 1e9);
+  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9);
   p.timeout_record = g.timeout_record;
   p.expert_mode = g.expert_mode;
   p.expert_range = g.expert_range;

@@ -153,6 +153,39 @@ struct GroupedWgradArgs {
 };
 void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
+// MOK_GEMM_TIMEOUT_S: the cap on every grouped-GEMM launch's own wait deadline (seconds)
+double env_gemm_timeout_s();
+
+// The fp8 wgrad kind (gemm/wgrad_fp8.cuh): out[e] = Σ over expert e's k-blocks of 128 rows of
+// the e4m3 sum promoted with sa · sb.  a [Mo, R] and b [No, R] e4m3 (transposed, K-major), a_scales
+// [R/128, Mo] and b_scales [R/128, No] fp32 (launch_quantize_cols writes both); expert e's rows
+// [expert_offset[e], + expert_count[e]) with offsets multiples of 128 and the rows past the count
+// up to the next multiple of 128 zero (the plan's padding).  Mo, No, R multiples of 128.
+struct GroupedWgradFp8Args {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const float* a_scales = nullptr;
+  const float* b_scales = nullptr;
+  int64_t rows = 0, mo = 0, no = 0, num_experts = 0;
+  const int32_t* expert_offset = nullptr;  // device [E + 1]
+  const int32_t* expert_count = nullptr;   // device [E]
+  void* out = nullptr;          // [E, Mo, No] bf16 or null
+  float* acc = nullptr;         // [E, Mo, No] fp32 or null
+  float* main_grad = nullptr;   // [E, Mo, No] fp32 or null: += the total
+  bool accumulate = false, store_acc = false;
+  double timeout_s = 60.0;
+  int64_t* timeout_record = nullptr;
+  int32_t num_blocks = 0;
+};
+void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& args, cudaStream_t stream);
+
+// The fp8 wgrad operands' quantiser: v [rows, cols] bf16 (row i at v + i·ld; rows, cols multiples
+// of 128) -> qt [cols, rows] e4m3 and scales [rows/128, cols] fp32: each column's scale over each
+// 128 rows (max |v| / 448, 1 for zeros; pow2: its power-of-two ceiling), v / scale rounded to
+// nearest even, saturating; the CPU reference's per-128-row column quantisation, bit for bit.
+void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
+                          cudaStream_t stream);
+
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.
 // pow2: power-of-two scales (UE8M0).  scales_ld (0: rows): the scales' leading dimension.

@@ -120,6 +120,17 @@ struct BlockScales {
   alignas(128) float sa[T::kStages][T::kBlockM];
   float sb[T::kStages][2];
 };
+// The scales of each stage's k-block when both operands are scaled per row (A per tile row, B
+// per tile column), each one TMA box: the K-grouped wgrad's operands, quantised per 128 rows
+// (tokens) of the expert and per channel (PrecisionE4m3Rows)
+template <class T>
+struct RowScales {
+  alignas(128) float sa[T::kStages][T::kBlockM];
+  alignas(128) float sb[T::kStages][T::kBlockN];
+};
+// kPromoted: each k-block's MMA sum is promoted into the fp32 accumulator with the stage's
+// scales, and each warp of a reader releases the stage (it read the scales itself);
+// kStageFills: the arrivals that fill a stage (the producer's, and cp.async's for E4m3Block)
 struct PrecisionBf16 {
   static constexpr int kElemBytes = 2;
   using Elem = __nv_bfloat16;
@@ -128,6 +139,8 @@ struct PrecisionBf16 {
   using StageScales = NoScales;
   using ScaleMaps = NoScales;
   static constexpr bool kBlockScaled = false;
+  static constexpr bool kPromoted = false;
+  static constexpr int kStageFills = 1;
   template <class T>
   static constexpr uint32_t kScaleTxBytes = 0;
 };
@@ -139,6 +152,8 @@ struct PrecisionE4m3 {
   using StageScales = NoScales;
   using ScaleMaps = NoScales;
   static constexpr bool kBlockScaled = false;
+  static constexpr bool kPromoted = false;
+  static constexpr int kStageFills = 1;
   template <class T>
   static constexpr uint32_t kScaleTxBytes = 0;
 };
@@ -146,8 +161,19 @@ struct PrecisionE4m3Block : PrecisionE4m3 {
   template <class T>
   using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass A's scale map)
   static constexpr bool kBlockScaled = true;
+  static constexpr bool kPromoted = true;
+  static constexpr int kStageFills = 2;
   template <class T>
   static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);  // A's; B's come by cp.async
+};
+// Both operands scaled per row and 128 of K (the fp8 wgrad kind, gemm/wgrad_fp8.cuh)
+struct PrecisionE4m3Rows : PrecisionE4m3 {
+  template <class T>
+  using StageScales = RowScales<T>;
+  static constexpr bool kPromoted = true;
+  static constexpr int kStageFills = 1;
+  template <class T>
+  static constexpr uint32_t kScaleTxBytes = (T::kBlockM + T::kBlockN) * sizeof(float);
 };
 // The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
@@ -166,7 +192,7 @@ struct StageStorageT : Prec::template StageScales<T> {
   static constexpr uint32_t kTxBytes = T::kStageBytes + Prec::template kScaleTxBytes<T>;
   // Arrivals that free a stage: one a reader (warpgroup), one a warp of it when each warp reads
   // the stage's scales itself (block-scaled)
-  static constexpr int kReleases = T::kStageReaders * (Prec::kBlockScaled ? 4 : 1);
+  static constexpr int kReleases = T::kStageReaders * (Prec::kPromoted ? 4 : 1);
   alignas(1024) Elem a[T::kStages][T::kBlockM * T::kBlockK];  // (BLOCK_M, BLOCK_K, kStages)
   alignas(1024) Elem b[T::kStages][T::kBlockN * T::kBlockK];  // (BLOCK_N, BLOCK_K, kStages)
   Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
@@ -177,7 +203,7 @@ struct StageStorageT : Prec::template StageScales<T> {
 
   // Arrivals that fill a stage: the producer's with the TMA bytes, and a block-scaled stage's
   // B scales' (the completion of the producer's cp.async copies)
-  static constexpr int kFills = Prec::kBlockScaled ? 2 : 1;
+  static constexpr int kFills = Prec::kStageFills;
   __device__ void init_barriers() {
     pipe.init(kFills, kReleases);
     if constexpr (T::kPingPong) {

@@ -1,0 +1,125 @@
+// The fp8 wgrad kind's launch (gemm/wgrad_fp8.cuh) and its operands' quantiser: a matrix's
+// columns per 128 rows, written transposed (qt [C, R] e4m3, scales [R/128, C] fp32), the
+// K-major layout fp8 wgmma reads.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/quantize.cuh"
+#include "cuda/gemm/tensor_map.hpp"
+#include "cuda/gemm/wgrad_fp8.cuh"
+#include "runtime/env.hpp"
+
+namespace mok::gemm {
+namespace {
+
+// One 256-thread block per 128 x 128 tile (rows r0.., columns c0..) of v: the tile in shared
+// memory, each column's max |v| over its 128 rows (two threads a column, 64 rows each), its scale
+// (e4m3_block_scale: max / 448, 1 for zeros; pow2: its power-of-two ceiling), and the column's
+// 128 rows as e4m3 (v / s, nearest even, saturating) into row c of qt: 64 contiguous bytes a
+// thread.  The CPU reference's quantize_columns (src/ref), bit for bit.
+constexpr int kColTile = 128;
+__global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld,
+                                                            int64_t rows, int64_t cols, uint8_t* __restrict__ qt,
+                                                            float* __restrict__ scales, bool pow2) {
+  __shared__ __nv_bfloat16 tile[kColTile][kColTile + 8];  // + 8: the column reads' banks
+  const int64_t r0 = int64_t{blockIdx.y} * kColTile, c0 = int64_t{blockIdx.x} * kColTile;
+  const int t = threadIdx.x;
+  // Load: 128 rows x 16 uint4 (8 bf16 each), 8 a thread, coalesced along the row
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int idx = i * 256 + t, r = idx / 16, v8 = idx % 16;
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(v + (r0 + r) * ld + c0) + v8);
+    *reinterpret_cast<uint2*>(&tile[r][v8 * 8]) = make_uint2(x.x, x.y);
+    *reinterpret_cast<uint2*>(&tile[r][v8 * 8 + 4]) = make_uint2(x.z, x.w);
+  }
+  __syncthreads();
+  const int c = t / 2, h = t % 2;  // column c, rows 64 h .. 64 h + 63
+  float amax = 0.0f;
+#pragma unroll 8
+  for (int r = 0; r < 64; ++r) amax = fmaxf(amax, fabsf(__bfloat162float(tile[64 * h + r][c])));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  const float s = e4m3_block_scale(amax, pow2);
+  if (h == 0) scales[(r0 / kColTile) * cols + c0 + c] = s;
+  uint8_t* dst = qt + (c0 + c) * rows + r0 + 64 * h;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {  // 16 bytes at a time
+    uint32_t word[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = 64 * h + 16 * w + 4 * j;
+      word[j] = static_cast<uint32_t>(e4m3x2(__bfloat162float(tile[r][c]), __bfloat162float(tile[r + 1][c]), s)) |
+                (static_cast<uint32_t>(e4m3x2(__bfloat162float(tile[r + 2][c]), __bfloat162float(tile[r + 3][c]), s))
+                 << 16);
+    }
+    *reinterpret_cast<uint4*>(dst + 16 * w) = make_uint4(word[0], word[1], word[2], word[3]);
+  }
+}
+
+}  // namespace
+
+void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
+                          cudaStream_t stream) {
+  MOK_CHECK_ARG(rows > 0 && cols > 0 && rows % 128 == 0 && cols % 128 == 0,
+                "quantize columns: [" << rows << ", " << cols << "] must be positive multiples of 128");
+  MOK_CHECK_ARG(ld >= cols && ld % 8 == 0 && (reinterpret_cast<uintptr_t>(v) & 15u) == 0 &&
+                    (reinterpret_cast<uintptr_t>(qt) & 15u) == 0 && (reinterpret_cast<uintptr_t>(scales) & 3u) == 0,
+                "quantize columns: v's rows 16-byte aligned (ld = " << ld << "), qt 16-byte and scales 4-byte aligned");
+  MOK_CHECK_ARG(rows / 128 <= 65535, "quantize columns: " << rows << " rows (at most 65535 · 128)");
+  const dim3 grid(static_cast<unsigned>(cols / 128), static_cast<unsigned>(rows / 128));
+  quantize_cols_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(v), ld, rows, cols,
+                                                  static_cast<uint8_t*>(qt), scales, pow2);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream) {
+  using T = WgradFp8Tile;
+  MOK_CHECK_ARG(g.mo > 0 && g.mo % 128 == 0 && g.no > 0 && g.no % 128 == 0,
+                "grouped wgrad (fp8): Mo = " << g.mo << " and No = " << g.no << " must be positive multiples of 128");
+  MOK_CHECK_ARG(g.rows % 128 == 0, "grouped wgrad (fp8): R = " << g.rows << " rows must be a multiple of 128");
+  MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad (fp8): accumulate needs acc");
+  MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad (fp8): store_acc needs acc");
+  if (g.num_experts == 0) return;
+  int device = 0, sms = 0;
+  MOK_CUDA_CHECK(cudaGetDevice(&device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // No rows at all: the maps must still encode (over the scales' and output's memory); every
+  // expert's count is 0 then and the kernel issues no load
+  const void* fallback = g.out ? g.out : g.acc ? static_cast<const void*>(g.acc) : g.main_grad;
+  const bool no_rows = g.rows == 0;
+  const int64_t r = no_rows ? 128 : g.rows;
+  const CUtensorMap map_a = tensor_map_2d(no_rows ? fallback : g.a, g.mo, r, T::kBlockM, 1);
+  const CUtensorMap map_b = tensor_map_2d(no_rows ? fallback : g.b, g.no, r, T::kBlockN / 2, 1);
+  const CUtensorMap map_sa =
+      tensor_map_scales(no_rows ? static_cast<const float*>(fallback) : g.a_scales, r / 128, g.mo, T::kBlockM);
+  const CUtensorMap map_sb =
+      tensor_map_scales(no_rows ? static_cast<const float*>(fallback) : g.b_scales, r / 128, g.no, T::kBlockN);
+  WgradParams p{};
+  p.num_experts = static_cast<int32_t>(g.num_experts);
+  p.expert_offset = g.expert_offset;
+  p.expert_count = g.expert_count;
+  p.out = static_cast<__nv_bfloat16*>(g.out);
+  p.acc = g.acc;
+  p.main_grad = g.main_grad;
+  p.accumulate = g.accumulate ? 1 : 0;
+  p.store_acc = g.store_acc ? 1 : 0;
+  p.mo = g.mo;
+  p.no = g.no;
+  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9);
+  p.timeout_record = g.timeout_record;
+  wgrad_layout<T>(p);
+  const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
+  MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad (fp8): " << tiles << " tiles");
+  constexpr size_t smem = kGemmSmemBytesT<T, PrecisionE4m3Rows>;
+  static_assert(smem <= 227 * 1024, "shared storage exceeds the 227 KB a block can have");
+  MOK_CUDA_CHECK(cudaFuncSetAttribute(grouped_wgrad_fp8_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem)));
+  const int grid = static_cast<int>(std::min<int64_t>(g.num_blocks > 0 ? g.num_blocks : sms, tiles));
+  grouped_wgrad_fp8_kernel<T><<<grid, T::kThreads, smem, stream>>>(map_a, map_b, map_sa, map_sb, p);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace mok::gemm

@@ -1,0 +1,116 @@
+"""fp8_block's wgrad kind (mok.ops.grouped_wgrad_fp8, docs/precision.md) and its operands'
+quantiser (mok.ops.quantize_cols_fp8): per channel and 128 rows of an expert, transposed
+(K-major), the k-block's e4m3 sum promoted with both scales once per 128 rows.  Against the
+float64 recipe (mok.fp8.wgrad_reference), bitwise across runs, zero-row, one-row and hot experts."""
+import pytest
+import torch
+
+import mok
+from mok import fp8, ops
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and mok.has_cuda()), reason="needs a CUDA GPU and libmok's CUDA part")
+has_it = pytest.mark.skipif(not mok._lib.has_symbol("mokGroupedWgradBlockScaled"),
+                            reason="this libmok predates mokGroupedWgradBlockScaled")
+
+
+def test_quantize_cols_is_quantize_rows_of_the_transpose():
+    # A column's scale over 128 rows is the transposed row's over 128 of K: the same numbers
+    g = torch.Generator().manual_seed(1)
+    v = (torch.randn(384, 256, generator=g) * torch.logspace(-3, 3, 256)).bfloat16()
+    v[128:256, 7] = 0
+    for pow2 in (False, True):
+        q, s = fp8.quantize_cols(v, pow2=pow2)
+        qr, sr = fp8.quantize_rows(v.t().contiguous(), pow2=pow2)
+        assert q.shape == (256, 384) and s.shape == (3, 256)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    assert s[1, 7] == 1.0  # a block of zeros
+
+
+def _problem(counts, Mo, No, seed=0):
+    """Plan-like rows: expert e's `counts[e]` rows at a multiple of 128, zero up to the next one;
+    the operands quantised per column and 128 rows (the reference's quantiser)."""
+    g = torch.Generator().manual_seed(seed)
+    padded = [(c + 127) // 128 * 128 for c in counts]
+    offsets = [sum(padded[:e]) for e in range(len(counts) + 1)]
+    R = max(offsets[-1], 128)
+    a = torch.zeros(R, Mo)
+    b = torch.zeros(R, No)
+    for e, c in enumerate(counts):
+        a[offsets[e]:offsets[e] + c] = torch.randn(c, Mo, generator=g)
+        b[offsets[e]:offsets[e] + c] = torch.randn(c, No, generator=g) * 3
+    a, b = a.bfloat16(), b.bfloat16()
+    (qa, sa), (qb, sb) = fp8.quantize_cols(a), fp8.quantize_cols(b)
+    return qa, sa, qb, sb, torch.tensor(offsets, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32), (a, b)
+
+
+@has_it
+def test_arguments_are_checked_before_the_device():
+    qa, sa, qb, sb, off, cnt, _ = _problem([130, 0], 128, 256)
+    with pytest.raises(ValueError, match="a must be float8_e4m3fn"):
+        ops.grouped_wgrad_fp8(qa.float(), sa, qb, sb, off, cnt)
+    with pytest.raises(ValueError, match=r"a_scales has shape \[128, 2\], expected \[2, 128\]"):
+        ops.grouped_wgrad_fp8(qa, sa.t().contiguous(), qb, sb, off, cnt)
+    with pytest.raises(ValueError, match="expert_offset"):
+        ops.grouped_wgrad_fp8(qa, sa, qb, sb, off[:2], cnt)
+    with pytest.raises(ValueError, match="on the CPU"):
+        ops.grouped_wgrad_fp8(qa, sa, qb, sb, off, cnt)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        ops.quantize_cols_fp8(torch.zeros(128, 192, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="on the CPU"):
+        ops.quantize_cols_fp8(torch.zeros(128, 256, dtype=torch.bfloat16))
+
+
+@gpu
+@has_it
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_cols_on_the_gpu_is_the_reference_bit_for_bit(pow2):
+    g = torch.Generator().manual_seed(2)
+    v = (torch.randn(640, 384, generator=g) * torch.logspace(-4, 4, 384)).bfloat16()
+    v[256:384, 5] = 0
+    q, s = ops.quantize_cols_fp8(v.cuda(), pow2=pow2)
+    qr, sr = fp8.quantize_cols(v, pow2=pow2)
+    assert torch.equal(s.cpu(), sr)
+    assert torch.equal(q.cpu().view(torch.uint8), qr.view(torch.uint8))
+
+
+@gpu
+@has_it
+@pytest.mark.parametrize("counts", [[300, 0, 1, 129], [1024]])
+def test_against_the_float64_recipe(counts):
+    # Mo = 256 (two m-tiles), No = 384 (a partial 256-wide tile): outputs poisoned, an expert
+    # with no rows gets zeros, one with one row its one k-block, a hot one many
+    Mo, No = 256, 384
+    qa, sa, qb, sb, off, cnt, _ = _problem(counts, Mo, No, seed=len(counts))
+    want = fp8.wgrad_reference(qa, sa, qb, sb, off.tolist(), cnt.tolist())
+    dev = [t.cuda() for t in (qa, sa, qb, sb, off, cnt)]
+    outs = []
+    for _ in range(2):
+        out = torch.full((len(counts), Mo, No), float("nan"), dtype=torch.bfloat16, device="cuda")
+        ops.grouped_wgrad_fp8(*dev, out=out)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), "not bitwise reproducible"
+    got = outs[0].double().cpu()
+    assert not torch.isnan(got).any(), "elements left unwritten"
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.all(got[e] == 0)
+    err = (got - want).abs()
+    # bf16 output rounding, and the tensor cores' fp8 sums within a k-block
+    assert torch.all(err <= want.abs() * 2.0 ** -7 + 1e-3 * want.abs().max()), err.max()
+
+
+@gpu
+@has_it
+def test_fp32_outputs_accumulate():
+    # acc = the fp32 sum (store_acc), then main_grad += it and out = bf16(acc + sum) (accumulate)
+    Mo, No = 128, 256
+    qa, sa, qb, sb, off, cnt, _ = _problem([200, 77], Mo, No, seed=5)
+    dev = [t.cuda() for t in (qa, sa, qb, sb, off, cnt)]
+    acc = torch.full((2, Mo, No), float("nan"), device="cuda")
+    ops.grouped_wgrad_fp8(*dev, acc=acc, store_acc=True)
+    main_grad = torch.full((2, Mo, No), 0.5, device="cuda")
+    ops.grouped_wgrad_fp8(*dev, main_grad=main_grad)
+    assert torch.equal(main_grad, acc + 0.5)
+    out = ops.grouped_wgrad_fp8(*dev, acc=acc.clone(), accumulate=True, out=torch.empty(2, Mo, No, dtype=torch.bfloat16,
+                                                                                          device="cuda"))
+    assert torch.equal(out, (acc + acc).bfloat16())
