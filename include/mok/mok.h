@@ -396,7 +396,12 @@ MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* strea
  * bf16.  K % 128 == 0, N % 64 == 0, M % 4 == 0 (a_scales' rows are 16-byte aligned).  CUDA tensors.
  * Gate/up with out float8_e4m3fn [M, N] (N % 128 == 0): a = silu(g)·u in fp32 quantised for the
  * down kind, per row and 128 channels (scale = max |a| / 448, 1 for zeros; a / scale rounded to
- * nearest even, saturating), its scales written to `out` [N/128, M] fp32 (its a_scales). */
+ * nearest even, saturating), its scales written to `out` [N/128, M] fp32 (its a_scales).
+ * Since 0.6, kind 4 (dgrad down with the SwiGLU backward, fp8_block's): a = dy [M, H], b0 = W_down's
+ * transposed copy [E, I, H] with W_down's scales (b_transposed = 1); out = dh = [dg | du] [M, 2I]
+ * float8_e4m3fn, quantised per row and 128 channels, its scales in `out` [2I/128, M]; args' h
+ * [M, 2I] and row_weight [M] required, wa (here a = silu(g)·u, bfloat16 [M, I]) and dtw_partials
+ * ([M, I/128]: Σ da · a dequantised as the forward quantised it) optional (docs/precision.md). */
 typedef struct mokGemmBlockScales_t {
   mokTensor_t a, b0, b1;
   mokTensor_t out; /* out's scales when out is float8_e4m3fn (gate/up); absent otherwise */

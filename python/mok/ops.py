@@ -380,6 +380,38 @@ def quantize_blocks_fp8(w: Tensor, *, q: bool = True, qt: bool = True, pow2: boo
     return oq, oqt, scales
 
 
+def dgrad_down_swiglu_fp8(dy: Tensor, dy_scales: Tensor, w_down_qt: Tensor, w_down_scales: Tensor,
+                          block_expert: Tensor, h: Tensor, row_weight: Tensor, *, a: Optional[Tensor] = None,
+                          dtw_partials: Optional[Tensor] = None, pow2: bool = False):
+    """fp8_block's dgrad down with the SwiGLU backward in its epilogue, on CUDA tensors: da = dy ·
+    W_down[e] block-scaled (dy [M, H] float8_e4m3fn with dy_scales [H/128, M] from
+    quantize_rows_fp8; W_down's transposed copy w_down_qt [E, I, H] with W_down's own scales
+    [E, H/128, I/128], as quantize_blocks_fp8 returns them), then per row (weight row_weight [M])
+    and channel, from the saved h = [g | u] [M, 2I] bf16: dg = (w·da·u)·silu'(g), du = w·da·silu(g)
+    (docs/precision.md).  Returns (dh [M, 2I] float8_e4m3fn, dh_scales [2I/128, M]): dh quantised
+    per row and 128 channels, the dgrad gate/up kind's A.  a ([M, I] bf16: silu(g)·u) and
+    dtw_partials ([M, I/128] fp32: Σ da · a as the forward quantised a) are written where given."""
+    _lib.expect_tensor(dy, "dy", _lib.E4M3, ndim=2)
+    _lib.expect_tensor(w_down_qt, "w_down_qt", _lib.E4M3, ndim=3)
+    m, inter = dy.shape[0], w_down_qt.shape[1]
+    dh = torch.empty(m, 2 * inter, dtype=torch.float8_e4m3fn, device=dy.device)
+    dh_scales = torch.empty(2 * inter // 128, m, dtype=torch.float32, device=dy.device)
+    views = _lib.Views()
+    args = _lib.mokGroupedGemmArgs(views(dy, "dy", _lib.E4M3), views(w_down_qt, "w_down_qt", _lib.E4M3),
+                                   views(w_down_qt, "w_down_qt", _lib.E4M3),
+                                   views(block_expert, "block_expert", _lib.INT32), views(dh, "dh", _lib.E4M3),
+                                   _lib.GEMM_KINDS["dgrad_down_swiglu"], 0, views(h, "h", _lib.BF16),
+                                   views(row_weight, "row_weight", _lib.FP32), views(a, "a", _lib.BF16),
+                                   views(dtw_partials, "dtw_partials", _lib.FP32))
+    scales = _lib.mokGemmBlockScales(views(dy_scales, "dy_scales", _lib.FP32),
+                                     views(w_down_scales, "w_down_scales", _lib.FP32),
+                                     views(w_down_scales, "w_down_scales", _lib.FP32),
+                                     views(dh_scales, "dh_scales", _lib.FP32), 1 if pow2 else 0, 1)
+    fn = _lib.symbol("mokGroupedGemmBlockScaled")
+    _lib.check(fn(ctypes.byref(args), ctypes.byref(scales), _lib.stream_of(_lib.device_index(dy.device))))
+    return dh, dh_scales
+
+
 def quantize_cols_fp8(v: Tensor, qt: Optional[Tensor] = None, scales: Optional[Tensor] = None, *,
                       pow2: bool = False):
     """mok.fp8.quantize_cols on the GPU, one kernel: v [R, C] bf16 (R, C multiples of 128) ->

@@ -364,14 +364,63 @@ mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* stream) {
   });
 }
 
+namespace {
+// mokGroupedGemmBlockScaled's dgrad down with the SwiGLU backward (fp8_block): a = dy [M, H]
+// e4m3, b0 = W_down's transposed copy [E, I, H] with W_down's scales (b_transposed), out = dh
+// [M, 2I] e4m3 with its scales in scales->out [2I/128, M]; h [M, 2I] bf16, row_weight [M] fp32,
+// wa (here: a = silu(g)·u, bf16 [M, I]) and dtw_partials [M, I/128] optional.
+void block_scaled_swiglu_bwd(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales, void* stream) {
+  const int32_t dev = args->a.device;
+  MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, H] (dy) and b0 [E, I, H] (W_down transposed)");
+  const int64_t M = args->a.shape[0], H = args->a.shape[1], E = args->b0.shape[0], I = args->b0.shape[1];
+  MOK_CHECK_ARG(H > 0 && H % 128 == 0 && I > 0 && I % 128 == 0,
+                "H = " << H << " and I = " << I << " must be positive multiples of 128 (the scales' blocks)");
+  MOK_CHECK_ARG(M > 0 && M % 4 == 0, "M = " << M << " must be a positive multiple of 4 (a_scales rows, 16-byte aligned)");
+  MOK_CHECK_ARG(scales->b_transposed != 0,
+                "the fp8 dgrad-down kind reads W_down's transposed copy: b_transposed must be 1 (b0 = qt [E, I, H], "
+                "b0_scales W_down's [E, H/128, I/128])");
+  mok::check_tensor(args->a, "a (dy)", {mokFloat8E4M3}, {M, H}, dev);
+  mok::check_tensor(args->b0, "b0 (W_down transposed)", {mokFloat8E4M3}, {E, I, H}, dev);
+  mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {(M + 127) / 128}, dev);
+  mok::check_tensor(args->out, "out (dh)", {mokFloat8E4M3}, {M, 2 * I}, dev);
+  MOK_CHECK_ARG(mok::present(scales->out), "scales->out (dh's scales, [2I/128, M] float32) is required");
+  mok::check_tensor(scales->out, "out_scales (dh's)", {mokFloat32}, {2 * I / 128, M}, dev);
+  mok::check_tensor(scales->a, "a_scales", {mokFloat32}, {H / 128, M}, dev);
+  mok::check_tensor(scales->b0, "b0_scales (b_transposed)", {mokFloat32}, {E, H / 128, I / 128}, dev);
+  mok::check_tensor(args->h, "h", {mokBFloat16}, {M, 2 * I}, dev);
+  mok::check_tensor(args->row_weight, "row_weight", {mokFloat32}, {M}, dev);
+  if (mok::present(args->wa)) mok::check_tensor(args->wa, "wa (a)", {mokBFloat16}, {M, I}, dev);
+  if (mok::present(args->dtw_partials))
+    mok::check_tensor(args->dtw_partials, "dtw_partials", {mokFloat32}, {M, I / 128}, dev);
+  MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemmBlockScaled runs on CUDA tensors");
+  mok::cuda::GroupedGemmCall call{args->a.data, M, H, args->b0.data, args->b0.data, E, I,
+                                  static_cast<const int32_t*>(args->block_expert.data),
+                                  static_cast<int32_t>((M + 127) / 128), args->out.data,
+                                  static_cast<int32_t>(mokGemmDgradDownSwiGLU), static_cast<int32_t>(args->num_blocks)};
+  call.h = args->h.data;
+  call.row_weight = static_cast<const float*>(args->row_weight.data);
+  call.wa = mok::present(args->wa) ? args->wa.data : nullptr;
+  call.dtw_partials = mok::present(args->dtw_partials) ? static_cast<float*>(args->dtw_partials.data) : nullptr;
+  call.a_scales = static_cast<const float*>(scales->a.data);
+  call.b0_scales = static_cast<const float*>(scales->b0.data);
+  call.b1_scales = call.b0_scales;
+  call.b_scales_transposed = true;
+  call.out_scales = static_cast<float*>(scales->out.data);
+  call.out_scales_pow2 = scales->out_pow2 != 0;
+  mok::cuda::grouped_gemm(call, stream);
+}
+}  // namespace
+
 mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
                                       void* stream) {
   return guarded("mokGroupedGemmBlockScaled", [&] {
     MOK_CHECK_ARG(args != nullptr && scales != nullptr, "args or scales is NULL");
     const int64_t kind = args->kind;
-    MOK_CHECK_ARG(kind == mokGemmDown || kind == mokGemmGateUp || kind == mokGemmGateUpPreact,
-                  "kind = " << kind << ": the block-scaled fp8 kinds are 0 (down), 1 (gate/up) and 5 (gate/up "
-                                       "pre-activations)");
+    MOK_CHECK_ARG(kind == mokGemmDown || kind == mokGemmGateUp || kind == mokGemmGateUpPreact ||
+                      kind == mokGemmDgradDownSwiGLU,
+                  "kind = " << kind << ": the block-scaled fp8 kinds are 0 (down), 1 (gate/up), 4 (dgrad down with "
+                                       "the SwiGLU backward) and 5 (gate/up pre-activations)");
+    if (kind == mokGemmDgradDownSwiGLU) return block_scaled_swiglu_bwd(args, scales, stream);
     const int32_t dev = args->a.device;
     MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, N, K]");
     const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0], N = args->b0.shape[1];

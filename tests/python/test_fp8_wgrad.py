@@ -114,3 +114,86 @@ def test_fp32_outputs_accumulate():
     out = ops.grouped_wgrad_fp8(*dev, acc=acc.clone(), accumulate=True, out=torch.empty(2, Mo, No, dtype=torch.bfloat16,
                                                                                           device="cuda"))
     assert torch.equal(out, (acc + acc).bfloat16())
+
+
+# ---- the dgrad-down kind with the SwiGLU backward, dh out in e4m3 (mok.ops.dgrad_down_swiglu_fp8) ----
+
+def _swiglu_bwd_problem(seed=0, E=2, H=384, I=256, blocks=(1, 0, -1, 1)):
+    g = torch.Generator().manual_seed(seed)
+    M = 128 * len(blocks)
+    dy = torch.randn(M, H, generator=g).bfloat16()
+    w_down = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    h = torch.randn(M, 2 * I, generator=g).bfloat16()
+    rw = torch.randn(M, generator=g)
+    rw[::7] = 0.0  # w = 0 rows: dh = 0, the partials still da · a
+    return dy, w_down, h, rw, torch.tensor(blocks, dtype=torch.int32)
+
+
+def _swiglu_bwd_reference(dy, w_down, h, rw, blocks, pow2):
+    """The recipe in float64 (docs/precision.md): da block-scaled, then the element math, dh and
+    a quantised per row and 128 channels (mok.fp8's quantisers, float64 values rounded to fp32)."""
+    I = w_down.shape[2]
+    qdy, sdy = fp8.quantize_rows(dy)
+    qw, sw = fp8.quantize_blocks(w_down)  # [E, H, I], [E, H/128, I/128]
+    qt, st = qw.transpose(1, 2).contiguous(), sw.transpose(1, 2).contiguous()
+    M = dy.shape[0]
+    dh = torch.zeros(M, 2 * I, dtype=torch.float64)
+    a = torch.zeros(M, I, dtype=torch.float64)
+    da = torch.zeros(M, I, dtype=torch.float64)
+    for i, e in enumerate(blocks.tolist()):
+        if e < 0:
+            continue
+        rows = slice(128 * i, 128 * i + 128)
+        da[rows] = fp8.block_scaled_mm_reference(qdy[rows], sdy[:, rows], qt[e], st[e])
+    g, u = h[:, :I].double(), h[:, I:].double()
+    sg = torch.sigmoid(g)
+    sl = g * sg
+    a = sl * u
+    wda = rw.double()[:, None] * da
+    dh[:, :I] = (wda * u) * (sg * (1 + g * (1 - sg)))
+    dh[:, I:] = wda * sl
+    qa, sa = fp8.quantize_rows(a.float(), pow2=pow2)
+    a_deq = fp8.dequantize_rows(qa, sa).double()
+    partials = (da * a_deq).reshape(M, I // 128, 128).sum(-1)
+    return da, dh, a, partials, (qdy, sdy, qt, sw)
+
+
+@gpu
+@pytest.mark.skipif(not mok._lib.has_symbol("mokGroupedWgradBlockScaled"), reason="this libmok predates 0.6")
+@pytest.mark.parametrize("pow2", [False, True])
+def test_dgrad_down_swiglu_against_the_float64_recipe(pow2):
+    dy, w_down, h, rw, blocks = _swiglu_bwd_problem(seed=3 + pow2)
+    da, dh, a, partials, (qdy, sdy, qt, sw) = _swiglu_bwd_reference(dy, w_down, h, rw, blocks, pow2)
+    M, I = dy.shape[0], w_down.shape[2]
+    live = blocks.repeat_interleave(128) >= 0
+    a_out = torch.full((M, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+    parts = torch.full((M, I // 128), float("nan"), device="cuda")
+    cuda = lambda t: t.cuda()  # noqa: E731
+    q, s = ops.dgrad_down_swiglu_fp8(cuda(qdy), cuda(sdy), cuda(qt), cuda(sw), cuda(blocks), cuda(h), cuda(rw),
+                                     a=a_out, dtw_partials=parts, pow2=pow2)
+    q2, s2 = ops.dgrad_down_swiglu_fp8(cuda(qdy), cuda(sdy), cuda(qt), cuda(sw), cuda(blocks), cuda(h), cuda(rw),
+                                       pow2=pow2)
+    lv = live.cuda()
+    assert torch.equal(q[lv].view(torch.uint8), q2[lv].view(torch.uint8)) and torch.equal(s[:, lv], s2[:, lv])
+    # dh: each value within e4m3's rounding of the recipe's once da's tensor-core error (2^-10 of
+    # the row block's largest |dh|) is allowed for; its scale within 2^-9 of max / 448 (pow2:
+    # the power of two at or above it)
+    got = fp8.dequantize_rows(q[lv].cpu(), s[:, lv].cpu()).double()
+    want = dh[live]
+    amax = want.abs().reshape(-1, 2 * I // 128, 128).amax(-1)
+    delta = (amax * 2.0 ** -10).repeat_interleave(128, dim=1)
+    step = s[:, lv].cpu().double().t().repeat_interleave(128, dim=1)
+    err = (got - want).abs() - ((want.abs() + delta) * 2.0 ** -4 + delta + step * 2.0 ** -10)
+    assert torch.all(err <= 0), f"{int((err > 0).sum())} dh values outside e4m3's rounding"
+    ratio = s[:, lv].cpu().double().t() / (amax / fp8.E4M3_MAX).clamp(min=1e-30)
+    has = amax > 0
+    if pow2:
+        assert torch.all(torch.log2(s[:, lv].cpu()).frac() == 0)
+        assert torch.all((ratio[has] >= 1 - 2.0 ** -9) & (ratio[has] < 2 * (1 + 2.0 ** -9)))
+    else:
+        assert torch.all((ratio[has] - 1).abs() <= 2.0 ** -9)
+    # a and the router-gradient partials
+    assert torch.allclose(a_out[lv].double().cpu(), a[live], rtol=2.0 ** -8, atol=0)
+    pw = partials[live]
+    assert torch.all((parts[lv].double().cpu() - pw).abs() <= 1e-3 * pw.abs().max() + 2.0 ** -6 * pw.abs())
+    assert torch.isnan(a_out[~lv].float()).all(), "the -1 block's rows were written"

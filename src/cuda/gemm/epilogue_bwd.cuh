@@ -36,6 +36,7 @@
 // h = 0 (the caller keeps them so) it gets dg = du = wa = ±0 and a partial of da · 0 = 0.
 #pragma once
 
+#include "cuda/gemm/quantize.cuh"
 #include "cuda/gemm/tile.cuh"
 
 namespace mok::gemm {
@@ -178,6 +179,119 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
     s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
     if (e.dtw_partials != nullptr && valid && t == 0)
       e.dtw_partials[(part_row0 + r) * n_chunks + ch0 / kDtwChunk + c] = s;
+  }
+}
+
+// ---- fp8_block: the SwiGLU backward with dh quantised for the dgrad gate/up kind -------------
+// The block-scaled dgrad-down kind's epilogue (written, not yet run on a GPU): acc holds da =
+// dy · W_down[e] (e4m3 dy per row and 128 of H, W_down's transposed copy with its block scales)
+// for 128 rows and BLOCK_N channels of I (I % 128 == 0: whole 128-channel chunks).  Per row r
+// (weight w) and channel i, in fp32 as the CPU reference (src/ref expert_backward_fp8):
+//   g, u = h[r, i], h[r, I + i]     sg = 1 / (1 + exp(-g))      sl = g · sg      a = sl · u
+//   dsilu = sg · (1 + g · (1 − sg))  wda = w · da  dg = (wda · u) · dsilu  du = wda · sl
+//   a_deq = e4m3(a / s_a) · s_a, s_a the chunk's max |a| / 448 (the a the forward multiplied)
+//   dtw_partials[r, c] = Σ_{i in chunk c} da · a_deq
+//   dh_q[r, i] = e4m3(dg / s_g), dh_q[r, I + i] = e4m3(du / s_u); s_g, s_u the chunk's max / 448
+//                (pow2: the power-of-two ceiling) at dh_scales[c · ld + r] and [(I/128 + c) · ld + r]:
+//                the dgrad gate/up kind's A (K = 2I) and its scales
+//   dh[r, ·] = bf16(dg) | bf16(du), a_out[r, i] = bf16(a)   (optional: the wgrad operands)
+// A chunk's 128 channels of a row are in the four lanes of its quad (16 n8 blocks, 2 columns
+// each): three maxima by two xor-shuffles each, the partial likewise.  Rows below valid_rows.
+struct SwiGLUBwdE4m3Args {
+  const __nv_bfloat16* h;   // [rows, 2I]
+  uint8_t* dh_q;            // [rows, 2I] e4m3
+  float* dh_scales;         // [2I / 128, scales_ld]
+  int64_t scales_ld;
+  bool pow2;
+  __nv_bfloat16* dh;        // [rows, 2I] or null
+  __nv_bfloat16* a_out;     // [rows, I] or null
+  float* dtw_partials;      // [rows, I / 128] or null
+  int64_t inter;
+};
+template <int kRegs, typename Weight>
+__device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kRegs], int consumer,
+                                                           const SwiGLUBwdE4m3Args& e, int64_t row0, int valid_rows,
+                                                           int64_t ch0, Weight weight) {
+  constexpr int kBlocks = kRegs / 4, kChunkBlocks = 16, kChunks = kBlocks / kChunkBlocks;
+  static_assert(kChunks >= 1 && kBlocks == kChunks * kChunkBlocks, "a tile holds whole 128-channel chunks");
+  const int t = threadIdx.x & 3;
+  const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = inter / 128;
+  const auto quad_max = [](float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  };
+  // da of (chunk c, half, n8 block of the chunk, element x), all static
+  auto da_of = [&](int c, int half, int n8, int x) { return acc[(c * kChunkBlocks + n8) * 4 + half * 2 + x]; };
+  // NOTES: two passes over the chunk's 32 channels of the lane (the maxima, then the values
+  // again for the stores), unrolled.  Measured in the SASS (not yet on a GPU): a rolled loop
+  // over (half, chunk) or over the half, the accumulator picked by selects, spilled inside the
+  // K loop (53-56 local loads there); unrolled, the K loop has none and the epilogue 69 local
+  // loads and 47 stores in 16,000 instructions.  Its cost against the K loop's is for the
+  // device to show.
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int r = fragment_row(consumer, half);
+    const int64_t col = ch0 + c * 128;  // the chunk's first channel (I % 256 may be 128: none past I)
+    const bool live = r < valid_rows && col < inter;
+    const int64_t row = row0 + r;
+    const float w = live ? weight(r) : 0.0f;
+    uint32_t gw[kChunkBlocks], uw[kChunkBlocks];
+#pragma unroll
+    for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
+      gw[n8] = ptx::ld_global_b32_pred(e.h + row * ld_h + col + n8 * 8 + 2 * t, live);
+      uw[n8] = ptx::ld_global_b32_pred(e.h + row * ld_h + inter + col + n8 * 8 + 2 * t, live);
+    }
+    struct Elem {
+      float dg, du, a;
+    };
+    auto elem = [&](int n8, int x) {
+      const float g = x ? bf16_hi(gw[n8]) : bf16_lo(gw[n8]), u = x ? bf16_hi(uw[n8]) : bf16_lo(uw[n8]);
+      const float sg = __frcp_rn(__fadd_rn(1.0f, __expf(-g)));
+      const float sl = __fmul_rn(g, sg);
+      const float dsilu = __fmul_rn(sg, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg))));
+      const float wda = __fmul_rn(w, da_of(c, half, n8, x));
+      return Elem{__fmul_rn(__fmul_rn(wda, u), dsilu), __fmul_rn(wda, sl), __fmul_rn(sl, u)};
+    };
+    float amax_g = 0.0f, amax_u = 0.0f, amax_a = 0.0f;
+#pragma unroll
+    for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const Elem v = elem(n8, x);
+        amax_g = fmaxf(amax_g, fabsf(v.dg));
+        amax_u = fmaxf(amax_u, fabsf(v.du));
+        amax_a = fmaxf(amax_a, fabsf(v.a));
+      }
+    }
+    const float s_g = e4m3_block_scale(quad_max(amax_g), e.pow2), s_u = e4m3_block_scale(quad_max(amax_u), e.pow2);
+    const float s_a = e4m3_block_scale(quad_max(amax_a), e.pow2);
+    uint8_t* const qg = e.dh_q + row * ld_h + col + 2 * t;
+    float sum = 0.0f;  // ⟨da, a_deq⟩ over the lane's 32 channels in order, then the quad's four
+#pragma unroll
+    for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
+      const Elem v0 = elem(n8, 0), v1 = elem(n8, 1);
+      const float2 a_deq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(e4m3x2(v0.a, v1.a, s_a), __NV_E4M3)));
+      sum = __fadd_rn(sum, __fmul_rn(da_of(c, half, n8, 0), __fmul_rn(a_deq.x, s_a)));
+      sum = __fadd_rn(sum, __fmul_rn(da_of(c, half, n8, 1), __fmul_rn(a_deq.y, s_a)));
+      if (!live) continue;
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + n8 * 8) = e4m3x2(v0.dg, v1.dg, s_g);
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + inter + n8 * 8) = e4m3x2(v0.du, v1.du, s_u);
+      if (e.dh != nullptr) {
+        *reinterpret_cast<uint32_t*>(e.dh + row * ld_h + col + n8 * 8 + 2 * t) = pack_bf16x2(v0.dg, v1.dg);
+        *reinterpret_cast<uint32_t*>(e.dh + row * ld_h + inter + col + n8 * 8 + 2 * t) = pack_bf16x2(v0.du, v1.du);
+      }
+      if (e.a_out != nullptr)
+        *reinterpret_cast<uint32_t*>(e.a_out + row * inter + col + n8 * 8 + 2 * t) = pack_bf16x2(v0.a, v1.a);
+    }
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+    if (live && t == 0) {
+      e.dh_scales[(col / 128) * e.scales_ld + row] = s_g;
+      e.dh_scales[(n_chunks + col / 128) * e.scales_ld + row] = s_u;
+      if (e.dtw_partials != nullptr) e.dtw_partials[row * n_chunks + col / 128] = sum;
+    }
   }
 }
 

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                         const __grid_constant__ CUtensorMap map_b1, const GroupedGemmParamsOf<kSwiGLUBwd> p,
                         const __grid_constant__ CUtensorMap map_sa) {
   using C = T;
-  static_assert(!Prec::kBlockScaled || (!kBNMajor && !kSwiGLUBwd), "block-scaled kinds: the K-major forward ones");
+  static_assert(!Prec::kBlockScaled || !kBNMajor, "block-scaled kinds are K-major (dgrad on transposed copies)");
   extern __shared__ uint8_t smem_raw[];
   auto& s =
       *reinterpret_cast<StageStorageT<T, Prec>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -188,7 +188,16 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < C::kSlabs; ++j) {
       const int slab = C::kPingPong ? j : consumer;  // rows 64 slab .. 64 slab + 63 of the tile
-      if constexpr (kSwiGLUBwd) {
+      if constexpr (kSwiGLUBwd && Prec::kBlockScaled) {
+        // fp8_block's dgrad down (K-major on W_down's transposed copy): dh quantised for dgrad gate/up
+        const SwiGLUBwdE4m3Args e{p.h, reinterpret_cast<uint8_t*>(p.out), p.out_scales, p.out_scales_ld,
+                                  p.out_scales_pow2 != 0, p.preact, p.wa, p.dtw_partials, p.inter};
+        const int64_t left = p.out_rows - row0;
+        const int valid_rows = left < C::kBlockM ? static_cast<int>(left) : C::kBlockM;
+        const float* __restrict__ rw = p.row_weight + row0;
+        epilogue_dgrad_swiglu_e4m3(acc[j], slab, e, row0, valid_rows, int64_t{n_block} * C::kBlockN,
+                                   [&](int r) { return rw[r]; });
+      } else if constexpr (kSwiGLUBwd) {
         static_assert(kBNMajor, "the SwiGLU-backward epilogue belongs to the dgrad-down kind");
         const SwiGLUBwdArgs e{p.h, p.out, p.wa, p.dtw_partials, p.inter};
         const int64_t left = p.out_rows - row0;

@@ -87,6 +87,29 @@ GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const vo
   return g;
 }
 
+GroupedGemmArgs dgrad_down_swiglu_e4m3_args(const void* dy_q, int64_t a_rows, int64_t hidden, const void* w_down_qt,
+                                            int64_t num_experts, int64_t inter, const int32_t* block_expert,
+                                            int32_t max_m_blocks, const void* h, const float* row_weight, void* dh_q,
+                                            float* dh_scales, int64_t scales_ld, bool pow2, void* dh_bf16, void* a,
+                                            float* dtw_partials) {
+  // The down kind's layout with K = H and N = I: B halves rows n·256 and n·256 + 128 of W_downᵀ
+  GroupedGemmArgs g = down_args(dy_q, a_rows, hidden, w_down_qt, num_experts, inter, block_expert, max_m_blocks, dh_q);
+  g.epilogue = static_cast<int32_t>(Epilogue::kDgradSwiGLU);
+  g.operand_bytes = 1;
+  g.out_ld = 2 * inter;
+  g.n = inter;
+  g.h = h;
+  g.row_weight = row_weight;
+  g.wa = a;
+  g.dtw_partials = dtw_partials;
+  g.preact = dh_bf16;
+  g.out_scales = dh_scales;
+  g.out_scales_ld = scales_ld;
+  g.out_scales_pow2 = pow2;
+  g.b_scales_transposed = true;
+  return g;
+}
+
 GroupedGemmArgs dgrad_down_args(const void* a, int64_t a_rows, int64_t hidden, const void* w_down,
                                 int64_t num_experts, int64_t inter, const int32_t* block_expert, int32_t max_m_blocks,
                                 void* out) {
@@ -277,12 +300,27 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
                   "grouped GEMM: N per expert = " << g.b_rows_per_expert << " must be a multiple of 64");
   }
   const bool swiglu_bwd = g.epilogue == static_cast<int32_t>(Epilogue::kDgradSwiGLU);
-  if (swiglu_bwd) check_swiglu_bwd(g);
+  if (swiglu_bwd && g.operand_bytes == 1) {
+    // fp8_block's dgrad down (written, not yet run on a GPU): K-major on W_down's transposed
+    // copy, dh out in e4m3 with its scales (epilogue_dgrad_swiglu_e4m3)
+    const int64_t inter = g.n;
+    MOK_CHECK_ARG(g.a_scales != nullptr && g.b0_scales != nullptr && g.out_scales != nullptr,
+                  "grouped GEMM (e4m3 dgrad down SwiGLU): needs the block scales and out_scales (dh's)");
+    MOK_CHECK_ARG(inter > 0 && inter % 128 == 0 && g.b_rows_per_expert == inter && g.out_ld == 2 * inter,
+                  "grouped GEMM (e4m3 dgrad down SwiGLU): I = " << inter << " must be a positive multiple of 128, "
+                                                                "B [E, I, H] and dh [rows, 2I]");
+    MOK_CHECK_ARG(g.h != nullptr && g.row_weight != nullptr && g.out != nullptr,
+                  "grouped GEMM (e4m3 dgrad down SwiGLU): h, row_weight and dh are required");
+    MOK_CHECK_ARG(aligned16(g.h) && aligned16(g.out) && aligned16(g.wa) && aligned16(g.preact),
+                  "grouped GEMM (e4m3 dgrad down SwiGLU): h, dh, a and the bf16 dh must be 16-byte aligned");
+  } else if (swiglu_bwd) {
+    check_swiglu_bwd(g);
+  }
   MOK_CHECK_ARG(g.operand_bytes == 2 || g.operand_bytes == 1, "grouped GEMM: operands of " << g.operand_bytes << " bytes");
   if (g.operand_bytes == 1) {
     // e4m3 operands: K-major only (fp8 wgmma has no transpose bits); 128 x 128 tiles, and
     // 128 x 256 with block scales
-    MOK_CHECK_ARG(!g.b_n_major && !swiglu_bwd, "grouped GEMM (e4m3): the forward kinds only (K-major operands)");
+    MOK_CHECK_ARG(!g.b_n_major, "grouped GEMM (e4m3): K-major operands only (the dgrad kinds read transposed copies)");
     MOK_CHECK_ARG(g.k % TileConfigE4m3::kBlockK == 0, "grouped GEMM (e4m3): K = " << g.k << " must be a multiple of 128");
     const int scales = (g.a_scales != nullptr) + (g.b0_scales != nullptr) + (g.b1_scales != nullptr);
     MOK_CHECK_ARG(scales == 0 || scales == 3, "grouped GEMM (e4m3): block scales need a_scales, b0_scales and b1_scales ("
@@ -316,6 +354,8 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     int device = 0, sms = 0;
     MOK_CUDA_CHECK(cudaGetDevice(&device));
     MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (scales == 3 && swiglu_bwd)
+      return launch_tiles<TileConfigE4m3Wide, false, true, PrecisionE4m3Block>(g, sms, stream);
     if (scales == 3) return launch_tiles<TileConfigE4m3Wide, false, false, PrecisionE4m3Block>(g, sms, stream);
     return launch_tiles<TileConfigE4m3, false>(g, sms, stream);
   }

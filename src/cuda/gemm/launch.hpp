@@ -110,6 +110,18 @@ GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t h
                                        int32_t max_m_blocks, const void* h, const float* row_weight, void* dh,
                                        void* wa, float* dtw_partials);
 
+// fp8_block's dgrad down with the SwiGLU backward (written, not yet run on a GPU): da = dy_q ·
+// W_downᵀ on W_down's transposed e4m3 copy w_down_qt [E, I, H] (K = H, its scales those of
+// W_down, b_scales_transposed), dh out in e4m3 [rows, 2I] with dh_scales [2I/128, scales_ld]
+// (gemm/epilogue_bwd.cuh epilogue_dgrad_swiglu_e4m3); h [rows, 2I] the saved bf16 pre-activations,
+// row_weight [rows]; dh_bf16 [rows, 2I], a [rows, I] and dtw_partials [rows, I/128] optional.
+// The caller sets the block scales (a_scales: dy's, b0_scales = b1_scales: W_down's).
+GroupedGemmArgs dgrad_down_swiglu_e4m3_args(const void* dy_q, int64_t a_rows, int64_t hidden, const void* w_down_qt,
+                                            int64_t num_experts, int64_t inter, const int32_t* block_expert,
+                                            int32_t max_m_blocks, const void* h, const float* row_weight, void* dh_q,
+                                            float* dh_scales, int64_t scales_ld, bool pow2, void* dh_bf16, void* a,
+                                            float* dtw_partials);
+
 // The same GEMM in tiles of N = tile_n (128 or 256): the builders above lay out for 256.
 GroupedGemmArgs with_tile_n(GroupedGemmArgs args, int32_t tile_n);
 
