@@ -401,7 +401,10 @@ MOK_API mokResult_t mokGroupedGemm(const mokGroupedGemmArgs_t* args, void* strea
  * transposed copy [E, I, H] with W_down's scales (b_transposed = 1); out = dh = [dg | du] [M, 2I]
  * float8_e4m3fn, quantised per row and 128 channels, its scales in `out` [2I/128, M]; args' h
  * [M, 2I] and row_weight [M] required, wa (here a = silu(g)·u, bfloat16 [M, I]) and dtw_partials
- * ([M, I/128]: Σ da · a dequantised as the forward quantised it) optional (docs/precision.md). */
+ * ([M, I/128]: Σ da · a dequantised as the forward quantised it) optional (docs/precision.md).
+ * Since 0.6, kind 3 (dgrad gate/up, fp8_block's): a = dh [M, 2I], b0 / b1 = W_gate's and W_up's
+ * transposed copies [E, H, I] with their own scales [E, I/128, H/128] (b_transposed = 1): the
+ * gate k-blocks from b0, then the up ones from b1; out bf16 [M, H]. */
 typedef struct mokGemmBlockScales_t {
   mokTensor_t a, b0, b1;
   mokTensor_t out; /* out's scales when out is float8_e4m3fn (gate/up); absent otherwise */

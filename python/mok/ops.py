@@ -412,6 +412,30 @@ def dgrad_down_swiglu_fp8(dy: Tensor, dy_scales: Tensor, w_down_qt: Tensor, w_do
     return dh, dh_scales
 
 
+def dgrad_gate_up_fp8(dh: Tensor, dh_scales: Tensor, w_gate_qt: Tensor, w_gate_scales: Tensor, w_up_qt: Tensor,
+                      w_up_scales: Tensor, block_expert: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """fp8_block's dgrad gate/up on CUDA tensors: dx rows = dh · [W_gate; W_up][e] block-scaled,
+    dh [M, 2I] float8_e4m3fn with dh_scales [2I/128, M] (dgrad_down_swiglu_fp8's), the weights'
+    transposed copies w_gate_qt, w_up_qt [E, H, I] with their own scales [E, I/128, H/128]
+    (quantize_blocks_fp8's qt and scales): K = 2I, the gate k-blocks then the up ones, no stacked
+    copy.  out bf16 [M, H]."""
+    _lib.expect_tensor(dh, "dh", _lib.E4M3, ndim=2)
+    _lib.expect_tensor(w_gate_qt, "w_gate_qt", _lib.E4M3, ndim=3)
+    if out is None:
+        out = torch.empty(dh.shape[0], w_gate_qt.shape[1], dtype=torch.bfloat16, device=dh.device)
+    views = _lib.Views()
+    args = _lib.mokGroupedGemmArgs(views(dh, "dh", _lib.E4M3), views(w_gate_qt, "w_gate_qt", _lib.E4M3),
+                                   views(w_up_qt, "w_up_qt", _lib.E4M3), views(block_expert, "block_expert", _lib.INT32),
+                                   views(out, "out", _lib.BF16), _lib.GEMM_KINDS["dgrad_gate_up"], 0, views(None, "h"),
+                                   views(None, "row_weight"), views(None, "wa"), views(None, "dtw_partials"))
+    scales = _lib.mokGemmBlockScales(views(dh_scales, "dh_scales", _lib.FP32),
+                                     views(w_gate_scales, "w_gate_scales", _lib.FP32),
+                                     views(w_up_scales, "w_up_scales", _lib.FP32), views(None, "out_scales"), 0, 1)
+    fn = _lib.symbol("mokGroupedGemmBlockScaled")
+    _lib.check(fn(ctypes.byref(args), ctypes.byref(scales), _lib.stream_of(_lib.device_index(dh.device))))
+    return out
+
+
 def quantize_cols_fp8(v: Tensor, qt: Optional[Tensor] = None, scales: Optional[Tensor] = None, *,
                       pow2: bool = False):
     """mok.fp8.quantize_cols on the GPU, one kernel: v [R, C] bf16 (R, C multiples of 128) ->

@@ -409,6 +409,43 @@ void block_scaled_swiglu_bwd(const mokGroupedGemmArgs_t* args, const mokGemmBloc
   call.out_scales_pow2 = scales->out_pow2 != 0;
   mok::cuda::grouped_gemm(call, stream);
 }
+
+// mokGroupedGemmBlockScaled's dgrad gate/up (fp8_block's): a = dh [M, 2I] e4m3, b0 / b1 = W_gate's
+// and W_up's transposed copies [E, H, I] with their own scales (b_transposed), out = dx rows [M,
+// H] bf16: the gate k-blocks from b0, then the up ones from b1.
+void block_scaled_dgrad_gate_up(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales, void* stream) {
+  const int32_t dev = args->a.device;
+  MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3,
+                "a must be [M, 2I] (dh) and b0, b1 [E, H, I] (W_gate, W_up transposed)");
+  const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0], H = args->b0.shape[1],
+                I = args->b0.shape[2];
+  MOK_CHECK_ARG(H > 0 && H % 128 == 0 && I > 0 && I % 128 == 0 && K == 2 * I,
+                "a is [" << M << ", " << K << "] and b0 [" << E << ", " << H << ", " << I
+                         << "]: K = 2I, and H, I positive multiples of 128");
+  MOK_CHECK_ARG(M > 0 && M % 4 == 0, "M = " << M << " must be a positive multiple of 4 (a_scales rows, 16-byte aligned)");
+  MOK_CHECK_ARG(scales->b_transposed != 0,
+                "the fp8 dgrad gate/up kind reads the weights' transposed copies: b_transposed must be 1 (b0_scales "
+                "W_gate's, b1_scales W_up's, [E, I/128, H/128])");
+  mok::check_tensor(args->a, "a (dh)", {mokFloat8E4M3}, {M, K}, dev);
+  mok::check_tensor(args->b0, "b0 (W_gate transposed)", {mokFloat8E4M3}, {E, H, I}, dev);
+  mok::check_tensor(args->b1, "b1 (W_up transposed)", {mokFloat8E4M3}, {E, H, I}, dev);
+  mok::check_tensor(args->block_expert, "block_expert", {mokInt32}, {(M + 127) / 128}, dev);
+  mok::check_tensor(args->out, "out (dx rows)", {mokBFloat16}, {M, H}, dev);
+  MOK_CHECK_ARG(!mok::present(scales->out), "scales->out is for an e4m3 out; dgrad gate/up writes bf16");
+  mok::check_tensor(scales->a, "a_scales", {mokFloat32}, {K / 128, M}, dev);
+  mok::check_tensor(scales->b0, "b0_scales (b_transposed)", {mokFloat32}, {E, I / 128, H / 128}, dev);
+  mok::check_tensor(scales->b1, "b1_scales (b_transposed)", {mokFloat32}, {E, I / 128, H / 128}, dev);
+  MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedGemmBlockScaled runs on CUDA tensors");
+  mok::cuda::GroupedGemmCall call{args->a.data, M, K, args->b0.data, args->b1.data, E, H,
+                                  static_cast<const int32_t*>(args->block_expert.data),
+                                  static_cast<int32_t>((M + 127) / 128), args->out.data,
+                                  static_cast<int32_t>(mokGemmDgradGateUp), static_cast<int32_t>(args->num_blocks)};
+  call.a_scales = static_cast<const float*>(scales->a.data);
+  call.b0_scales = static_cast<const float*>(scales->b0.data);
+  call.b1_scales = static_cast<const float*>(scales->b1.data);
+  call.b_scales_transposed = true;
+  mok::cuda::grouped_gemm(call, stream);
+}
 }  // namespace
 
 mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mokGemmBlockScales_t* scales,
@@ -417,10 +454,11 @@ mokResult_t mokGroupedGemmBlockScaled(const mokGroupedGemmArgs_t* args, const mo
     MOK_CHECK_ARG(args != nullptr && scales != nullptr, "args or scales is NULL");
     const int64_t kind = args->kind;
     MOK_CHECK_ARG(kind == mokGemmDown || kind == mokGemmGateUp || kind == mokGemmGateUpPreact ||
-                      kind == mokGemmDgradDownSwiGLU,
-                  "kind = " << kind << ": the block-scaled fp8 kinds are 0 (down), 1 (gate/up), 4 (dgrad down with "
-                                       "the SwiGLU backward) and 5 (gate/up pre-activations)");
+                      kind == mokGemmDgradDownSwiGLU || kind == mokGemmDgradGateUp,
+                  "kind = " << kind << ": the block-scaled fp8 kinds are 0 (down), 1 (gate/up), 3 (dgrad gate/up), 4 "
+                                       "(dgrad down with the SwiGLU backward) and 5 (gate/up pre-activations)");
     if (kind == mokGemmDgradDownSwiGLU) return block_scaled_swiglu_bwd(args, scales, stream);
+    if (kind == mokGemmDgradGateUp) return block_scaled_dgrad_gate_up(args, scales, stream);
     const int32_t dev = args->a.device;
     MOK_CHECK_ARG(args->a.ndim == 2 && args->b0.ndim == 3, "a must be [M, K] and b0 [E, N, K]");
     const int64_t M = args->a.shape[0], K = args->a.shape[1], E = args->b0.shape[0], N = args->b0.shape[1];

@@ -54,6 +54,19 @@ def test_arguments_are_checked_before_the_device():
         ops.grouped_wgrad_fp8(qa, sa, qb, sb, off[:2], cnt)
     with pytest.raises(ValueError, match="on the CPU"):
         ops.grouped_wgrad_fp8(qa, sa, qb, sb, off, cnt)
+    # the fp8 dgrad kinds of mokGroupedGemmBlockScaled name what is wrong before any launch
+    e4 = torch.float8_e4m3fn
+    dh, w = torch.zeros(128, 512, dtype=e4), torch.zeros(2, 384, 256, dtype=e4)
+    with pytest.raises(ValueError, match=r"K = 2I"):
+        ops.dgrad_gate_up_fp8(dh[:, :384], torch.ones(3, 128), w, torch.ones(2, 2, 3), w, torch.ones(2, 2, 3),
+                              torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="on the CPU"):
+        ops.dgrad_gate_up_fp8(dh, torch.ones(4, 128), w, torch.ones(2, 2, 3), w, torch.ones(2, 2, 3),
+                              torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"b0_scales \(b_transposed\)"):
+        ops.dgrad_down_swiglu_fp8(torch.zeros(128, 384, dtype=e4), torch.ones(3, 128), torch.zeros(2, 256, 384, dtype=e4),
+                                  torch.ones(2, 2, 3), torch.zeros(1, dtype=torch.int32),
+                                  torch.zeros(128, 512, dtype=torch.bfloat16), torch.ones(128))
     with pytest.raises(ValueError, match="multiples of 128"):
         ops.quantize_cols_fp8(torch.zeros(128, 192, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="on the CPU"):
@@ -197,3 +210,39 @@ def test_dgrad_down_swiglu_against_the_float64_recipe(pow2):
     pw = partials[live]
     assert torch.all((parts[lv].double().cpu() - pw).abs() <= 1e-3 * pw.abs().max() + 2.0 ** -6 * pw.abs())
     assert torch.isnan(a_out[~lv].float()).all(), "the -1 block's rows were written"
+
+
+# ---- the dgrad gate/up kind on the two transposed copies (mok.ops.dgrad_gate_up_fp8) ----------
+
+@gpu
+@pytest.mark.skipif(not mok._lib.has_symbol("mokGroupedWgradBlockScaled"), reason="this libmok predates 0.6")
+def test_dgrad_gate_up_reads_both_copies_as_one_stacked_one():
+    # K = 2I split between W_gate's and W_up's transposed copies, each with its own scales: the
+    # bits of the same kind on a stacked copy [E, H, 2I] with stacked scales (the k-blocks in the
+    # same order), and the float64 recipe within the tensor cores' sums
+    g = torch.Generator().manual_seed(9)
+    E, H, I, blocks = 2, 384, 256, [1, -1, 0, 1]
+    M = 128 * len(blocks)
+    wg, wu = [(torch.randn(E, I, H, generator=g) / H ** 0.5).bfloat16().cuda() for _ in range(2)]
+    _, qtg, sg = ops.quantize_blocks_fp8(wg)  # qt [E, H, I], scales [E, I/128, H/128]
+    _, qtu, su = ops.quantize_blocks_fp8(wu)
+    dh = torch.randn(M, 2 * I, generator=g).bfloat16().cuda()
+    qdh, sdh = ops.quantize_rows_fp8(dh)
+    be = torch.tensor(blocks, dtype=torch.int32, device="cuda")
+    got = ops.dgrad_gate_up_fp8(qdh, sdh, qtg, sg, qtu, su, be,
+                                out=torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    stacked = torch.cat([qtg, qtu], 2).contiguous()
+    st = torch.cat([sg, su], 1).contiguous()
+    same = ops.grouped_mm_fp8(qdh, sdh, stacked, st, be, b_transposed=True,
+                              out=torch.full((M, H), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(got.view(torch.int16), same.view(torch.int16))
+    live = torch.tensor(blocks).repeat_interleave(128) >= 0
+    want = torch.zeros(M, H, dtype=torch.float64)
+    for i, e in enumerate(blocks):
+        if e >= 0:
+            rows = slice(128 * i, 128 * i + 128)
+            want[rows] = fp8.block_scaled_mm_reference(qdh[rows].cpu(), sdh[:, rows].cpu(), stacked[e].cpu(),
+                                                       st[e].t().contiguous().cpu())
+    err = (got.double().cpu()[live] - want[live]).abs()
+    assert torch.all(err <= want[live].abs() * 2.0 ** -7 + 1e-3 * want[live].abs().max()), err.max()
+    assert torch.isnan(got[~live.cuda()].float()).all()

@@ -141,6 +141,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           load.sb0 = p.sb0 + blocks(n_block * p.b_n_step);
           load.sb1 = p.sb1 + blocks(n_block * p.b_n_step + p.b_half_offset);
           load.sb_k_stride = p.sb_k_stride;
+          if (p.k_split_blocks > 0) {  // K split: both halves from each part's matrix, by k-block
+            load.k_split = p.k_split_blocks;
+            load.sb1 = p.sb1 + blocks(n_block * p.b_n_step);
+            load.sb0_hi = p.sb0 + blocks(n_block * p.b_n_step + p.b_half_offset);
+            load.sb1_hi = p.sb1 + blocks(n_block * p.b_n_step + p.b_half_offset);
+          }
         }
         if (!produce_tile(s, stage, load, wait)) return;
       }

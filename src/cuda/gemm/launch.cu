@@ -87,6 +87,19 @@ GroupedGemmArgs down_args(const void* a, int64_t a_rows, int64_t inter, const vo
   return g;
 }
 
+GroupedGemmArgs dgrad_gate_up_e4m3_args(const void* dh_q, int64_t a_rows, int64_t inter, const void* w_gate_qt,
+                                        const void* w_up_qt, int64_t num_experts, int64_t hidden,
+                                        const int32_t* block_expert, int32_t max_m_blocks, void* out) {
+  // The down kind's layout with K = 2I and N = H: B halves rows n·256 and n·256 + 128 of W_gateᵀ
+  // for the first I of K, of W_upᵀ for the rest
+  GroupedGemmArgs g = down_args(dh_q, a_rows, 2 * inter, w_gate_qt, num_experts, hidden, block_expert, max_m_blocks, out);
+  g.b1 = w_up_qt;
+  g.b_k_split = inter;
+  g.operand_bytes = 1;
+  g.b_scales_transposed = true;
+  return g;
+}
+
 GroupedGemmArgs dgrad_down_swiglu_e4m3_args(const void* dy_q, int64_t a_rows, int64_t hidden, const void* w_down_qt,
                                             int64_t num_experts, int64_t inter, const int32_t* block_expert,
                                             int32_t max_m_blocks, const void* h, const float* row_weight, void* dh_q,
@@ -201,8 +214,10 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     map_b1 = tensor_map_stack(b1, kBNMajor ? T::kBlockK : T::kBlockN / 2);
   } else {  // e4m3 operands: contiguous (the C ABI's fp8 seam)
     MOK_CHECK_ARG(g.b_expert_stride == 0 && g.b_row_stride == 0, "grouped GEMM (e4m3): B must be contiguous");
-    map_b0 = tensor_map_2d(g.b0, b_rows, g.k, T::kBlockN / 2, kBytes);
-    map_b1 = tensor_map_2d(g.b1, b_rows, g.k, T::kBlockN / 2, kBytes);
+    // (a K split: each part's matrix is b_k_split columns wide)
+    const int64_t b_cols = g.b_k_split > 0 ? g.b_k_split : g.k;
+    map_b0 = tensor_map_2d(g.b0, b_rows, b_cols, T::kBlockN / 2, kBytes);
+    map_b1 = tensor_map_2d(g.b1, b_rows, b_cols, T::kBlockN / 2, kBytes);
   }
   GroupedGemmParamsOf<kSwiGLUBwd> p;
   if constexpr (kSwiGLUBwd) p = swiglu_bwd_params(g, T::kBlockK);
@@ -214,7 +229,9 @@ void launch_tiles(const GroupedGemmArgs& g, int sms, cudaStream_t stream) {
     p.sb0 = g.b0_scales;
     p.sb1 = g.b1_scales;
     p.sb_rows_per_expert = static_cast<int32_t>(tiles_of(g.b_rows_per_expert, 128));
-    const int32_t nb = p.sb_rows_per_expert, kbs = static_cast<int32_t>(k_blocks);
+    // a K split's parts each have their own scales, over their own k-blocks
+    const int32_t nb = p.sb_rows_per_expert,
+                  kbs = static_cast<int32_t>(g.b_k_split > 0 ? g.b_k_split / T::kBlockK : k_blocks);
     p.sb_expert_stride = nb * kbs;
     p.sb_n_stride = g.b_scales_transposed ? 1 : kbs;
     p.sb_k_stride = g.b_scales_transposed ? nb : 1;
@@ -339,6 +356,9 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
                                                                  << " must be a multiple of 128 (a scale block), out "
                                                                     "2-byte and out_scales 4-byte aligned");
     }
+    MOK_CHECK_ARG(g.b_k_split == 0 || (scales == 3 && g.b_k_split % 128 == 0 && g.b_k_split < g.k),
+                  "grouped GEMM (e4m3): a K split (" << g.b_k_split << ") needs block scales, a multiple of 128 "
+                                                        "and a second part (K = " << g.k << ")");
     if (scales == 3) {
       const int64_t a_ld = g.a_scales_ld > 0 ? g.a_scales_ld : g.a_rows;
       MOK_CHECK_ARG(a_ld % 4 == 0 && a_ld >= g.a_rows && aligned16(g.a_scales),

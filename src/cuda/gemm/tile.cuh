@@ -260,6 +260,13 @@ struct TileLoad {
   const float* sb0 = nullptr;
   const float* sb1 = nullptr;
   int32_t sb_k_stride = 1;
+  // K split (block-scaled only; 0: none): k-blocks [0, k_split) read both B halves from b0,
+  // the rest from b1 at k-blocks from 0 (the dgrad gate/up kind on the weights' transposed
+  // copies, K = 2I: W_gateᵀ's, then W_upᵀ's); the halves' scales then sb0 / sb0_hi for the
+  // first part and sb1 / sb1_hi for the second (half 0 / half 1)
+  int32_t k_split = 0;
+  const float* sb0_hi = nullptr;
+  const float* sb1_hi = nullptr;
 };
 
 // The producer's loop: for each k-block of [first, last), wait for an empty stage, arm its full
@@ -301,6 +308,20 @@ __device__ __forceinline__ bool produce_tile(StageStorageT<T, P>& s, PipelineSta
     // B's two scales of the k-block land in the stage by cp.async, whose completion is the full
     // barrier's second arrival: the producer never waits on a global load (a load it waited on
     // bounded the ring at one L2 round trip a k-block)
+    if (t.k_split > 0) {
+      return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
+        const bool second = kb >= t.k_split;
+        const int32_t kl = second ? kb - t.k_split : kb;  // the k-block in its part
+        const CUtensorMap* b = second ? t.b1 : t.b0;
+        ptx::tma_load_2d(s.a[i], t.a, full, kb * C::kBlockK, t.a_row);
+        ptx::tma_load_2d(s.b[i], b, full, kl * C::kBlockK, t.b_row);
+        ptx::tma_load_2d(s.b[i] + (C::kBlockN / 2) * C::kBlockK, b, full, kl * C::kBlockK, t.b_row + t.b_half_offset);
+        ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
+        ptx::cp_async_4(&s.sb[i][0], (second ? t.sb1 : t.sb0) + kl * t.sb_k_stride);
+        ptx::cp_async_4(&s.sb[i][1], (second ? t.sb1_hi : t.sb0_hi) + kl * t.sb_k_stride);
+        ptx::cp_async_mbar_arrive_noinc(full);
+      });
+    }
     return produce_stages(s, stage, t.num_k_blocks, wait, [&](int kb, int i, uint64_t* full) {
       operands(kb, i, full);
       ptx::tma_load_2d(s.sa[i], t.sa, full, t.a_row, kb);
