@@ -203,6 +203,16 @@ def gemm_fp8(args, H, I, k, E, T):
                                                              out=y_da8, b_transposed=True)
         fp8_kinds["dgrad gate/up"] = lambda: ops.grouped_mm_fp8(qdh, sdh, qt_gu, st_gu, be, out=y_dx8,
                                                                 b_transposed=True)
+        if mok._lib.has_symbol("mokGroupedWgradBlockScaled"):
+            # The backward's own forms (C ABI 0.6): dgrad gate/up on the two transposed copies (a
+            # K split, no stacked copy), and dgrad down with the SwiGLU backward writing dh in e4m3
+            y_dx8s = torch.empty(M, H, **bf)
+            fp8_kinds["dgrad gate/up split"] = lambda: ops.dgrad_gate_up_fp8(
+                qdh, sdh, fw["w_gate"].qt, fw["w_gate"].scales, fw["w_up"].qt, fw["w_up"].scales, be, out=y_dx8s)
+            h_saved = torch.randn(M, 2 * I, device=dev, generator=g).bfloat16()
+            rw = torch.rand(M, device=dev, generator=g)
+            fp8_kinds["dgrad down swiglu"] = lambda: ops.dgrad_down_swiglu_fp8(
+                qx, sx, fw["w_down"].qt, fw["w_down"].scales, be, h_saved, rw)
     # The wgrad kind (K-grouped over each expert's rows, both operands per channel and 128 rows,
     # transposed): dW_down = (w·dy)ᵀ · a (Mo = H, No = I) and [dW_gate; dW_up] = [dg | du]ᵀ · x
     # (Mo = 2I, No = H); the rows' operands from quantize_cols (not timed: the epilogues will
@@ -230,6 +240,8 @@ def gemm_fp8(args, H, I, k, E, T):
         outs.update({"wgrad down": dwd, "wgrad gate/up": dwgu})
     if "dgrad down" in fp8_kinds:
         outs.update({"dgrad down": y_da8, "dgrad gate/up": y_dx8})
+    if "dgrad gate/up split" in fp8_kinds:
+        outs["dgrad gate/up split"] = y_dx8s
         variants["mok quantise weights"] = lambda: mok.quantize_weights(wg, wu, wd)
     for name, out in outs.items():
         ref = None
@@ -240,6 +252,10 @@ def gemm_fp8(args, H, I, k, E, T):
                 ref = out.clone()
             elif not torch.equal(out, ref):  # reported, not fatal: the timing still counts
                 print(f"  fp8 {name}: variant {vname} differs from {next(iter(knobs))} (not bit for bit)")
+    if "dgrad gate/up split" in fp8_kinds:
+        fp8_kinds["dgrad gate/up"]()
+        fp8_kinds["dgrad gate/up split"]()
+        print(f"  dgrad gate/up on the two copies equals the stacked copy's, bit for bit: {torch.equal(y_dx8, y_dx8s)}")
     # What a separate quantisation pass costs (mok.fp8's torch quantisers; the layer will
     # quantise inside its kernels instead): x [M, H] and a [M, I] per row and 128 channels
     variants["torch quantise x rows"] = lambda: fp8.quantize_rows(x)
@@ -305,7 +321,8 @@ def gemm_fp8(args, H, I, k, E, T):
     print(f"{args.shape} fp8 GEMM kinds, sustained ({args.heat_s:.0f} s of load first, {args.rounds} interleaved "
           f"rounds); dense fp8 {dense8:.0f} TFLOP/s, bf16 {dense16:.0f}; {E} experts x {rows} rows")
     flops = {"gate/up": 4 * M * H * I, "down": 2 * M * H * I, "dgrad down": 2 * M * H * I,
-             "dgrad gate/up": 4 * M * H * I, "wgrad down": 2 * M * H * I, "wgrad gate/up": 4 * M * H * I}
+             "dgrad gate/up": 4 * M * H * I, "dgrad gate/up split": 4 * M * H * I, "dgrad down swiglu": 2 * M * H * I,
+             "wgrad down": 2 * M * H * I, "wgrad gate/up": 4 * M * H * I}
     for name, f in flops.items():
         if name not in fp8_kinds:
             continue
