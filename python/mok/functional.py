@@ -88,17 +88,19 @@ def recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, w
     return ForwardContext(x, topk_ids, topk_weights, weights, ws, fp8=_fp8_weights(ws, weights, x))
 
 
-def _fp8_weights(ws: Workspace, weights, x):
+def _fp8_weights(ws: Workspace, weights, x, transposed: bool = False):
     """precision fp8_block on CUDA: the weights' e4m3 copies, quantised once and kept on the
     workspace for as long as the weights' version counters say they are unchanged (an in-place
-    optimizer step advances them); None otherwise (the CPU reference quantises itself)."""
+    optimizer step advances them); None otherwise (the CPU reference quantises itself).
+    transposed: the backward's transposed copies too (a forward alone makes none)."""
     config = ws.config or MoKConfig()
     if config.precision != "fp8_block" or x.device.type != "cuda":
         return None
     from .quantized import quantize_weights
     cached = getattr(ws, "_fp8_weights", None)
-    if cached is None or cached.pow2 != bool(config.fp8_pow2_scales) or not cached.current(**weights):
-        cached = quantize_weights(**weights, pow2=bool(config.fp8_pow2_scales), transposed=False)
+    lacks_qt = cached is not None and transposed and cached.weights["w_gate"].qt is None
+    if cached is None or cached.pow2 != bool(config.fp8_pow2_scales) or not cached.current(**weights) or lacks_qt:
+        cached = quantize_weights(**weights, pow2=bool(config.fp8_pow2_scales), transposed=transposed)
         ws._fp8_weights = cached
     return cached
 
@@ -139,6 +141,8 @@ def backward(ctx: ForwardContext, dy: torch.Tensor,
         raise TypeError(f"ctx must be the ForwardContext that forward (or recompute_forward_context) returned, got "
                         f"{type(ctx).__name__}")
     main_grads = _check_main_grads(main_grads)
+    if ctx.fp8 is not None:  # the transposed copies the fp8 backward reads (same bits as the forward's q)
+        ctx.fp8 = _fp8_weights(ctx.workspace, ctx.weights, ctx.x, transposed=True)
     dx, d_topk_weights, grads = _grad_buffers(ctx.x, ctx.topk_ids, ctx.weights,
                                               given=_check_main_grads(grads_out, "grads_out", "bfloat16"))
     views = _lib.Views()

@@ -118,6 +118,39 @@ MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, i
   p.total = at;
   return p;
 }
+// fp8_block's backward (the launches of backward_fp8, EP = 1): per plan row (R = max_rows) dy in
+// e4m3 with its scales, dh = [dg | du] in e4m3 with its scales, and the wgrad operands
+// transposed (K-major) in e4m3 with their scales per channel and 128 rows: x [H, R], w·dy
+// [H, R], a [I, R], dg [I, R], du [I, R].
+struct Fp8BwdParts {
+  int64_t dy, dy_scales, dh, dh_scales, xt, xt_scales, wdyt, wdyt_scales, at, at_scales, dgt, dgt_scales, dut,
+      dut_scales, total;
+};
+MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I) {
+  Fp8BwdParts p{};
+  int64_t at = 0;
+  auto part = [&](int64_t bytes) {
+    const int64_t offset = at;
+    at += (bytes + 1023) / 1024 * 1024;
+    return offset;
+  };
+  p.dy = part(R * H);
+  p.dy_scales = part(H / 128 * R * 4);
+  p.dh = part(R * 2 * I);
+  p.dh_scales = part(2 * I / 128 * R * 4);
+  p.xt = part(H * R);
+  p.xt_scales = part(R / 128 * H * 4);
+  p.wdyt = part(H * R);
+  p.wdyt_scales = part(R / 128 * H * 4);
+  p.at = part(I * R);
+  p.at_scales = part(R / 128 * I * 4);
+  p.dgt = part(I * R);
+  p.dgt_scales = part(R / 128 * I * 4);
+  p.dut = part(I * R);
+  p.dut_scales = part(R / 128 * I * 4);
+  p.total = at;
+  return p;
+}
 MOK_HD int64_t fp8_buffer_bytes(int64_t max_rows, int64_t H, int64_t I, int64_t T, int64_t Is) {
   return fp8_buffer_parts(max_rows, H, I, T, Is).total;
 }

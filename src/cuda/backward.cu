@@ -595,6 +595,8 @@ void destroy_backward_buffers(BackwardBuffers* b) {
 
 void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
                       const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout);
+void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+                  const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout);
 
 namespace {
 // Transposed (column-major) routed weights, before any launch: only the fused backward reads
@@ -632,7 +634,9 @@ void backward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
     case ForwardPhase::kLayer:
       break;
   }
-  if (const int32_t minibatch = fused_backward_minibatch(ws, c); minibatch > 0) {
+  if (c.precision == mokPrecisionFP8Block) {
+    backward_fp8(ws, c, in, g, dy, stream, saved, timeout);
+  } else if (const int32_t minibatch = fused_backward_minibatch(ws, c); minibatch > 0) {
     backward_fused(ws, c, in, g, dy, stream, saved, timeout, minibatch);
   } else {
     backward_unfused(ws, c, in, g, dy, stream, saved, timeout);
@@ -773,6 +777,173 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
     if (ep)
       MOK_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights, ws.regions[ws.ep_rank] + ws.sym.dtw,
                                      static_cast<size_t>(T * k) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
+namespace {
+// w·dy in place: row i of rows [R, H] bf16 times weight[i], rounded to bf16 (the fp8 wgrad-down
+// operand; padding rows have w = 0 and stay zero)
+__global__ void scale_rows_kernel(__nv_bfloat162* __restrict__ rows, const float* __restrict__ weight, int64_t num_rows,
+                                  int64_t pairs) {
+  for (int64_t i = blockIdx.x; i < num_rows; i += gridDim.x) {
+    const float w = weight[i];
+    for (int64_t v = threadIdx.x; v < pairs; v += blockDim.x) {
+      const float2 f = __bfloat1622float2(rows[i * pairs + v]);
+      rows[i * pairs + v] = __floats2bfloat162_rn(w * f.x, w * f.y);
+    }
+  }
+}
+
+bool row_major_contiguous(const ref::MatrixStrides& s, int64_t rows, int64_t cols) {
+  return !s.col_major() && s.row_or(cols) == cols && s.expert_or(rows, cols) == rows * cols;
+}
+}  // namespace
+
+// fp8_block's backward as launches (EP = 1, routed experts; written, not yet run on a GPU):
+// the CPU reference's recipe (src/ref expert_backward_fp8, docs/precision.md) on the GPU kinds:
+//   x, dy rows gathered (bf16) with the route weights; h the forward's saved pre-activations (or
+//   the gate/up replay on x quantised per row); dy quantised per row and 128 of H;
+//   dgrad down on W_down's transposed copy, its epilogue the SwiGLU backward: dh in e4m3 (the
+//   dgrad gate/up kind's A), bf16 dh and a (the wgrad operands), the router-gradient partials;
+//   dgrad gate/up on W_gate's and W_up's transposed copies (a K split), scattered to the route
+//   slots; the wgrad operands (x, w·dy, a, dg, du) quantised per channel and 128 rows,
+//   transposed, and the fp8 wgrad kind per weight; d topk_weights and dx as the bf16 launches.
+void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
+                  const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout) {
+  const DeviceGuard guard(ws.device);
+  const int64_t H = c.hidden, I = c.intermediate, k = c.topk, T = in.num_tokens;
+  const int64_t El = plan_dims(c).local_experts();
+  MOK_CHECK_ARG(ws.ep_size == 1, "config.precision = fp8_block: the CUDA backward runs at EP = 1 so far");
+  MOK_CHECK_ARG(c.shared_intermediate == 0,
+                "config.precision = fp8_block: the CUDA backward of a shared expert is not built yet (routed experts "
+                "only; the CPU reference runs both)");
+  for (int w = 0; w < 3; ++w)
+    MOK_CHECK_ARG(in.fp8_qt[w] != nullptr, "config.precision = fp8_block: the CUDA backward reads the weights' "
+                                           "transposed e4m3 copies (mokFp8Weight_t.qt, mok.quantize_weights with "
+                                           "transposed=True); weight "
+                                               << w << " has none");
+  const ref::WeightStrides& gs = g.grad_strides;
+  const ref::WeightStrides& ms = g.main_strides;
+  MOK_CHECK_ARG(row_major_contiguous(gs.w_gate, I, H) && row_major_contiguous(gs.w_up, I, H) &&
+                    row_major_contiguous(gs.w_down, H, I) &&
+                    (g.main_gate == nullptr || row_major_contiguous(ms.w_gate, I, H)) &&
+                    (g.main_up == nullptr || row_major_contiguous(ms.w_up, I, H)) &&
+                    (g.main_down == nullptr || row_major_contiguous(ms.w_down, H, I)),
+                "config.precision = fp8_block: the CUDA backward writes contiguous row-major weight gradients "
+                "(and main_grads) so far");
+  BackwardBuffers& b = *ws.bwd;
+  const plan::RoutingView v = routing_of(ws, c, in);
+  const int64_t R = ws.max_rows;
+  const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
+  const bool pow2 = c.fp8_pow2_scales != 0;
+  const Fp8BwdParts parts = fp8_bwd_parts(R, H, I);
+  if (ws.fp8_bwd == nullptr) {
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, static_cast<size_t>(parts.total));
+    if (err == cudaErrorMemoryAllocation)
+      MOK_FAIL(mokOutOfMemory, "workspace: cudaMalloc of " << parts.total << " bytes for fp8_block's backward failed "
+                                                           "(out of device memory)");
+    MOK_CUDA_CHECK(err);
+    ws.fp8_bwd = static_cast<uint8_t*>(p);
+  }
+  uint8_t* const f = ws.fp8_bwd;
+  auto fl = [&](int64_t offset) { return reinterpret_cast<float*>(f + offset); };
+  const int64_t row_vecs = H * 2 / 16;
+  // The ones (dx's combine weights), the gathered rows and their route weights
+  const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
+  const int64_t num_ones = std::max<int64_t>(c.max_tokens, k);
+  bwd_tables_kernel<<<static_cast<unsigned>(std::min<int64_t>(plan::ceil_div(num_ones, 256), 1024)) + 1, 256, 0,
+                      stream>>>(ws.expert_offset, ws.expert_count, static_cast<int32_t>(El), ring_rows,
+                                static_cast<int32_t>(b.num_macro), El <= b.num_macro - 1 ? 1 : 0, b.tables,
+                                table_words(El), b.shared_table, static_cast<int32_t>(T), b.ones, num_ones);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (T > 0) {
+    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
+                         in.topk_weights, ep::Group{}};
+    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                               static_cast<int32_t>(k), row_vecs, static_cast<uint4*>(b.x_rows),
+                                               static_cast<uint4*>(b.dy_rows), b.row_weight);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  auto scaled = [&](gemm::GroupedGemmArgs a, const float* a_scales, const float* b0s, const float* b1s) {
+    a.operand_bytes = 1;
+    a.a_scales = a_scales;
+    a.a_scales_ld = R;
+    a.b0_scales = b0s;
+    a.b1_scales = b1s;
+    a.timeout_s = c.timeout_s;
+    a.timeout_record = timeout;
+    return a;
+  };
+  // h: the forward's, or the replay on x quantised per row (in dy's buffers, before dy)
+  void* const h = saved.h ? saved.h : b.h;
+  if (!saved.h) {
+    gemm::launch_quantize_rows(b.x_rows, f + parts.dy, fl(parts.dy_scales), R, H, pow2, stream);
+    gemm::launch_grouped_gemm(
+        scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.dy, R, H, in.fp8_q[0], in.fp8_q[1], El, I,
+                                                           ws.block_expert, max_blocks, b.h),
+                                 256),
+               fl(parts.dy_scales), in.fp8_scales[0], in.fp8_scales[1]),
+        stream);
+  }
+  // dy per row and 128 of H; dgrad down with the SwiGLU backward: dh in e4m3 and bf16, a, partials
+  gemm::launch_quantize_rows(b.dy_rows, f + parts.dy, fl(parts.dy_scales), R, H, pow2, stream);
+  gemm::GroupedGemmArgs dd = gemm::dgrad_down_swiglu_e4m3_args(
+      f + parts.dy, R, H, in.fp8_qt[2], El, I, ws.block_expert, max_blocks, h, b.row_weight, f + parts.dh,
+      fl(parts.dh_scales), R, pow2, b.dh, b.wa, b.dtw_partials);
+  gemm::launch_grouped_gemm(scaled(dd, fl(parts.dy_scales), in.fp8_scales[2], in.fp8_scales[2]), stream);
+  // dgrad gate/up on the two transposed copies, each row into its route slot
+  gemm::GroupedGemmArgs dg = gemm::dgrad_gate_up_e4m3_args(f + parts.dh, R, I, in.fp8_qt[0], in.fp8_qt[1], El, H,
+                                                           ws.block_expert, max_blocks, ws.slots);
+  dg.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
+  dg.plan_rows = ws.rows;
+  dg.topk = static_cast<int32_t>(k);
+  gemm::launch_grouped_gemm(scaled(dg, fl(parts.dh_scales), in.fp8_scales[0], in.fp8_scales[1]), stream);
+  // The wgrad operands, transposed per channel and 128 rows: x, w·dy (dy's rows scaled in place),
+  // a, dg, du; then dW_down = (w·dy)ᵀ · a, dW_gate = dgᵀ · x, dW_up = duᵀ · x
+  scale_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(R, 4096)), 256, 0, stream>>>(
+      static_cast<__nv_bfloat162*>(b.dy_rows), b.row_weight, R, H / 2);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  gemm::launch_quantize_cols(b.x_rows, H, R, H, f + parts.xt, fl(parts.xt_scales), pow2, stream);
+  gemm::launch_quantize_cols(b.dy_rows, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream);
+  gemm::launch_quantize_cols(b.wa, I, R, I, f + parts.at, fl(parts.at_scales), pow2, stream);
+  gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream);
+  gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.dh) + I, 2 * I, R, I, f + parts.dut,
+                             fl(parts.dut_scales), pow2, stream);
+  auto wgrad = [&](const void* a, const float* as, int64_t mo, const void* bb, const float* bs, int64_t no, void* out,
+                   float* main_grad) {
+    if (out == nullptr && main_grad == nullptr) return;
+    gemm::GroupedWgradFp8Args w;
+    w.a = a;
+    w.a_scales = as;
+    w.b = bb;
+    w.b_scales = bs;
+    w.rows = R;
+    w.mo = mo;
+    w.no = no;
+    w.num_experts = El;
+    w.expert_offset = ws.expert_offset;
+    w.expert_count = ws.expert_count;
+    w.out = out;
+    w.main_grad = main_grad;
+    w.timeout_s = c.timeout_s;
+    w.timeout_record = timeout;
+    gemm::launch_grouped_wgrad_fp8(w, stream);
+  };
+  wgrad(f + parts.wdyt, fl(parts.wdyt_scales), H, f + parts.at, fl(parts.at_scales), I, g.dw_down, g.main_down);
+  wgrad(f + parts.dgt, fl(parts.dgt_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_gate, g.main_gate);
+  wgrad(f + parts.dut, fl(parts.dut_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_up, g.main_up);
+  // d topk_weights (0 for masked routes) and dx
+  if (T > 0) {
+    MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
+    bwd_dtw_kernel<<<264, 256, 0, stream>>>(ep::Group{}, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                            b.dtw_partials, static_cast<int32_t>(I / 128), static_cast<int32_t>(k),
+                                            g.d_topk_weights);
+    MOK_CUDA_CHECK(cudaGetLastError());
+    bwd_dx_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
+        v, 0, b.ones, static_cast<const uint4*>(ws.slots), nullptr, T, row_vecs,
+        static_cast<uint4*>(static_cast<void*>(g.dx)));
+    MOK_CUDA_CHECK(cudaGetLastError());
   }
 }
 

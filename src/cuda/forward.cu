@@ -479,7 +479,7 @@ void destroy_workspace(DeviceWorkspace* ws) {
   cudaSetDevice(ws->device);
   // The block holds every layout pointer (slots at EP >= 2 are in the caller's region).
   for (void* p : {static_cast<void*>(ws->block), ws->unfused_ring, ws->unfused_act, static_cast<void*>(ws->fp8_block),
-                  static_cast<void*>(ws->trace)})
+                  static_cast<void*>(ws->fp8_bwd), static_cast<void*>(ws->trace)})
     if (p) cudaFree(p);
   destroy_backward_buffers(ws->bwd);
   if (ws->host_errors) cudaFreeHost(ws->host_errors);

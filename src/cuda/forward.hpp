@@ -54,6 +54,8 @@ struct DeviceWorkspace {
   // fp8_block's buffers (WsBuffer::kFp8Buffers: one allocation at its first forward), e4m3 rows
   // and their fp32 scales, parts as fp8_buffer_parts lays them out
   uint8_t* fp8_block = nullptr;
+  // fp8_block's backward buffers (one allocation at its first backward, fp8_bwd_parts)
+  uint8_t* fp8_bwd = nullptr;
   void* slots = nullptr;
   void* shared_act = nullptr;
   void* shared_out = nullptr;
