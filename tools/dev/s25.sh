@@ -31,8 +31,9 @@ case "${STAGE:-fp8}" in
     python3 tools/dev/sass_loops.py /tmp/sass.txt E4m3Block > "$OUT/sass_loops.txt" 2>&1; head -8 "$OUT/sass_loops.txt"
     timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*E4m3*' > "$OUT/gtest_fp8.log" 2>&1
     echo "gtest fp8 rc=$? $(grep -E 'PASSED|FAILED' "$OUT/gtest_fp8.log" | tr '\n' ' ')"
-    timeout 240 python3 -m pytest -q -rs tests/python/test_fp8_ops.py tests/python/test_fp8.py \
-      tests/python/test_fp8_layer_gpu.py tests/python/test_fp8_layer_cpu.py -s > "$OUT/pytest_fp8.log" 2>&1
+    timeout 300 python3 -m pytest -q -rs tests/python/test_fp8_ops.py tests/python/test_fp8.py \
+      tests/python/test_fp8_wgrad.py tests/python/test_fp8_layer_gpu.py tests/python/test_fp8_layer_cpu.py -s \
+      > "$OUT/pytest_fp8.log" 2>&1
     echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED|relative Frobenius" "$OUT/pytest_fp8.log" | head -12
     for shape in ${SHAPES:-dsv3 qwen3}; do
       timeout 180 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-base}" 2>&1 |
