@@ -157,6 +157,21 @@ mokConfig_t emulated_config(const mokConfig_t* config, int64_t ep_size) {
 
 }  // namespace
 
+namespace {
+// The wgrad kinds' outputs (mokGroupedWgrad, mokGroupedWgradBlockScaled): out bf16, acc and
+// main_grad fp32, each [E, Mo, No] where given, and something to write
+template <class Args>
+void check_wgrad_outputs(const Args& args, int64_t E, int64_t Mo, int64_t No, int32_t dev) {
+  const bool has_out = args.out.data != nullptr, has_acc = args.acc.data != nullptr,
+             has_mg = args.main_grad.data != nullptr;
+  if (has_out) mok::check_tensor(args.out, "out", {mokBFloat16}, {E, Mo, No}, dev);
+  if (has_acc) mok::check_tensor(args.acc, "acc", {mokFloat32}, {E, Mo, No}, dev);
+  if (has_mg) mok::check_tensor(args.main_grad, "main_grad", {mokFloat32}, {E, Mo, No}, dev);
+  MOK_CHECK_ARG(!(args.accumulate || args.store_acc) || has_acc, "accumulate / store_acc need acc");
+  MOK_CHECK_ARG(has_out || has_mg || args.store_acc, "nothing to write: give out, main_grad or store_acc with acc");
+}
+}  // namespace
+
 extern "C" {
 
 const char* mokGetErrorString(mokResult_t result) {
@@ -613,13 +628,7 @@ mokResult_t mokGroupedWgrad(const mokGroupedWgradArgs_t* args, void* stream) {
     mok::check_tensor(args->b, "b", {mokBFloat16}, {R, No}, dev);
     mok::check_tensor(args->expert_offset, "expert_offset", {mokInt32}, {E + 1}, dev);
     mok::check_tensor(args->expert_count, "expert_count", {mokInt32}, {E}, dev);
-    const bool has_out = args->out.data != nullptr, has_acc = args->acc.data != nullptr,
-               has_mg = args->main_grad.data != nullptr;
-    if (has_out) mok::check_tensor(args->out, "out", {mokBFloat16}, {E, Mo, No}, dev);
-    if (has_acc) mok::check_tensor(args->acc, "acc", {mokFloat32}, {E, Mo, No}, dev);
-    if (has_mg) mok::check_tensor(args->main_grad, "main_grad", {mokFloat32}, {E, Mo, No}, dev);
-    MOK_CHECK_ARG(!(args->accumulate || args->store_acc) || has_acc, "accumulate / store_acc need acc");
-    MOK_CHECK_ARG(has_out || has_mg || args->store_acc, "nothing to write: give out, main_grad or store_acc with acc");
+    check_wgrad_outputs(*args, E, Mo, No, dev);
     MOK_CHECK_ARG(Mo > 0 && Mo % 64 == 0, "Mo = a.shape[1] = " << Mo << " must be a positive multiple of 64");
     MOK_CHECK_ARG(No > 0 && No % 64 == 0, "No = b.shape[1] = " << No << " must be a positive multiple of 64");
     mok::cuda::grouped_wgrad(
@@ -649,13 +658,7 @@ mokResult_t mokGroupedWgradBlockScaled(const mokGroupedWgradBlockScaledArgs_t* a
     mok::check_tensor(args->b_scales, "b_scales", {mokFloat32}, {R / 128, No}, dev);
     mok::check_tensor(args->expert_offset, "expert_offset", {mokInt32}, {E + 1}, dev);
     mok::check_tensor(args->expert_count, "expert_count", {mokInt32}, {E}, dev);
-    const bool has_out = args->out.data != nullptr, has_acc = args->acc.data != nullptr,
-               has_mg = args->main_grad.data != nullptr;
-    if (has_out) mok::check_tensor(args->out, "out", {mokBFloat16}, {E, Mo, No}, dev);
-    if (has_acc) mok::check_tensor(args->acc, "acc", {mokFloat32}, {E, Mo, No}, dev);
-    if (has_mg) mok::check_tensor(args->main_grad, "main_grad", {mokFloat32}, {E, Mo, No}, dev);
-    MOK_CHECK_ARG(!(args->accumulate || args->store_acc) || has_acc, "accumulate / store_acc need acc");
-    MOK_CHECK_ARG(has_out || has_mg || args->store_acc, "nothing to write: give out, main_grad or store_acc with acc");
+    check_wgrad_outputs(*args, E, Mo, No, dev);
     MOK_CHECK_ARG(dev >= 0, "a is on the CPU; mokGroupedWgradBlockScaled runs on CUDA tensors");
     mok::cuda::grouped_wgrad_fp8(
         mok::cuda::GroupedWgradFp8Call{args->a.data, args->b.data, static_cast<const float*>(args->a_scales.data),

@@ -98,15 +98,19 @@ struct Fp8BufferParts {
   int64_t ring, ring_scales, act, act_scales, x, x_scales, shared_act, shared_act_scales, total;
 };
 MOK_HD int64_t fp8_t4(int64_t t_max) { return (t_max + 3) / 4 * 4; }
-MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, int64_t T, int64_t Is) {
-  const int64_t t4 = fp8_t4(T);
-  Fp8BufferParts p{};
+// Consecutive parts of one allocation, each 1 KB aligned: part(bytes) returns its offset
+struct PartAllocator {
   int64_t at = 0;
-  auto part = [&](int64_t bytes) {
+  MOK_HD int64_t operator()(int64_t bytes) {
     const int64_t offset = at;
     at += (bytes + 1023) / 1024 * 1024;
     return offset;
-  };
+  }
+};
+MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, int64_t T, int64_t Is) {
+  const int64_t t4 = fp8_t4(T);
+  Fp8BufferParts p{};
+  PartAllocator part;
   p.ring = part(max_rows * H);
   p.ring_scales = part(H / 128 * max_rows * 4);
   p.act = part(max_rows * I);
@@ -115,7 +119,7 @@ MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, i
   p.x_scales = part(H / 128 * t4 * 4);
   p.shared_act = part(T * Is);
   p.shared_act_scales = part(Is / 128 * t4 * 4);
-  p.total = at;
+  p.total = part.at;
   return p;
 }
 // fp8_block's backward (the launches of backward_fp8, EP = 1): per plan row (R = max_rows) dy in
@@ -128,12 +132,7 @@ struct Fp8BwdParts {
 };
 MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I) {
   Fp8BwdParts p{};
-  int64_t at = 0;
-  auto part = [&](int64_t bytes) {
-    const int64_t offset = at;
-    at += (bytes + 1023) / 1024 * 1024;
-    return offset;
-  };
+  PartAllocator part;
   p.dy = part(R * H);
   p.dy_scales = part(H / 128 * R * 4);
   p.dh = part(R * 2 * I);
@@ -148,7 +147,7 @@ MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I) {
   p.dgt_scales = part(R / 128 * I * 4);
   p.dut = part(I * R);
   p.dut_scales = part(R / 128 * I * 4);
-  p.total = at;
+  p.total = part.at;
   return p;
 }
 MOK_HD int64_t fp8_buffer_bytes(int64_t max_rows, int64_t H, int64_t I, int64_t T, int64_t Is) {

@@ -197,6 +197,31 @@ __global__ void bwd_dx_kernel(plan::RoutingView v, int rank, const float* __rest
                      });
 }
 
+// The backward launches' first steps: the wgrad tables of every macrobatch and the ones (dx's
+// combine weights), then the plan's x and dy rows and their route weights (EP >= 2: from the
+// rows' source ranks, whatever this rank's T)
+void gather_backward_rows(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const void* dy,
+                          const ep::Group& group, cudaStream_t stream) {
+  BackwardBuffers& b = *ws.bwd;
+  const int64_t El = plan_dims(c).local_experts(), k = c.topk, T = in.num_tokens;
+  const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
+  const int64_t num_ones = std::max<int64_t>(c.max_tokens, k);
+  bwd_tables_kernel<<<static_cast<unsigned>(std::min<int64_t>(plan::ceil_div(num_ones, 256), 1024)) + 1, 256, 0,
+                      stream>>>(ws.expert_offset, ws.expert_count, static_cast<int32_t>(El), ring_rows,
+                                static_cast<int32_t>(b.num_macro), El <= b.num_macro - 1 ? 1 : 0, b.tables,
+                                table_words(El), b.shared_table, static_cast<int32_t>(T), b.ones, num_ones);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  if (T > 0 || group.size > 1) {
+    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
+                         in.topk_weights, group};
+    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                               static_cast<int32_t>(k), c.hidden * 2 / 16,
+                                               static_cast<uint4*>(b.x_rows), static_cast<uint4*>(b.dy_rows),
+                                               b.row_weight);
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
 // The buffers, from the layout's unfused_bwd entries (common/workspace_layout.hpp): one
 // allocation, each entry 1 KB aligned, in the layout's order.
 BackwardBuffers* create_backward_buffers(const DeviceWorkspace& ws, const mokConfig_t& c) {
@@ -657,21 +682,7 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
   const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
   const int64_t R = ws.max_rows;
   // Tables, ones; rows, weights (EP >= 2: from the rows' source ranks, whatever this rank's T)
-  const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
-  const int64_t num_ones = std::max<int64_t>(c.max_tokens, k);
-  bwd_tables_kernel<<<static_cast<unsigned>(std::min<int64_t>(plan::ceil_div(num_ones, 256), 1024)) + 1, 256, 0,
-                      stream>>>(ws.expert_offset, ws.expert_count, static_cast<int32_t>(El), ring_rows,
-                                static_cast<int32_t>(b.num_macro), El <= b.num_macro - 1 ? 1 : 0, b.tables,
-                                table_words(El), b.shared_table, static_cast<int32_t>(T), b.ones, num_ones);
-  MOK_CUDA_CHECK(cudaGetLastError());
-  if (T > 0 || ep) {
-    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
-                         in.topk_weights, group};
-    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
-                                               static_cast<int32_t>(k), row_vecs, static_cast<uint4*>(b.x_rows),
-                                               static_cast<uint4*>(b.dy_rows), b.row_weight);
-    MOK_CUDA_CHECK(cudaGetLastError());
-  }
+  gather_backward_rows(ws, c, in, dy, group, stream);
 
   // Routed experts: replay (unless the forward saved h), dgrad down + SwiGLU backward, dgrad
   // gate/up into the route slots
@@ -850,21 +861,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   auto fl = [&](int64_t offset) { return reinterpret_cast<float*>(f + offset); };
   const int64_t row_vecs = H * 2 / 16;
   // The ones (dx's combine weights), the gathered rows and their route weights
-  const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
-  const int64_t num_ones = std::max<int64_t>(c.max_tokens, k);
-  bwd_tables_kernel<<<static_cast<unsigned>(std::min<int64_t>(plan::ceil_div(num_ones, 256), 1024)) + 1, 256, 0,
-                      stream>>>(ws.expert_offset, ws.expert_count, static_cast<int32_t>(El), ring_rows,
-                                static_cast<int32_t>(b.num_macro), El <= b.num_macro - 1 ? 1 : 0, b.tables,
-                                table_words(El), b.shared_table, static_cast<int32_t>(T), b.ones, num_ones);
-  MOK_CUDA_CHECK(cudaGetLastError());
-  if (T > 0) {
-    const RowSources src{static_cast<const uint4*>(static_cast<const void*>(in.x)), static_cast<const uint4*>(dy),
-                         in.topk_weights, ep::Group{}};
-    bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
-                                               static_cast<int32_t>(k), row_vecs, static_cast<uint4*>(b.x_rows),
-                                               static_cast<uint4*>(b.dy_rows), b.row_weight);
-    MOK_CUDA_CHECK(cudaGetLastError());
-  }
+  gather_backward_rows(ws, c, in, dy, ep::Group{}, stream);
   auto scaled = [&](gemm::GroupedGemmArgs a, const float* a_scales, const float* b0s, const float* b1s) {
     a.operand_bytes = 1;
     a.a_scales = a_scales;

@@ -421,20 +421,10 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   const bool no_rows = g.rows == 0 || g.a == nullptr || g.b == nullptr;
   const CUtensorMap map_a = tensor_map_2d(no_rows ? fallback : g.a, no_rows ? 1 : g.rows, g.mo, C::kBlockK);
   const CUtensorMap map_b = tensor_map_2d(no_rows ? fallback : g.b, no_rows ? 1 : g.rows, g.no, C::kBlockK);
-  WgradParams p{};
-  p.num_experts = static_cast<int32_t>(g.num_experts);
-  p.expert_offset = g.expert_offset;
-  p.expert_count = g.expert_count;
-  p.out = static_cast<__nv_bfloat16*>(g.out);
-  p.acc = g.acc;
-  p.main_grad = g.main_grad;
-  p.accumulate = g.accumulate ? 1 : 0;
-  p.store_acc = g.store_acc ? 1 : 0;
-  p.mo = g.mo;
-  p.no = g.no;
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9);
-  p.timeout_record = g.timeout_record;
+  WgradParams p = wgrad_common_params(
+      g.num_experts, g.expert_offset, g.expert_count, g.out, g.acc, g.main_grad, g.accumulate, g.store_acc, g.mo, g.no,
+      static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup))),
+      static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9), g.timeout_record);
   p.expert_mode = g.expert_mode;
   p.expert_range = g.expert_range;
   p.acc_slot = g.acc_slot;

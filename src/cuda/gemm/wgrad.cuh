@@ -76,6 +76,29 @@ struct WgradParams {
   int64_t n_part;
 };
 
+// The parameters every wgrad launch shares (bf16 and fp8; the per-expert tables, split outputs
+// and strides left unset, the tiling to wgrad_layout)
+inline WgradParams wgrad_common_params(int64_t num_experts, const int32_t* expert_offset, const int32_t* expert_count,
+                                       void* out, float* acc, float* main_grad, bool accumulate, bool store_acc,
+                                       int64_t mo, int64_t no, int32_t n_group, uint64_t timeout_ns,
+                                       int64_t* timeout_record) {
+  WgradParams p{};
+  p.num_experts = static_cast<int32_t>(num_experts);
+  p.expert_offset = expert_offset;
+  p.expert_count = expert_count;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.acc = acc;
+  p.main_grad = main_grad;
+  p.accumulate = accumulate ? 1 : 0;
+  p.store_acc = store_acc ? 1 : 0;
+  p.mo = mo;
+  p.no = no;
+  p.n_group = n_group;
+  p.timeout_ns = timeout_ns;
+  p.timeout_record = timeout_record;
+  return p;
+}
+
 // Fills p's tiling from mo, no and out_split, and the strides left 0 with the contiguous ones
 // ([E, rows, No] per output, rows = out_split or Mo); split outputs of contiguous tensors need
 // halves of one size.

@@ -96,20 +96,10 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream)
       tensor_map_scales(no_rows ? static_cast<const float*>(fallback) : g.a_scales, r / 128, g.mo, T::kBlockM);
   const CUtensorMap map_sb =
       tensor_map_scales(no_rows ? static_cast<const float*>(fallback) : g.b_scales, r / 128, g.no, T::kBlockN);
-  WgradParams p{};
-  p.num_experts = static_cast<int32_t>(g.num_experts);
-  p.expert_offset = g.expert_offset;
-  p.expert_count = g.expert_count;
-  p.out = static_cast<__nv_bfloat16*>(g.out);
-  p.acc = g.acc;
-  p.main_grad = g.main_grad;
-  p.accumulate = g.accumulate ? 1 : 0;
-  p.store_acc = g.store_acc ? 1 : 0;
-  p.mo = g.mo;
-  p.no = g.no;
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9);
-  p.timeout_record = g.timeout_record;
+  WgradParams p = wgrad_common_params(
+      g.num_experts, g.expert_offset, g.expert_count, g.out, g.acc, g.main_grad, g.accumulate, g.store_acc, g.mo, g.no,
+      static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup))),
+      static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9), g.timeout_record);
   wgrad_layout<T>(p);
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad (fp8): " << tiles << " tiles");
