@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "bench_e2e.py"
 # mok's HF integration is part of the run wherever the package has it (an import error then fails)
 HAS_MOK_HF = (ROOT / "python" / "mok" / "integrations" / "hf.py").exists()
-IMPLS = ["grouped_mm", "eager"] + (["mok"] if HAS_MOK_HF else [])
+# (mok_fp8: mok in fp8_block, the CPU reference's recipe here, its loss against the bf16 baseline's)
+IMPLS = ["grouped_mm", "eager"] + (["mok", "mok_fp8"] if HAS_MOK_HF else [])
 MODELS = ["qwen3", "dsv3"]
 # Figures every implementation reports (the baseline's speed-up 1, its differences 0)
 FIELDS = ("tokens_per_s", "step_ms_median", "step_ms_p10", "step_ms_p90", "speedup", "moe_share", "experts_share",
