@@ -40,6 +40,12 @@ case "${STAGE:-fp8}" in
         tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -20
       echo "at $(el) s"
     done ;;
+  e2e8)  # training parity: the Qwen3-30B-A3B-shaped model in fp8_block against bf16, 200 steps
+    cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+      ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+    echo "== built at $(el) s"
+    timeout 480 python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \
+      --out "$OUT/e2e8" 2>&1 | tail -12 ;;
   one)  # the library and one pytest selection (PYTEST)
     cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=OFF -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
       ninja -C build mok >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
