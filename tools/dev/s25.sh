@@ -35,6 +35,7 @@ case "${STAGE:-fp8}" in
       tests/python/test_fp8_wgrad.py tests/python/test_fp8_layer_gpu.py tests/python/test_fp8_layer_cpu.py -s \
       > "$OUT/pytest_fp8.log" 2>&1
     echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log")"; grep -E "^FAILED|relative Frobenius" "$OUT/pytest_fp8.log" | head -12
+    timeout 240 python3 bench/bench_gemm.py --shapes dsv3 --fp8 --out "$OUT/bench_gemm" 2>&1 | tail -8
     for shape in ${SHAPES:-dsv3 qwen3}; do
       timeout 180 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-base}" 2>&1 |
         tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -20
