@@ -436,10 +436,31 @@ def test_fallback_unsupported_shape(device, gen, mok_calls, monkeypatch):
     module = experts_of(tiny_model("qwen3_moe", device))[0]
     message = check_fallback(module, gen, device, mok_calls, "intermediate = 256 is a test's unsupported shape")
     assert [a.pop("device").type for a in asked] == [device], message
-    assert asked == [dict(hidden=256, intermediate=256, num_experts=8, topk=2, backward=True, transposed=False)]
+    assert asked == [dict(hidden=256, intermediate=256, num_experts=8, topk=2, backward=True, transposed=False,
+                          config=hf.CONFIG)]
     with torch.no_grad():
         module(*module_inputs(module, gen, device)[:3])
     assert [a["backward"] for a in asked] == [True, False]
+
+
+def test_fp8_block_config_and_its_shapes(gen, mok_calls, monkeypatch):
+    """CONFIG in fp8_block: a module whose expert width is a multiple of 128 runs mok in fp8 (the
+    CPU reference's recipe: not the bf16 bits); one of width 192 falls back, naming fp8's blocks."""
+    import dataclasses
+    monkeypatch.setattr(hf, "CONFIG", dataclasses.replace(hf.CONFIG, precision="fp8_block"))
+    module = experts_of(tiny_model("qwen3_moe", "cpu"))[0]
+    set_weights(module, gen)
+    x, ids, weights, _ = module_inputs(module, gen, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hf.MokFallbackWarning)
+        with torch.no_grad():
+            y8 = module(x, ids, weights)
+    assert len(mok_calls) == 1 and torch.isfinite(y8).all()
+    y16 = grouped_mm_experts_forward(module, x, ids, weights)
+    diff = ((y8.double() - y16.double()).norm() / y16.double().norm()).item()
+    assert 1e-3 < diff < 0.15, diff  # e4m3's rounding, not bf16's bits and not garbage
+    narrow = experts_of(tiny_model("qwen3_moe", "cpu", moe_intermediate_size=192))[0]
+    check_fallback(narrow, gen, "cpu", [], "multiples of 128")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -67,6 +67,8 @@ __all__ = ["CONFIG", "MokFallbackWarning", "fallback_reason", "mok_experts_forwa
 # The layer configuration of every mok call made here: the training one (the ring holds every
 # routed row, so no expert's weight gradient is split into fp32 pieces: the faster backward,
 # README "Knobs"; its cost is the ring, max_rows * (H + I) * 2 bytes, once per layer shape).
+# Replace it to change the precision (dataclasses.replace(CONFIG, precision="fp8_block")): the
+# shapes that precision cannot take fall back to grouped_mm, with the reason, like any other.
 CONFIG = MoKConfig(macrobatch_size=MACROBATCH_ALL_ROWS)
 
 _SILU_MODULES = (SiLUActivation, torch.nn.SiLU)
@@ -140,7 +142,8 @@ def _input_reason(module, x, topk, backward) -> Optional[str]:
     # mok's own rules for this layer on this device (e.g. the CUDA kernels' tile multiples)
     experts, two_i, hidden = _dims(module)
     return _mok_experts.unsupported_reason(hidden=hidden, intermediate=two_i // 2, num_experts=experts, topk=topk,
-                                           device=x.device, backward=backward, transposed=module.is_transposed)
+                                           device=x.device, backward=backward, transposed=module.is_transposed,
+                                           config=CONFIG)
 
 
 class _Decisions(dict):
@@ -169,7 +172,7 @@ def fallback_reason(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
                                             or gate_up.requires_grad or down.requires_grad)
     topk = top_k_index.shape[-1]
     key = (type(hidden_states), hidden_states.dtype, hidden_states.device, type(gate_up), gate_up.dtype,
-           gate_up.device, type(down), down.dtype, down.device, topk, backward)
+           gate_up.device, type(down), down.dtype, down.device, topk, backward, CONFIG)
     reason = decisions.get(key, _UNDECIDED)
     if reason is _UNDECIDED:
         reason = decisions[key] = _input_reason(module, hidden_states, topk, backward)
