@@ -83,9 +83,16 @@ def recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, w
                               ws_down=None, *, workspace: Optional[Workspace] = None,
                               config: Optional[MoKConfig] = None) -> ForwardContext:
     """The context forward would return, without computing y (activation checkpointing)."""
-    weights = _weights_dict(w_gate, w_up, w_down, ws_gate, ws_up, ws_down)
+    return _context(x, topk_ids, topk_weights, _weights_dict(w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
+                    workspace, config, for_backward=True)
+
+
+def _context(x, topk_ids, topk_weights, weights, workspace, config, for_backward: bool) -> ForwardContext:
+    """The forward's context; fp8_block on CUDA: the weights' e4m3 copies, with the backward's
+    transposed ones when a backward will follow (quantised in the same pass, not again there)."""
     ws = _resolve_workspace(workspace, config, x, topk_ids, weights)
-    return ForwardContext(x, topk_ids, topk_weights, weights, ws, fp8=_fp8_weights(ws, weights, x))
+    return ForwardContext(x, topk_ids, topk_weights, weights, ws,
+                          fp8=_fp8_weights(ws, weights, x, transposed=for_backward))
 
 
 def _fp8_weights(ws: Workspace, weights, x, transposed: bool = False):
@@ -114,8 +121,8 @@ def forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate=None, ws_up
     (ctx.saved: 2I bf16 per plan row, and 2I_s per token for the shared expert), so that
     backward reads them instead of recomputing them: one gate/up GEMM less, the same bits.
     False: nothing is kept and backward recomputes them (as after recompute_forward_context)."""
-    ctx = recompute_forward_context(x, topk_ids, topk_weights, w_gate, w_up, w_down, ws_gate, ws_up, ws_down,
-                                    workspace=workspace, config=config)
+    ctx = _context(x, topk_ids, topk_weights, _weights_dict(w_gate, w_up, w_down, ws_gate, ws_up, ws_down),
+                   workspace, config, for_backward=save_for_backward)
     num_tokens, hidden = _shape_of(x, "x", 2)
     y = _alloc((num_tokens, hidden), torch.bfloat16, x.device)
     views = _lib.Views()
