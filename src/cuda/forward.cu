@@ -85,7 +85,16 @@ __global__ void gather_e4m3_rows_kernel(const uint4* __restrict__ q, const float
     } else {
       const int64_t t = row_token(rec);
       const uint4* src = q + t * row_vecs;
-      for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = __ldg(src + v);
+      // four loads a lane in flight before their stores
+      for (int64_t v0 = lane; v0 < row_vecs; v0 += 4 * 32) {
+        uint4 piece[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (v0 + u * 32 < row_vecs) piece[u] = __ldg(src + v0 + u * 32);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (v0 + u * 32 < row_vecs) dst[v0 + u * 32] = piece[u];
+      }
       for (int64_t kb = lane; kb < hidden / 128; kb += 32) scales[kb * scales_ld + i] = __ldg(q_scales + kb * q_scales_ld + t);
     }
   });

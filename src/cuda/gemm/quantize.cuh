@@ -1,5 +1,5 @@
 // fp8_block's activation quantiser on the device (docs/precision.md): one warp per row, a block
-// of 128 channels at a time (four bf16 a lane), s = max |v| / 448 (1 for zeros; or its
+// of 128 channels a half-warp (eight bf16 a lane), s = max |v| / 448 (1 for zeros; or its
 // power-of-two ceiling, e4m3_block_scale), q = e4m3(v / s)
 // rounded to nearest even and saturating — mok.fp8.quantize_rows bit for bit (the same fp32
 // division and rounding).  A row's scales go k-block-major, scales[kb · scales_ld + row], the
@@ -33,24 +33,56 @@ __device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float v0, float v1, float
 }
 
 // The row's n channels (n % 128 == 0) from src (16-byte aligned) into q (n bytes, 4-byte
-// aligned) and scales; every lane of the warp calls it.
+// aligned) and scales; every lane of the warp calls it.  A half-warp takes a block of 128
+// channels (eight a lane: one 16-byte load), the two halves consecutive blocks, and kUnroll
+// such pairs' loads are in flight before any of their math (one block at a time left the
+// kernel latency-bound: 0.35 ms for dsv3's x, 15x its bytes' time, docs/perf.md session 26).
 __device__ __forceinline__ void quantize_row_warp(const __nv_bfloat16* __restrict__ src, uint8_t* __restrict__ q,
                                                   float* __restrict__ scales, int64_t scales_ld, int64_t row,
                                                   int64_t n, bool pow2) {
-  const int lane = threadIdx.x % 32;
-  for (int64_t kb = 0; kb < n / 128; ++kb) {
-    // four channels a lane: one 8-byte load
-    const uint2 raw = *reinterpret_cast<const uint2*>(src + kb * 128 + lane * 4);
-    const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-    const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-    const float v[4] = {__low2float(lo), __high2float(lo), __low2float(hi), __high2float(hi)};
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  constexpr int kUnroll = 4;
+  const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
+  const int64_t blocks = n / 128;
+  const bool q8 = (reinterpret_cast<uintptr_t>(q) & 7u) == 0;  // warp-uniform
+  for (int64_t kb0 = 0; kb0 < blocks; kb0 += 2 * kUnroll) {
+    uint4 raw[kUnroll];
 #pragma unroll
-    for (int m = 16; m > 0; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
-    const float s = e4m3_block_scale(amax, pow2);
-    *reinterpret_cast<uint32_t*>(q + kb * 128 + lane * 4) =
-        static_cast<uint32_t>(e4m3x2(v[0], v[1], s)) | (static_cast<uint32_t>(e4m3x2(v[2], v[3], s)) << 16);
-    if (lane == 0) scales[kb * scales_ld + row] = s;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t kb = kb0 + 2 * u + half;
+      raw[u] = kb < blocks ? __ldg(reinterpret_cast<const uint4*>(src + kb * 128 + sub * 8)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t kb = kb0 + 2 * u + half;
+      const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+      float v[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 p = *reinterpret_cast<const __nv_bfloat162*>(&w[j]);
+        v[2 * j] = __low2float(p);
+        v[2 * j + 1] = __high2float(p);
+        amax = fmaxf(amax, fmaxf(fabsf(v[2 * j]), fabsf(v[2 * j + 1])));
+      }
+#pragma unroll
+      for (int m = 8; m > 0; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));  // the half's
+      const float s = e4m3_block_scale(amax, pow2);
+      uint32_t packed[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        packed[j] = static_cast<uint32_t>(e4m3x2(v[4 * j], v[4 * j + 1], s)) |
+                    (static_cast<uint32_t>(e4m3x2(v[4 * j + 2], v[4 * j + 3], s)) << 16);
+      if (kb < blocks) {
+        uint8_t* const dst = q + kb * 128 + sub * 8;
+        if (q8) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+        } else {
+          reinterpret_cast<uint32_t*>(dst)[0] = packed[0];
+          reinterpret_cast<uint32_t*>(dst)[1] = packed[1];
+        }
+        if (sub == 0) scales[kb * scales_ld + row] = s;
+      }
+    }
   }
 }
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 26's device calls (issue 23, fp8).  STAGE=fp8: the tree built with its tests; the fp8
+# GPU tests (every fp8 kind, the quantisers, the layer's CUDA forward and backward against the
+# CPU reference), the layer's time kernel by kernel (tools/dev/fp8_breakdown.py), then every fp8
+# kind and the layer (forward, forward + backward) at the sustained clock on SHAPES.
+# STAGE=e2e8: bench_e2e's qwen3 model in grouped_mm, mok and mok_fp8, 200 steps (parity, PNG).
+# STAGE=one: the library and one pytest selection (PYTEST).  Logs under $OUT, packed.
+source "$(dirname "$0")/device_env.sh"
+build() {  # $1: ON builds the tests too
+  cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=$1 -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
+    ninja -C build $([ "$1" = ON ] || echo mok) >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
+  echo "== built at $(el) s"
+}
+case "${STAGE:-fp8}" in
+  fp8)
+    build ON
+    timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*E4m3*' > "$OUT/gtest_fp8.log" 2>&1
+    echo "gtest fp8 rc=$? $(grep -E 'PASSED|FAILED' "$OUT/gtest_fp8.log" | tr '\n' ' ')"
+    timeout 300 python3 -m pytest -q -rs tests/python/test_fp8_ops.py tests/python/test_fp8.py \
+      tests/python/test_fp8_wgrad.py tests/python/test_fp8_layer_gpu.py tests/python/test_fp8_layer_cpu.py \
+      > "$OUT/pytest_fp8.log" 2>&1
+    echo "pytest fp8 rc=$? $(tail -1 "$OUT/pytest_fp8.log") at $(el) s"
+    grep -E "^FAILED|^E  " "$OUT/pytest_fp8.log" | cut -c1-300 | head -16
+    timeout 120 python3 tools/dev/fp8_breakdown.py ${SHAPES%% *} > "$OUT/breakdown.log" 2>&1
+    echo "breakdown rc=$?"; cat "$OUT/breakdown.log" | cut -c1-150 | head -70
+    for shape in ${SHAPES:-dsv3}; do
+      timeout 200 python3 tools/sustained.py $shape --fp8 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -24
+      echo "at $(el) s"
+    done ;;
+  e2e8)
+    build OFF
+    timeout 480 python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \
+      --out "$OUT/e2e8" 2>&1 | tail -14 ;;
+  one)
+    build OFF
+    timeout 200 python3 -m pytest -q -x $PYTEST 2>&1 | grep -E "^E  |passed|failed" | cut -c1-600 | head -14 ;;
+esac
+[ -n "${NOPACK:-}" ] || (cd "$OUT" && find . -type f ! -name logs.tar.xz | tar -cJf logs.tar.xz -T - && find . -type f ! -name logs.tar.xz -delete)
