@@ -792,19 +792,6 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
 }
 
 namespace {
-// w·dy in place: row i of rows [R, H] bf16 times weight[i], rounded to bf16 (the fp8 wgrad-down
-// operand; padding rows have w = 0 and stay zero)
-__global__ void scale_rows_kernel(__nv_bfloat162* __restrict__ rows, const float* __restrict__ weight, int64_t num_rows,
-                                  int64_t pairs) {
-  for (int64_t i = blockIdx.x; i < num_rows; i += gridDim.x) {
-    const float w = weight[i];
-    for (int64_t v = threadIdx.x; v < pairs; v += blockDim.x) {
-      const float2 f = __bfloat1622float2(rows[i * pairs + v]);
-      rows[i * pairs + v] = __floats2bfloat162_rn(w * f.x, w * f.y);
-    }
-  }
-}
-
 bool row_major_contiguous(const ref::MatrixStrides& s, int64_t rows, int64_t cols) {
   return !s.col_major() && s.row_or(cols) == cols && s.expert_or(rows, cols) == rows * cols;
 }
@@ -896,13 +883,11 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   dg.plan_rows = ws.rows;
   dg.topk = static_cast<int32_t>(k);
   gemm::launch_grouped_gemm(scaled(dg, fl(parts.dh_scales), in.fp8_scales[0], in.fp8_scales[1]), stream);
-  // The wgrad operands, transposed per channel and 128 rows: x, w·dy (dy's rows scaled in place),
-  // a, dg, du; then dW_down = (w·dy)ᵀ · a, dW_gate = dgᵀ · x, dW_up = duᵀ · x
-  scale_rows_kernel<<<static_cast<unsigned>(std::min<int64_t>(R, 4096)), 256, 0, stream>>>(
-      static_cast<__nv_bfloat162*>(b.dy_rows), b.row_weight, R, H / 2);
-  MOK_CUDA_CHECK(cudaGetLastError());
+  // The wgrad operands, transposed per channel and 128 rows: x, w·dy (the row weights applied
+  // in fp32 by the quantiser), a, dg, du; then dW_down = (w·dy)ᵀ · a, dW_gate = dgᵀ · x, dW_up = duᵀ · x
   gemm::launch_quantize_cols(b.x_rows, H, R, H, f + parts.xt, fl(parts.xt_scales), pow2, stream);
-  gemm::launch_quantize_cols(b.dy_rows, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream);
+  gemm::launch_quantize_cols(b.dy_rows, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream,
+                             b.row_weight);
   gemm::launch_quantize_cols(b.wa, I, R, I, f + parts.at, fl(parts.at_scales), pow2, stream);
   gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream);
   gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.dh) + I, 2 * I, R, I, f + parts.dut,

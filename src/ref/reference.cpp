@@ -480,7 +480,9 @@ std::vector<float> wgrad_fp8(const std::vector<float>& a, int64_t M, const std::
 // silu(g)·u from h, quantised per 128 of I as the forward does, dequantised: the a the forward
 // multiplied); dh = [dg | du] per 128 of 2I; dx = dh · [W_gate; W_up] block-scaled (K = 2I), bf16.
 // Weight gradients over the expert's rows, 128 at a time (wgrad_fp8): dW_down from w·dy and a,
-// dW_gate / dW_up from dg / du and x, every operand quantised from its fp32 value.
+// dW_gate / dW_up from dg / du and x, each operand quantised per column from its value as the
+// kernels keep it: x bf16 (as given), w·dy fp32 (w times the bf16 dy), a, dg and du rounded to
+// bf16 first (the dgrad-down epilogue writes them in bf16; docs/precision.md).
 template <typename DxDst, typename DwDst>
 void expert_backward_fp8(const Expert& ex, const std::vector<Row>& rows, const std::vector<RankInputs>& ranks,
                          const std::vector<const bf16_t*>& dy, int64_t hidden, bool pow2, DxDst dx_dst, DwDst dw_dst,
@@ -530,9 +532,10 @@ void expert_backward_fp8(const Expert& ex, const std::vector<Row>& rows, const s
         const float dsilu = sg * (1.0f + g * (1.0f - sg));
         dh[ii] = (wda * u) * dsilu;
         dh[static_cast<size_t>(inter) + ii] = wda * sl;
-        as[static_cast<size_t>(ri * inter) + ii] = af[ii];
-        dgs[static_cast<size_t>(ri * inter) + ii] = dh[ii];
-        dus[static_cast<size_t>(ri * inter) + ii] = dh[static_cast<size_t>(inter) + ii];
+        // (the wgrad operands a, dg, du as the kernels keep them between their GEMMs: bf16)
+        as[static_cast<size_t>(ri * inter) + ii] = bf16_round(af[ii]);
+        dgs[static_cast<size_t>(ri * inter) + ii] = bf16_round(dh[ii]);
+        dus[static_cast<size_t>(ri * inter) + ii] = bf16_round(dh[static_cast<size_t>(inter) + ii]);
       }
       for (int64_t h = 0; h < hidden; ++h) wdys[static_cast<size_t>(ri * hidden + h)] = row.weight * dyf[static_cast<size_t>(h)];
       if (float* d = dw_dst(row))

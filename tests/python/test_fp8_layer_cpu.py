@@ -92,7 +92,8 @@ def _oracle_backward(x, ids, tw, w, dy, pow2=False):
     (docs/precision.md): h = bf16(g) | bf16(u) of the quantised forward, dy per 128 of H, da
     block-scaled on W_down's transpose, the SwiGLU backward, dtw = Σ da · a_deq, dh per 128 of
     2I, dx block-scaled on [W_gate; W_up]'s transpose (bf16 per route, then the combine), the
-    weight gradients per 128 rows of an expert from fp32 operands (w·dy, a, dg, du, x)."""
+    weight gradients per 128 rows of an expert (w·dy in fp32, x as given, a, dg and du rounded
+    to bf16 first)."""
     T, H = x.shape
     out = {"dx": torch.zeros(T, H, dtype=torch.float64), "d_topk_weights": torch.zeros(tw.shape, dtype=torch.float64)}
 
@@ -117,8 +118,9 @@ def _oracle_backward(x, ids, tw, w, dy, pow2=False):
         sb = torch.cat([sg.t(), su.t()], 1).contiguous()
         dx = fp8.block_scaled_mm_reference(qdh, sdh, b, sb).float().bfloat16().double()
         wdy = wts.float().unsqueeze(1) * dyr.float()
-        grads = (_wgrad(dg.float(), xr.float(), pow2), _wgrad(du.float(), xr.float(), pow2),
-                 _wgrad(wdy, a, pow2))
+        # (a, dg and du in bf16 as the kernels keep them between their GEMMs; w·dy in fp32)
+        bf = lambda t: t.float().bfloat16().float()  # noqa: E731
+        grads = (_wgrad(bf(dg), xr.float(), pow2), _wgrad(bf(du), xr.float(), pow2), _wgrad(wdy, bf(a), pow2))
         return dx, dtw, grads
 
     for name in ("w_gate", "w_up", "w_down"):

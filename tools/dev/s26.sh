@@ -27,6 +27,32 @@ case "${STAGE:-fp8}" in
       timeout 200 python3 tools/sustained.py $shape --fp8 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -24
       echo "at $(el) s"
     done ;;
+  wgncu)  # ncu of the fp8 wgrad kind (dW_down of dsv3: 16 experts x 2048 rows)
+    build OFF
+    cat > /tmp/wg8.py <<'PY'
+import sys, torch
+sys.path.insert(0, "python")
+from mok import ops
+E, rows, H, I = 16, 2048, 7168, 2048
+R = E * rows
+g = torch.Generator(device="cuda").manual_seed(0)
+dy = torch.randn(R, H, device="cuda", generator=g).bfloat16()
+a = torch.randn(R, I, device="cuda", generator=g).bfloat16()
+(qa, sa), (qb, sb) = ops.quantize_cols_fp8(dy), ops.quantize_cols_fp8(a)
+off = torch.arange(E, device="cuda", dtype=torch.int32) * rows
+cnt = torch.full((E,), rows, device="cuda", dtype=torch.int32)
+out = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    ops.grouped_wgrad_fp8(qa, sa, qb, sb, off, cnt, out=out)
+torch.cuda.synchronize()
+PY
+    timeout 240 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SourceCounters -k regex:wgrad_fp8 --launch-skip 2 --launch-count 1 \
+      -o /tmp/ncu_wg -f python3 /tmp/wg8.py > "$OUT/ncu_run.log" 2>&1
+    echo "ncu rc=$? at $(el) s"; tail -3 "$OUT/ncu_run.log"
+    ncu -i /tmp/ncu_wg.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>&1
+    ncu -i /tmp/ncu_wg.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src.csv.xz"
+    grep -E "Duration|Throughput|Warp Cycles Per Issued|Stall|Bank|Shared" "$OUT/ncu_details.csv" | cut -c1-200 | head -40 ;;
   e2e8)
     build OFF
     timeout 480 python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \

@@ -183,7 +183,7 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
 }
 
 // ---- fp8_block: the SwiGLU backward with dh quantised for the dgrad gate/up kind -------------
-// The block-scaled dgrad-down kind's epilogue (written, not yet run on a GPU): acc holds da =
+// The block-scaled dgrad-down kind's epilogue: acc holds da =
 // dy · W_down[e] (e4m3 dy per row and 128 of H, W_down's transposed copy with its block scales)
 // for 128 rows and BLOCK_N channels of I (I % 128 == 0: whole 128-channel chunks).  Per row r
 // (weight w) and channel i, in fp32 as the CPU reference (src/ref expert_backward_fp8):
@@ -220,46 +220,49 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
   };
-  // da of (chunk c, half, n8 block of the chunk, element x), all static
-  auto da_of = [&](int c, int half, int n8, int x) { return acc[(c * kChunkBlocks + n8) * 4 + half * 2 + x]; };
-  // NOTES: two passes over the chunk's 32 channels of the lane (the maxima, then the values
-  // again for the stores), unrolled.  Measured in the SASS (not yet on a GPU): a rolled loop
-  // over (half, chunk) or over the half, the accumulator picked by selects, spilled inside the
-  // K loop (53-56 local loads there); unrolled, the K loop has none and the epilogue 69 local
-  // loads and 47 stores in 16,000 instructions.  Its cost against the K loop's is for the
-  // device to show.
+  // NOTES: one rolled loop over (half, chunk), da picked from the accumulator with selects so
+  // every acc index stays static, and h read again in each pass.  Unrolled (four bodies of two
+  // passes each, 16,000 instructions, more than the instruction caches hold beside the K loop)
+  // the kind ran at 0.27 of the dense fp8 rate (docs/perf.md session 26), as the bf16 kind did
+  // unrolled (session 13); rolled with h's words kept across both passes, the K loop spilled 54
+  // registers.  As written: 6,400 instructions, 3 local loads and 2 stores in the K loop.
+#pragma unroll 1
+  for (int it = 0; it < 2 * kChunks; ++it) {
+    const int half = it / kChunks, c = it % kChunks;
+    // da of (n8 block of the chunk, element x) for this iteration's (half, chunk)
+    const auto da_of = [&](int n8, int x) {
+      float v = acc[n8 * 4 + x];
 #pragma unroll
-  for (int half = 0; half < 2; ++half)
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
+      for (int j = 1; j < 2 * kChunks; ++j)
+        v = it == j ? acc[((j % kChunks) * kChunkBlocks + n8) * 4 + (j / kChunks) * 2 + x] : v;
+      return v;
+    };
     const int r = fragment_row(consumer, half);
     const int64_t col = ch0 + c * 128;  // the chunk's first channel (I % 256 may be 128: none past I)
     const bool live = r < valid_rows && col < inter;
     const int64_t row = row0 + r;
     const float w = live ? weight(r) : 0.0f;
-    uint32_t gw[kChunkBlocks], uw[kChunkBlocks];
-#pragma unroll
-    for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
-      gw[n8] = ptx::ld_global_b32_pred(e.h + row * ld_h + col + n8 * 8 + 2 * t, live);
-      uw[n8] = ptx::ld_global_b32_pred(e.h + row * ld_h + inter + col + n8 * 8 + 2 * t, live);
-    }
+    const __nv_bfloat16* const h_row = e.h + row * ld_h + col + 2 * t;
     struct Elem {
       float dg, du, a;
     };
-    auto elem = [&](int n8, int x) {
-      const float g = x ? bf16_hi(gw[n8]) : bf16_lo(gw[n8]), u = x ? bf16_hi(uw[n8]) : bf16_lo(uw[n8]);
+    // (h read again in each pass: words kept across both passes spilled the K loop)
+    auto elem_of = [&](uint32_t gw, uint32_t uw, int n8, int x) {
+      const float g = x ? bf16_hi(gw) : bf16_lo(gw), u = x ? bf16_hi(uw) : bf16_lo(uw);
       const float sg = __frcp_rn(__fadd_rn(1.0f, __expf(-g)));
       const float sl = __fmul_rn(g, sg);
       const float dsilu = __fmul_rn(sg, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg))));
-      const float wda = __fmul_rn(w, da_of(c, half, n8, x));
+      const float wda = __fmul_rn(w, da_of(n8, x));
       return Elem{__fmul_rn(__fmul_rn(wda, u), dsilu), __fmul_rn(wda, sl), __fmul_rn(sl, u)};
     };
     float amax_g = 0.0f, amax_u = 0.0f, amax_a = 0.0f;
 #pragma unroll
     for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
+      const uint32_t gw = ptx::ld_global_b32_pred(h_row + n8 * 8, live);
+      const uint32_t uw = ptx::ld_global_b32_pred(h_row + inter + n8 * 8, live);
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        const Elem v = elem(n8, x);
+        const Elem v = elem_of(gw, uw, n8, x);
         amax_g = fmaxf(amax_g, fabsf(v.dg));
         amax_u = fmaxf(amax_u, fabsf(v.du));
         amax_a = fmaxf(amax_a, fabsf(v.a));
@@ -268,13 +271,15 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
     const float s_g = e4m3_block_scale(quad_max(amax_g), e.pow2), s_u = e4m3_block_scale(quad_max(amax_u), e.pow2);
     const float s_a = e4m3_block_scale(quad_max(amax_a), e.pow2);
     uint8_t* const qg = e.dh_q + row * ld_h + col + 2 * t;
-    float sum = 0.0f;  // ⟨da, a_deq⟩ over the lane's 32 channels in order, then the quad's four
+    float sum = 0.0f;  // <da, a_deq> over the lane's 32 channels in order, then the quad's four
 #pragma unroll
     for (int n8 = 0; n8 < kChunkBlocks; ++n8) {
-      const Elem v0 = elem(n8, 0), v1 = elem(n8, 1);
+      const uint32_t gw = ptx::ld_global_b32_pred(h_row + n8 * 8, live);
+      const uint32_t uw = ptx::ld_global_b32_pred(h_row + inter + n8 * 8, live);
+      const Elem v0 = elem_of(gw, uw, n8, 0), v1 = elem_of(gw, uw, n8, 1);
       const float2 a_deq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(e4m3x2(v0.a, v1.a, s_a), __NV_E4M3)));
-      sum = __fadd_rn(sum, __fmul_rn(da_of(c, half, n8, 0), __fmul_rn(a_deq.x, s_a)));
-      sum = __fadd_rn(sum, __fmul_rn(da_of(c, half, n8, 1), __fmul_rn(a_deq.y, s_a)));
+      sum = __fadd_rn(sum, __fmul_rn(da_of(n8, 0), __fmul_rn(a_deq.x, s_a)));
+      sum = __fadd_rn(sum, __fmul_rn(da_of(n8, 1), __fmul_rn(a_deq.y, s_a)));
       if (!live) continue;
       *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + n8 * 8) = e4m3x2(v0.dg, v1.dg, s_g);
       *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + inter + n8 * 8) = e4m3x2(v0.du, v1.du, s_u);

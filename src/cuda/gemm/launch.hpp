@@ -203,8 +203,9 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& args, cudaStream_t stre
 // of 128) -> qt [cols, rows] e4m3 and scales [rows/128, cols] fp32: each column's scale over each
 // 128 rows (max |v| / 448, 1 for zeros; pow2: its power-of-two ceiling), v / scale rounded to
 // nearest even, saturating; the CPU reference's per-128-row column quantisation, bit for bit.
+// row_weight (or null) [rows] fp32: row i's values times row_weight[i] in fp32 are quantised.
 void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
-                          cudaStream_t stream);
+                          cudaStream_t stream, const float* row_weight = nullptr);
 
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.

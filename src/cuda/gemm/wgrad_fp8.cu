@@ -19,14 +19,17 @@ namespace {
 // memory, each column's max |v| over its 128 rows (two threads a column, 64 rows each), its scale
 // (e4m3_block_scale: max / 448, 1 for zeros; pow2: its power-of-two ceiling), and the column's
 // 128 rows as e4m3 (v / s, nearest even, saturating) into row c of qt: 64 contiguous bytes a
-// thread.  The CPU reference's quantize_columns (src/ref), bit for bit.
+// thread.  With row_weight, v's rows times their weights (fp32) are quantised: w·dy.  The CPU reference's quantize_columns (src/ref), bit for bit.
 constexpr int kColTile = 128;
 __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld,
                                                             int64_t rows, int64_t cols, uint8_t* __restrict__ qt,
-                                                            float* __restrict__ scales, bool pow2) {
+                                                            float* __restrict__ scales, bool pow2,
+                                                            const float* __restrict__ row_weight) {
   __shared__ __nv_bfloat16 tile[kColTile][kColTile + 8];  // + 8: the column reads' banks
+  __shared__ float weight[kColTile];
   const int64_t r0 = int64_t{blockIdx.y} * kColTile, c0 = int64_t{blockIdx.x} * kColTile;
   const int t = threadIdx.x;
+  if (t < kColTile) weight[t] = row_weight != nullptr ? __ldg(row_weight + r0 + t) : 1.0f;
   // Load: 128 rows x 16 uint4 (8 bf16 each), 8 a thread, coalesced along the row
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -37,9 +40,11 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
   }
   __syncthreads();
   const int c = t / 2, h = t % 2;  // column c, rows 64 h .. 64 h + 63
+  // v[r0 + r, c0 + c], times the row's weight in fp32 (exact for w = 1)
+  const auto value = [&](int r) { return __fmul_rn(__bfloat162float(tile[r][c]), weight[r]); };
   float amax = 0.0f;
 #pragma unroll 8
-  for (int r = 0; r < 64; ++r) amax = fmaxf(amax, fabsf(__bfloat162float(tile[64 * h + r][c])));
+  for (int r = 0; r < 64; ++r) amax = fmaxf(amax, fabsf(value(64 * h + r)));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   const float s = e4m3_block_scale(amax, pow2);
   if (h == 0) scales[(r0 / kColTile) * cols + c0 + c] = s;
@@ -50,9 +55,8 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int r = 64 * h + 16 * w + 4 * j;
-      word[j] = static_cast<uint32_t>(e4m3x2(__bfloat162float(tile[r][c]), __bfloat162float(tile[r + 1][c]), s)) |
-                (static_cast<uint32_t>(e4m3x2(__bfloat162float(tile[r + 2][c]), __bfloat162float(tile[r + 3][c]), s))
-                 << 16);
+      word[j] = static_cast<uint32_t>(e4m3x2(value(r), value(r + 1), s)) |
+                (static_cast<uint32_t>(e4m3x2(value(r + 2), value(r + 3), s)) << 16);
     }
     *reinterpret_cast<uint4*>(dst + 16 * w) = make_uint4(word[0], word[1], word[2], word[3]);
   }
@@ -61,7 +65,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
 }  // namespace
 
 void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, const float* row_weight) {
   MOK_CHECK_ARG(rows > 0 && cols > 0 && rows % 128 == 0 && cols % 128 == 0,
                 "quantize columns: [" << rows << ", " << cols << "] must be positive multiples of 128");
   MOK_CHECK_ARG(ld >= cols && ld % 8 == 0 && (reinterpret_cast<uintptr_t>(v) & 15u) == 0 &&
@@ -70,7 +74,7 @@ void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols,
   MOK_CHECK_ARG(rows / 128 <= 65535, "quantize columns: " << rows << " rows (at most 65535 · 128)");
   const dim3 grid(static_cast<unsigned>(cols / 128), static_cast<unsigned>(rows / 128));
   quantize_cols_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(v), ld, rows, cols,
-                                                  static_cast<uint8_t*>(qt), scales, pow2);
+                                                  static_cast<uint8_t*>(qt), scales, pow2, row_weight);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
