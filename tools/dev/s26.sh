@@ -27,32 +27,46 @@ case "${STAGE:-fp8}" in
       timeout 200 python3 tools/sustained.py $shape --fp8 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -24
       echo "at $(el) s"
     done ;;
-  wgncu)  # ncu of the fp8 wgrad kind (dW_down of dsv3: 16 experts x 2048 rows)
+  wgncu)  # ncu of the fp8 wgrad kind and the dgrad-down SwiGLU kind (dsv3: 16 experts x 2048 rows)
     build OFF
-    cat > /tmp/wg8.py <<'PY'
+    cat > /tmp/k8.py <<'PY'
 import sys, torch
 sys.path.insert(0, "python")
-from mok import ops
+import mok
+from mok import ops, fp8
 E, rows, H, I = 16, 2048, 7168, 2048
 R = E * rows
 g = torch.Generator(device="cuda").manual_seed(0)
 dy = torch.randn(R, H, device="cuda", generator=g).bfloat16()
 a = torch.randn(R, I, device="cuda", generator=g).bfloat16()
-(qa, sa), (qb, sb) = ops.quantize_cols_fp8(dy), ops.quantize_cols_fp8(a)
-off = torch.arange(E, device="cuda", dtype=torch.int32) * rows
-cnt = torch.full((E,), rows, device="cuda", dtype=torch.int32)
-out = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    ops.grouped_wgrad_fp8(qa, sa, qb, sb, off, cnt, out=out)
+if sys.argv[1] == "wgrad":
+    (qa, sa), (qb, sb) = ops.quantize_cols_fp8(dy), ops.quantize_cols_fp8(a)
+    off = torch.arange(E + 1, device="cuda", dtype=torch.int32) * rows
+    cnt = torch.full((E,), rows, device="cuda", dtype=torch.int32)
+    out = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        ops.grouped_wgrad_fp8(qa, sa, qb, sb, off, cnt, out=out)
+else:
+    wd = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
+    fw = mok.quantize_weights(wd, wd, wd)
+    qx, sx = fp8.quantize_rows(dy)
+    be = torch.arange(E, device="cuda", dtype=torch.int32).repeat_interleave(rows // 128)
+    h = torch.randn(R, 2 * I, device="cuda", generator=g).bfloat16()
+    rw = torch.rand(R, device="cuda", generator=g)
+    for _ in range(3):
+        ops.dgrad_down_swiglu_fp8(qx, sx, fw["w_down"].qt, fw["w_down"].scales, be, h, rw)
 torch.cuda.synchronize()
 PY
-    timeout 240 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section SourceCounters -k regex:wgrad_fp8 --launch-skip 2 --launch-count 1 \
-      -o /tmp/ncu_wg -f python3 /tmp/wg8.py > "$OUT/ncu_run.log" 2>&1
-    echo "ncu rc=$? at $(el) s"; tail -3 "$OUT/ncu_run.log"
-    ncu -i /tmp/ncu_wg.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>&1
-    ncu -i /tmp/ncu_wg.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src.csv.xz"
-    grep -E "Duration|Throughput|Warp Cycles Per Issued|Stall|Bank|Shared" "$OUT/ncu_details.csv" | cut -c1-200 | head -40 ;;
+    for kind in swiglu wgrad; do
+      k=$([ $kind = wgrad ] && echo wgrad_fp8 || echo grouped_gemm_kernel)
+      timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section SourceCounters -k regex:$k --launch-skip 2 --launch-count 1 \
+        -o /tmp/ncu_$kind -f python3 /tmp/k8.py $kind > "$OUT/ncu_run_$kind.log" 2>&1
+      echo "ncu $kind rc=$? at $(el) s"; tail -2 "$OUT/ncu_run_$kind.log"
+      ncu -i /tmp/ncu_$kind.ncu-rep --page details --csv > "$OUT/ncu_details_$kind.csv" 2>&1
+      ncu -i /tmp/ncu_$kind.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src_$kind.csv.xz"
+      grep -E "Duration|Throughput|Warp Cycles Per Issued|Bank" "$OUT/ncu_details_$kind.csv" | cut -c1-160 | head -16
+    done ;;
   e2e8)
     build OFF
     timeout 480 python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \
