@@ -48,7 +48,8 @@ if sys.argv[1] == "wgrad":
         ops.grouped_wgrad_fp8(qa, sa, qb, sb, off, cnt, out=out)
 else:
     wd = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
-    fw = mok.quantize_weights(wd, wd, wd)
+    wg = (torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
+    fw = mok.quantize_weights(wg, wg, wd)
     qx, sx = fp8.quantize_rows(dy)
     be = torch.arange(E, device="cuda", dtype=torch.int32).repeat_interleave(rows // 128)
     h = torch.randn(R, 2 * I, device="cuda", generator=g).bfloat16()
@@ -57,7 +58,7 @@ else:
         ops.dgrad_down_swiglu_fp8(qx, sx, fw["w_down"].qt, fw["w_down"].scales, be, h, rw)
 torch.cuda.synchronize()
 PY
-    for kind in swiglu wgrad; do
+    for kind in ${KINDS:-swiglu wgrad}; do
       k=$([ $kind = wgrad ] && echo wgrad_fp8 || echo grouped_gemm_kernel)
       timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section SourceCounters -k regex:$k --launch-skip 2 --launch-count 1 \
