@@ -249,7 +249,8 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
     // (h read again in each pass: words kept across both passes spilled the K loop)
     auto elem_of = [&](uint32_t gw, uint32_t uw, int n8, int x) {
       const float g = x ? bf16_hi(gw) : bf16_lo(gw), u = x ? bf16_hi(uw) : bf16_lo(uw);
-      const float sg = __frcp_rn(__fadd_rn(1.0f, __expf(-g)));
+      // (the fast reciprocal: no slow-path branch; 0 for g below about -88)
+      const float sg = __fdividef(1.0f, __fadd_rn(1.0f, __expf(-g)));
       const float sl = __fmul_rn(g, sg);
       const float dsilu = __fmul_rn(sg, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg))));
       const float wda = __fmul_rn(w, da_of(n8, x));
@@ -270,6 +271,7 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
     }
     const float s_g = e4m3_block_scale(quad_max(amax_g), e.pow2), s_u = e4m3_block_scale(quad_max(amax_u), e.pow2);
     const float s_a = e4m3_block_scale(quad_max(amax_a), e.pow2);
+    const E4m3Divisor d_g = e4m3_divisor(s_g), d_u = e4m3_divisor(s_u), d_a = e4m3_divisor(s_a);
     uint8_t* const qg = e.dh_q + row * ld_h + col + 2 * t;
     float sum = 0.0f;  // <da, a_deq> over the lane's 32 channels in order, then the quad's four
 #pragma unroll
@@ -277,12 +279,12 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
       const uint32_t gw = ptx::ld_global_b32_pred(h_row + n8 * 8, live);
       const uint32_t uw = ptx::ld_global_b32_pred(h_row + inter + n8 * 8, live);
       const Elem v0 = elem_of(gw, uw, n8, 0), v1 = elem_of(gw, uw, n8, 1);
-      const float2 a_deq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(e4m3x2(v0.a, v1.a, s_a), __NV_E4M3)));
+      const float2 a_deq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(e4m3x2(v0.a, v1.a, d_a), __NV_E4M3)));
       sum = __fadd_rn(sum, __fmul_rn(da_of(n8, 0), __fmul_rn(a_deq.x, s_a)));
       sum = __fadd_rn(sum, __fmul_rn(da_of(n8, 1), __fmul_rn(a_deq.y, s_a)));
       if (!live) continue;
-      *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + n8 * 8) = e4m3x2(v0.dg, v1.dg, s_g);
-      *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + inter + n8 * 8) = e4m3x2(v0.du, v1.du, s_u);
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + n8 * 8) = e4m3x2(v0.dg, v1.dg, d_g);
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + inter + n8 * 8) = e4m3x2(v0.du, v1.du, d_u);
       if (e.dh != nullptr) {
         *reinterpret_cast<uint32_t*>(e.dh + row * ld_h + col + n8 * 8 + 2 * t) = pack_bf16x2(v0.dg, v1.dg);
         *reinterpret_cast<uint32_t*>(e.dh + row * ld_h + inter + col + n8 * 8 + 2 * t) = pack_bf16x2(v0.du, v1.du);

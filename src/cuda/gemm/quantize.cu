@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_blocks_kernel(const
 #pragma unroll
   for (int i = 1; i < kQuantizeThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
   const float s = e4m3_block_scale(amax, a.pow2);
+  const E4m3Divisor d = e4m3_divisor(s);
   // The block's element (r, c), r and c in [0, 128)
   const auto at = [&](int r, int c) { return __bfloat162float(cols_inner ? tile[r][c] : tile[c][r]); };
   // Four e4m3 of one output row: (row, col .. col + 3) of the orientation `transposed`
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) quantize_blocks_kernel(const
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] = transposed ? at(col + j, row) : at(row, col + j);
     *reinterpret_cast<uint32_t*>(dst) =
-        static_cast<uint32_t>(e4m3x2(v[0], v[1], s)) | (static_cast<uint32_t>(e4m3x2(v[2], v[3], s)) << 16);
+        static_cast<uint32_t>(e4m3x2(v[0], v[1], d)) | (static_cast<uint32_t>(e4m3x2(v[2], v[3], d)) << 16);
   };
 #pragma unroll 4
   for (int it = 0; it < 128 * 128 / 4 / kQuantizeThreads; ++it) {

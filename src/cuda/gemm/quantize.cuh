@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "cuda/gemm/e4m3_divide.hpp"
+
 namespace mok::gemm {
 
 // A block's scale from its max |v|: amax / 448 (1 for zeros), or with pow2 its power-of-two
@@ -26,10 +28,11 @@ __device__ __forceinline__ float e4m3_block_scale(float amax, bool pow2) {
   return s;
 }
 
-// Two values of a block of scale s in e4m3: v / s (IEEE division) rounded to nearest even,
-// saturating at ±448 — the one rounding of every fp8 quantiser here
-__device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float v0, float v1, float s) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(v0 / s, v1 / s), __NV_SATFINITE, __NV_E4M3);
+// Two values of a block of scale s (its divisor d = e4m3_divisor(s)) in e4m3: v / s (IEEE
+// division's bits, e4m3_divide.hpp) rounded to nearest even, saturating at ±448 — the one
+// rounding of every fp8 quantiser here
+__device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float v0, float v1, const E4m3Divisor& d) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(e4m3_divide(v0, d), e4m3_divide(v1, d)), __NV_SATFINITE, __NV_E4M3);
 }
 
 // The row's n channels (n % 128 == 0) from src (16-byte aligned) into q (n bytes, 4-byte
@@ -67,11 +70,12 @@ __device__ __forceinline__ void quantize_row_warp(const __nv_bfloat16* __restric
 #pragma unroll
       for (int m = 8; m > 0; m /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));  // the half's
       const float s = e4m3_block_scale(amax, pow2);
+      const E4m3Divisor d = e4m3_divisor(s);
       uint32_t packed[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        packed[j] = static_cast<uint32_t>(e4m3x2(v[4 * j], v[4 * j + 1], s)) |
-                    (static_cast<uint32_t>(e4m3x2(v[4 * j + 2], v[4 * j + 3], s)) << 16);
+        packed[j] = static_cast<uint32_t>(e4m3x2(v[4 * j], v[4 * j + 1], d)) |
+                    (static_cast<uint32_t>(e4m3x2(v[4 * j + 2], v[4 * j + 3], d)) << 16);
       if (kb < blocks) {
         uint8_t* const dst = q + kb * 128 + sub * 8;
         if (q8) {

@@ -573,11 +573,12 @@ __device__ __forceinline__ void epilogue_swiglu_e4m3(const float (&acc)[kRegs], 
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const float s = e4m3_block_scale(amax, pow2);
+    const E4m3Divisor d = e4m3_divisor(s);
     if (row >= rows_limit) continue;
     uint8_t* const dst = out + row * ld + ch0 + quad_lane * 2;
 #pragma unroll
     for (int n8 = 0; n8 < kHalfBlocks; ++n8)
-      *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + n8 * 8) = e4m3x2(a[2 * n8], a[2 * n8 + 1], s);
+      *reinterpret_cast<__nv_fp8x2_storage_t*>(dst + n8 * 8) = e4m3x2(a[2 * n8], a[2 * n8 + 1], d);
     if (quad_lane == 0) scales[(ch0 / 128) * scales_ld + row] = s;
   }
 }

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
   for (int r = 0; r < 64; ++r) amax = fmaxf(amax, fabsf(value(64 * h + r)));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   const float s = e4m3_block_scale(amax, pow2);
+  const E4m3Divisor d = e4m3_divisor(s);
   if (h == 0) scales[(r0 / kColTile) * cols + c0 + c] = s;
   uint8_t* dst = qt + (c0 + c) * rows + r0 + 64 * h;
 #pragma unroll
@@ -55,8 +56,8 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int r = 64 * h + 16 * w + 4 * j;
-      word[j] = static_cast<uint32_t>(e4m3x2(value(r), value(r + 1), s)) |
-                (static_cast<uint32_t>(e4m3x2(value(r + 2), value(r + 3), s)) << 16);
+      word[j] = static_cast<uint32_t>(e4m3x2(value(r), value(r + 1), d)) |
+                (static_cast<uint32_t>(e4m3x2(value(r + 2), value(r + 3), d)) << 16);
     }
     *reinterpret_cast<uint4*>(dst + 16 * w) = make_uint4(word[0], word[1], word[2], word[3]);
   }
