@@ -70,7 +70,7 @@ PY
     done ;;
   e2e8)
     build OFF
-    timeout 480 python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \
+    timeout ${E2E_TIMEOUT:-480} python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \
       --out "$OUT/e2e8" 2>&1 | tail -14 ;;
   one)
     build OFF
