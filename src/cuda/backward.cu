@@ -791,13 +791,7 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
   }
 }
 
-namespace {
-bool row_major_contiguous(const ref::MatrixStrides& s, int64_t rows, int64_t cols) {
-  return !s.col_major() && s.row_or(cols) == cols && s.expert_or(rows, cols) == rows * cols;
-}
-}  // namespace
-
-// fp8_block's backward as launches (EP = 1, routed experts; written, not yet run on a GPU):
+// fp8_block's backward as launches (EP = 1, routed experts):
 // the CPU reference's recipe (src/ref expert_backward_fp8, docs/precision.md) on the GPU kinds:
 //   x, dy rows gathered (bf16) with the route weights; h the forward's saved pre-activations (or
 //   the gate/up replay on x quantised per row); dy quantised per row and 128 of H;
@@ -822,13 +816,17 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
                                                << w << " has none");
   const ref::WeightStrides& gs = g.grad_strides;
   const ref::WeightStrides& ms = g.main_strides;
-  MOK_CHECK_ARG(row_major_contiguous(gs.w_gate, I, H) && row_major_contiguous(gs.w_up, I, H) &&
-                    row_major_contiguous(gs.w_down, H, I) &&
-                    (g.main_gate == nullptr || row_major_contiguous(ms.w_gate, I, H)) &&
-                    (g.main_up == nullptr || row_major_contiguous(ms.w_up, I, H)) &&
-                    (g.main_down == nullptr || row_major_contiguous(ms.w_down, H, I)),
-                "config.precision = fp8_block: the CUDA backward writes contiguous row-major weight gradients "
-                "(and main_grads) so far");
+  // A weight gradient and its main_grad in one orientation: row-major as they are, or both
+  // column-major (written as the row-major transposes by the wgrad with its operands swapped)
+  const auto same_orientation = [](const void* grad, const ref::MatrixStrides& a, const void* main,
+                                   const ref::MatrixStrides& b) {
+    return grad == nullptr || main == nullptr || a.col_major() == b.col_major();
+  };
+  MOK_CHECK_ARG(same_orientation(g.dw_gate, gs.w_gate, g.main_gate, ms.w_gate) &&
+                    same_orientation(g.dw_up, gs.w_up, g.main_up, ms.w_up) &&
+                    same_orientation(g.dw_down, gs.w_down, g.main_down, ms.w_down),
+                "config.precision = fp8_block: a weight's gradient and main_grad must both be row-major or both "
+                "column-major");
   BackwardBuffers& b = *ws.bwd;
   const plan::RoutingView v = routing_of(ws, c, in);
   const int64_t R = ws.max_rows;
@@ -892,17 +890,24 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream);
   gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.dh) + I, 2 * I, R, I, f + parts.dut,
                              fl(parts.dut_scales), pow2, stream);
+  // dW [mo, no] = aᵀ · b; a column-major gradient (and main_grad) as its row-major transpose
+  // dWᵀ = bᵀ · a: the operands swapped, the column stride its row stride
   auto wgrad = [&](const void* a, const float* as, int64_t mo, const void* bb, const float* bs, int64_t no, void* out,
-                   float* main_grad) {
+                   const ref::MatrixStrides& os, float* main_grad, const ref::MatrixStrides& mgs) {
     if (out == nullptr && main_grad == nullptr) return;
+    const bool swap = (out != nullptr ? os : mgs).col_major();
     gemm::GroupedWgradFp8Args w;
-    w.a = a;
-    w.a_scales = as;
-    w.b = bb;
-    w.b_scales = bs;
+    w.a = swap ? bb : a;
+    w.a_scales = swap ? bs : as;
+    w.b = swap ? a : bb;
+    w.b_scales = swap ? as : bs;
     w.rows = R;
-    w.mo = mo;
-    w.no = no;
+    w.mo = swap ? no : mo;
+    w.no = swap ? mo : no;
+    w.out_es = os.expert_or(mo, no);
+    w.out_rs = swap ? os.col : os.row_or(no);
+    w.mg_es = mgs.expert_or(mo, no);
+    w.mg_rs = swap ? mgs.col : mgs.row_or(no);
     w.num_experts = El;
     w.expert_offset = ws.expert_offset;
     w.expert_count = ws.expert_count;
@@ -912,9 +917,12 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     w.timeout_record = timeout;
     gemm::launch_grouped_wgrad_fp8(w, stream);
   };
-  wgrad(f + parts.wdyt, fl(parts.wdyt_scales), H, f + parts.at, fl(parts.at_scales), I, g.dw_down, g.main_down);
-  wgrad(f + parts.dgt, fl(parts.dgt_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_gate, g.main_gate);
-  wgrad(f + parts.dut, fl(parts.dut_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_up, g.main_up);
+  wgrad(f + parts.wdyt, fl(parts.wdyt_scales), H, f + parts.at, fl(parts.at_scales), I, g.dw_down, gs.w_down,
+        g.main_down, ms.w_down);
+  wgrad(f + parts.dgt, fl(parts.dgt_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_gate, gs.w_gate,
+        g.main_gate, ms.w_gate);
+  wgrad(f + parts.dut, fl(parts.dut_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_up, gs.w_up, g.main_up,
+        ms.w_up);
   // d topk_weights (0 for masked routes) and dx
   if (T > 0) {
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));

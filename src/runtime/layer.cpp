@@ -355,7 +355,7 @@ ref::RankGrads check_backward_args(const mokConfig_t& c, const mokBackwardArgs_t
                                    const std::string& tag) {
   if (device >= 0 && c.precision == mokPrecisionFP8Block) {
     // fp8_block's CUDA backward (launches, written in session 25): routed experts, the weights'
-    // transposed copies, contiguous row-major gradients; named before any launch
+    // transposed copies; named before any launch
     MOK_CHECK_ARG(c.shared_intermediate == 0,
                   tag << "config.precision = fp8_block (2): the CUDA backward of a shared expert is not built yet "
                          "(routed experts only; the CPU reference runs both; docs/precision.md)");

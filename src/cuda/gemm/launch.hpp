@@ -193,6 +193,9 @@ struct GroupedWgradFp8Args {
   float* acc = nullptr;         // [E, Mo, No] fp32 or null
   float* main_grad = nullptr;   // [E, Mo, No] fp32 or null: += the total
   bool accumulate = false, store_acc = false;
+  // out's and main_grad's matrices in place (elements; 0: contiguous [E, Mo, No]): row r of
+  // expert e's at e·es + r·rs, columns contiguous
+  int64_t out_es = 0, out_rs = 0, mg_es = 0, mg_rs = 0;
   double timeout_s = 60.0;
   int64_t* timeout_record = nullptr;
   int32_t num_blocks = 0;

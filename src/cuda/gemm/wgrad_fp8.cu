@@ -86,6 +86,16 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream)
   MOK_CHECK_ARG(g.rows % 128 == 0, "grouped wgrad (fp8): R = " << g.rows << " rows must be a multiple of 128");
   MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad (fp8): accumulate needs acc");
   MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad (fp8): store_acc needs acc");
+  MOK_CHECK_ARG((g.out_rs == 0 || g.out_rs >= g.no) && (g.mg_rs == 0 || g.mg_rs >= g.no) && g.out_es >= 0 && g.mg_es >= 0,
+                "grouped wgrad (fp8): row strides below No = " << g.no);
+  // out leaves in 8-byte pieces of four bf16, main_grad in float2 pairs
+  MOK_CHECK_ARG(g.out == nullptr || ((reinterpret_cast<uintptr_t>(g.out) & 7u) == 0 && g.out_rs % 4 == 0 && g.out_es % 4 == 0),
+                "grouped wgrad (fp8): out must be 8-byte aligned with strides of multiples of 4 elements (rs = "
+                    << g.out_rs << ", es = " << g.out_es << ")");
+  MOK_CHECK_ARG(g.main_grad == nullptr ||
+                    ((reinterpret_cast<uintptr_t>(g.main_grad) & 7u) == 0 && g.mg_rs % 2 == 0 && g.mg_es % 2 == 0),
+                "grouped wgrad (fp8): main_grad must be 8-byte aligned with even strides (rs = " << g.mg_rs
+                                                                                                 << ", es = " << g.mg_es << ")");
   if (g.num_experts == 0) return;
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
@@ -105,7 +115,11 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream)
       g.num_experts, g.expert_offset, g.expert_count, g.out, g.acc, g.main_grad, g.accumulate, g.store_acc, g.mo, g.no,
       static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup))),
       static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9), g.timeout_record);
-  wgrad_layout<T>(p);
+  p.out_es = g.out_es;
+  p.out_rs = g.out_rs;
+  p.mg_es = g.mg_es;
+  p.mg_rs = g.mg_rs;
+  wgrad_layout<T>(p);  // (the strides left 0: contiguous)
   const int64_t tiles = g.num_experts * p.num_m_blocks * p.num_n_blocks;
   MOK_CHECK_ARG(tiles < (int64_t{1} << 31), "grouped wgrad (fp8): " << tiles << " tiles");
   constexpr size_t smem = kGemmSmemBytesT<T, PrecisionE4m3Rows>;
