@@ -120,7 +120,7 @@ def test_cuda_backward_is_the_reference(pow2):
         assert torch.isfinite(a.float()).all(), name
         rel = ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
         print(f"fp8_block CUDA backward {name} against the CPU reference: relative Frobenius {rel:.2e}")
-        assert rel < 2e-2, (name, rel)
+        assert rel < 1e-2, (name, rel)  # measured 1.8e-3 - 5.1e-3 (session 26)
         assert torch.equal(a, getattr(again, name)), f"{name}: not bitwise reproducible"
         assert torch.equal(a, getattr(replay, name)), f"{name}: saved h and replay differ"
     masked = (ids < 0).cuda()
@@ -129,10 +129,11 @@ def test_cuda_backward_is_the_reference(pow2):
 
 @gpu
 def test_cuda_backward_writes_framework_layouts_in_place():
-    # The weight gradients where a framework keeps them (grads_out, poisoned with NaN first):
-    # gate and up as the two row halves of one [E, 2I, H] gradient (Hugging Face's gate_up_proj,
-    # an expert stride of 2I·H), and down column-major ([E, I, H] storage: is_transposed), which
-    # the wgrad writes as its transpose with its operands swapped; each the contiguous run's values
+    # The weight gradients where a framework keeps them (grads_out, poisoned with NaN first).
+    # Row-major: gate and up as the two row halves of one [E, 2I, H] gradient (Hugging Face's
+    # gate_up_proj: an expert stride of 2I·H), the same bits as contiguous ones.  Column-major
+    # (is_transposed storage: [E, H, I] for gate and up, [E, I, H] for down), written as their
+    # transposes by the wgrad with its operands swapped: within the tensor cores' sums of them.
     g = torch.Generator().manual_seed(60)
     w = {n: (None if v is None else v.cuda()) for n, v in make_weights(g, H, I, E, 0).items()}
     x, (ids, tw) = make_x(g, T, H).cuda(), (t.cuda() for t in make_routing(g, T, E, K))
@@ -140,13 +141,18 @@ def test_cuda_backward_writes_framework_layouts_in_place():
     cfg = F.MoKConfig(precision="fp8_block")
     _, ctx = F.forward(x, ids, tw, **w, config=cfg)
     want = F.backward(ctx, dy)
-    gate_up = torch.full((E, 2 * I, H), float("nan"), device="cuda", dtype=torch.bfloat16)
-    down_t = torch.full((E, I, H), float("nan"), device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # [E, H, I]
-    got = F.backward(ctx, dy, grads_out={"w_gate": gate_up[:, :I], "w_up": gate_up[:, I:], "w_down": down_t})
+    nan = lambda *shape: torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    gate_up, down = nan(E, 2 * I, H), nan(E, H, I)
+    got = F.backward(ctx, dy, grads_out={"w_gate": gate_up[:, :I], "w_up": gate_up[:, I:], "w_down": down})
     assert torch.equal(gate_up[:, :I], want.w_gate) and torch.equal(gate_up[:, I:], want.w_up)
-    assert torch.isfinite(down_t.float()).all()
-    rel = ((down_t.double() - want.w_down.double()).norm() / want.w_down.double().norm()).item()
-    print(f"fp8_block column-major w_down gradient against the row-major one: relative Frobenius {rel:.2e}, "
-          f"bitwise {torch.equal(down_t, want.w_down)}")
-    assert rel < 1e-3, rel
-    assert torch.equal(got.dx, want.dx)
+    assert torch.equal(down, want.w_down) and torch.equal(got.dx, want.dx)
+    cols = {"w_gate": nan(E, H, I).transpose(1, 2), "w_up": nan(E, H, I).transpose(1, 2),
+            "w_down": nan(E, I, H).transpose(1, 2)}
+    F.backward(ctx, dy, grads_out=cols)
+    for name, t in cols.items():
+        ref = getattr(want, name)
+        assert torch.isfinite(t.float()).all(), name
+        rel = ((t.double() - ref.double()).norm() / ref.double().norm()).item()
+        print(f"fp8_block column-major {name} gradient against the row-major one: relative Frobenius {rel:.2e}, "
+              f"bitwise {torch.equal(t, ref)}")
+        assert rel < 1e-3, (name, rel)
