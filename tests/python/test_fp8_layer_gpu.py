@@ -132,8 +132,9 @@ def test_cuda_backward_writes_framework_layouts_in_place():
     # The weight gradients where a framework keeps them (grads_out, poisoned with NaN first).
     # Row-major: gate and up as the two row halves of one [E, 2I, H] gradient (Hugging Face's
     # gate_up_proj: an expert stride of 2I·H), the same bits as contiguous ones.  Column-major
-    # (is_transposed storage: [E, H, I] for gate and up, [E, I, H] for down), written as their
-    # transposes by the wgrad with its operands swapped: within the tensor cores' sums of them.
+    # (is_transposed storage: [E, H, I] for gate and up, [E, I, H] for down, the weights too),
+    # written as their transposes by the wgrad with its operands swapped: within the tensor
+    # cores' sums of the row-major run's.
     g = torch.Generator().manual_seed(60)
     w = {n: (None if v is None else v.cuda()) for n, v in make_weights(g, H, I, E, 0).items()}
     x, (ids, tw) = make_x(g, T, H).cuda(), (t.cuda() for t in make_routing(g, T, E, K))
@@ -146,9 +147,12 @@ def test_cuda_backward_writes_framework_layouts_in_place():
     got = F.backward(ctx, dy, grads_out={"w_gate": gate_up[:, :I], "w_up": gate_up[:, I:], "w_down": down})
     assert torch.equal(gate_up[:, :I], want.w_gate) and torch.equal(gate_up[:, I:], want.w_up)
     assert torch.equal(down, want.w_down) and torch.equal(got.dx, want.dx)
+    # (column-major gradients belong to column-major weights: the same values stored transposed)
+    wt = {n: (None if v is None else v.transpose(1, 2).contiguous().transpose(1, 2)) for n, v in w.items()}
+    _, ctx_t = F.forward(x, ids, tw, **wt, config=cfg)
     cols = {"w_gate": nan(E, H, I).transpose(1, 2), "w_up": nan(E, H, I).transpose(1, 2),
             "w_down": nan(E, I, H).transpose(1, 2)}
-    F.backward(ctx, dy, grads_out=cols)
+    F.backward(ctx_t, dy, grads_out=cols)
     for name, t in cols.items():
         ref = getattr(want, name)
         assert torch.isfinite(t.float()).all(), name
