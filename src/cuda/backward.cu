@@ -904,10 +904,14 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     w.rows = R;
     w.mo = swap ? no : mo;
     w.no = swap ? mo : no;
-    w.out_es = os.expert_or(mo, no);
-    w.out_rs = swap ? os.col : os.row_or(no);
-    w.mg_es = mgs.expert_or(mo, no);
-    w.mg_rs = swap ? mgs.col : mgs.row_or(no);
+    if (out != nullptr) {
+      w.out_es = os.expert_or(mo, no);
+      w.out_rs = swap ? os.col : os.row_or(no);
+    }
+    if (main_grad != nullptr) {
+      w.mg_es = mgs.expert_or(mo, no);
+      w.mg_rs = swap ? mgs.col : mgs.row_or(no);
+    }
     w.num_experts = El;
     w.expert_offset = ws.expert_offset;
     w.expert_count = ws.expert_count;

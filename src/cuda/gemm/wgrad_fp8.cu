@@ -86,8 +86,10 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream)
   MOK_CHECK_ARG(g.rows % 128 == 0, "grouped wgrad (fp8): R = " << g.rows << " rows must be a multiple of 128");
   MOK_CHECK_ARG(!g.accumulate || g.acc != nullptr, "grouped wgrad (fp8): accumulate needs acc");
   MOK_CHECK_ARG(!g.store_acc || g.acc != nullptr, "grouped wgrad (fp8): store_acc needs acc");
-  MOK_CHECK_ARG((g.out_rs == 0 || g.out_rs >= g.no) && (g.mg_rs == 0 || g.mg_rs >= g.no) && g.out_es >= 0 && g.mg_es >= 0,
-                "grouped wgrad (fp8): row strides below No = " << g.no);
+  MOK_CHECK_ARG((g.out == nullptr || g.out_rs == 0 || g.out_rs >= g.no) &&
+                    (g.main_grad == nullptr || g.mg_rs == 0 || g.mg_rs >= g.no) && g.out_es >= 0 && g.mg_es >= 0,
+                "grouped wgrad (fp8): an output's row stride (out " << g.out_rs << ", main_grad " << g.mg_rs
+                                                                    << ") below No = " << g.no);
   // out leaves in 8-byte pieces of four bf16, main_grad in float2 pairs
   MOK_CHECK_ARG(g.out == nullptr || ((reinterpret_cast<uintptr_t>(g.out) & 7u) == 0 && g.out_rs % 4 == 0 && g.out_es % 4 == 0),
                 "grouped wgrad (fp8): out must be 8-byte aligned with strides of multiples of 4 elements (rs = "
