@@ -122,17 +122,20 @@ MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, i
   p.total = part.at;
   return p;
 }
-// fp8_block's backward (the launches of backward_fp8, EP = 1): per plan row (R = max_rows) dy in
-// e4m3 with its scales, dh = [dg | du] in e4m3 with its scales, and the wgrad operands
-// transposed (K-major) in e4m3 with their scales per channel and 128 rows: x [H, R], w·dy
-// [H, R], a [I, R], dg [I, R], du [I, R].
+// fp8_block's backward (the launches of backward_fp8, EP = 1): a token's rows quantised once
+// (tok [T, H] e4m3, scales [H/128, T4]: dy, and x for a replay), per plan row (R = max_rows)
+// dy (or x) in e4m3 with its scales, dh = [dg | du] in e4m3 with its scales, and the wgrad
+// operands transposed (K-major) in e4m3 with their scales per channel and 128 rows: x [H, R],
+// w·dy [H, R], a [I, R], dg [I, R], du [I, R].
 struct Fp8BwdParts {
-  int64_t dy, dy_scales, dh, dh_scales, xt, xt_scales, wdyt, wdyt_scales, at, at_scales, dgt, dgt_scales, dut,
-      dut_scales, total;
+  int64_t tok, tok_scales, dy, dy_scales, dh, dh_scales, xt, xt_scales, wdyt, wdyt_scales, at, at_scales, dgt,
+      dgt_scales, dut, dut_scales, total;
 };
-MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I) {
+MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I, int64_t T) {
   Fp8BwdParts p{};
   PartAllocator part;
+  p.tok = part(T * H);
+  p.tok_scales = part(H / 128 * fp8_t4(T) * 4);
   p.dy = part(R * H);
   p.dy_scales = part(H / 128 * R * 4);
   p.dh = part(R * 2 * I);

@@ -91,11 +91,13 @@ __global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ r
                                   const int32_t* __restrict__ expert_offset, int32_t num_local, int32_t topk,
                                   int64_t row_vecs, uint4* __restrict__ x_rows, uint4* __restrict__ dy_rows,
                                   float* __restrict__ row_weight) {
+  // (x_rows null: the route weights alone, fp8_block's backward reading x and dy in place)
+  const int64_t copy_vecs = x_rows != nullptr ? row_vecs : 0;
   for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
     uint4* xd = x_rows + i * row_vecs;
     uint4* dd = dy_rows + i * row_vecs;
     if (row_is_pad(rec)) {
-      for (int64_t v = lane; v < row_vecs; v += 32) xd[v] = dd[v] = make_uint4(0, 0, 0, 0);
+      for (int64_t v = lane; v < copy_vecs; v += 32) xd[v] = dd[v] = make_uint4(0, 0, 0, 0);
       if (lane == 0) row_weight[i] = 0.0f;
     } else {
       const int64_t t = row_token(rec);
@@ -103,7 +105,7 @@ __global__ void bwd_gather_kernel(RowSources src, const uint32_t* __restrict__ r
       const int s = row_rank(rec);
       const uint4* xs = (peer ? reinterpret_cast<const uint4*>(ep::x_of(src.group, s)) : src.x) + t * row_vecs;
       const uint4* ds = (peer ? reinterpret_cast<const uint4*>(ep::dy_of(src.group, s)) : src.dy) + t * row_vecs;
-      for (int64_t v = lane; v < row_vecs; v += 32) {
+      for (int64_t v = lane; v < copy_vecs; v += 32) {
         xd[v] = peer ? xs[v] : __ldg(xs + v);
         dd[v] = peer ? ds[v] : __ldg(ds + v);
       }
@@ -201,7 +203,7 @@ __global__ void bwd_dx_kernel(plan::RoutingView v, int rank, const float* __rest
 // combine weights), then the plan's x and dy rows and their route weights (EP >= 2: from the
 // rows' source ranks, whatever this rank's T)
 void gather_backward_rows(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const void* dy,
-                          const ep::Group& group, cudaStream_t stream) {
+                          const ep::Group& group, cudaStream_t stream, bool copy_rows = true) {
   BackwardBuffers& b = *ws.bwd;
   const int64_t El = plan_dims(c).local_experts(), k = c.topk, T = in.num_tokens;
   const int32_t ring_rows = static_cast<int32_t>(c.macrobatch_size);
@@ -216,8 +218,8 @@ void gather_backward_rows(DeviceWorkspace& ws, const mokConfig_t& c, const ref::
                          in.topk_weights, group};
     bwd_gather_kernel<<<528, 256, 0, stream>>>(src, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
                                                static_cast<int32_t>(k), c.hidden * 2 / 16,
-                                               static_cast<uint4*>(b.x_rows), static_cast<uint4*>(b.dy_rows),
-                                               b.row_weight);
+                                               copy_rows ? static_cast<uint4*>(b.x_rows) : nullptr,
+                                               copy_rows ? static_cast<uint4*>(b.dy_rows) : nullptr, b.row_weight);
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -793,13 +795,15 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
 
 // fp8_block's backward as launches (EP = 1, routed experts):
 // the CPU reference's recipe (src/ref expert_backward_fp8, docs/precision.md) on the GPU kinds:
-//   x, dy rows gathered (bf16) with the route weights; h the forward's saved pre-activations (or
-//   the gate/up replay on x quantised per row); dy quantised per row and 128 of H;
+//   the route weights of the plan's rows; h the forward's saved pre-activations (or the gate/up
+//   replay on x quantised once per token, its rows gathered in e4m3); dy likewise, quantised per
+//   token and 128 of H and its rows gathered in e4m3;
 //   dgrad down on W_down's transposed copy, its epilogue the SwiGLU backward: dh in e4m3 (the
 //   dgrad gate/up kind's A), bf16 dh and a (the wgrad operands), the router-gradient partials;
 //   dgrad gate/up on W_gate's and W_up's transposed copies (a K split), scattered to the route
-//   slots; the wgrad operands (x, w·dy, a, dg, du) quantised per channel and 128 rows,
-//   transposed, and the fp8 wgrad kind per weight; d topk_weights and dx as the bf16 launches.
+//   slots; the wgrad operands (x, w·dy, a, dg, du; x and dy read through the plan's rows in
+//   place) quantised per channel and 128 rows, transposed, and the fp8 wgrad kind per weight;
+//   d topk_weights and dx as the bf16 launches.
 void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
                   const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout) {
   const DeviceGuard guard(ws.device);
@@ -832,7 +836,8 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   const int64_t R = ws.max_rows;
   const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
   const bool pow2 = c.fp8_pow2_scales != 0;
-  const Fp8BwdParts parts = fp8_bwd_parts(R, H, I);
+  const Fp8BwdParts parts = fp8_bwd_parts(R, H, I, c.max_tokens);
+  const int64_t t4 = fp8_t4(c.max_tokens);
   if (ws.fp8_bwd == nullptr) {
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, static_cast<size_t>(parts.total));
@@ -845,8 +850,16 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   uint8_t* const f = ws.fp8_bwd;
   auto fl = [&](int64_t offset) { return reinterpret_cast<float*>(f + offset); };
   const int64_t row_vecs = H * 2 / 16;
-  // The ones (dx's combine weights), the gathered rows and their route weights
-  gather_backward_rows(ws, c, in, dy, ep::Group{}, stream);
+  // The ones (dx's combine weights) and the route weights of the plan's rows; x and dy are read
+  // in place (no bf16 row copies): quantised once per token, then their rows gathered in e4m3
+  gather_backward_rows(ws, c, in, dy, ep::Group{}, stream, /*copy_rows=*/false);
+  const int32_t* const live_rows = ws.expert_offset + El;  // the plan's rows in use (device)
+  auto gather_quantized = [&](const void* src) {  // src [T, H] bf16 -> the plan's rows at parts.dy
+    gemm::launch_quantize_rows(src, f + parts.tok, fl(parts.tok_scales), T, H, pow2, stream, t4);
+    if (T > 0)
+      launch_gather_e4m3_rows(f + parts.tok, fl(parts.tok_scales), t4, ws.rows, ws.expert_offset,
+                              static_cast<int32_t>(El), H, f + parts.dy, fl(parts.dy_scales), R, stream);
+  };
   auto scaled = [&](gemm::GroupedGemmArgs a, const float* a_scales, const float* b0s, const float* b1s) {
     a.operand_bytes = 1;
     a.a_scales = a_scales;
@@ -860,7 +873,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   // h: the forward's, or the replay on x quantised per row (in dy's buffers, before dy)
   void* const h = saved.h ? saved.h : b.h;
   if (!saved.h) {
-    gemm::launch_quantize_rows(b.x_rows, f + parts.dy, fl(parts.dy_scales), R, H, pow2, stream);
+    gather_quantized(in.x);
     gemm::launch_grouped_gemm(
         scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.dy, R, H, in.fp8_q[0], in.fp8_q[1], El, I,
                                                            ws.block_expert, max_blocks, b.h),
@@ -869,7 +882,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
         stream);
   }
   // dy per row and 128 of H; dgrad down with the SwiGLU backward: dh in e4m3 and bf16, a, partials
-  gemm::launch_quantize_rows(b.dy_rows, f + parts.dy, fl(parts.dy_scales), R, H, pow2, stream);
+  gather_quantized(dy);
   gemm::GroupedGemmArgs dd = gemm::dgrad_down_swiglu_e4m3_args(
       f + parts.dy, R, H, in.fp8_qt[2], El, I, ws.block_expert, max_blocks, h, b.row_weight, f + parts.dh,
       fl(parts.dh_scales), R, pow2, b.dh, b.wa, b.dtw_partials);
@@ -883,13 +896,17 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   gemm::launch_grouped_gemm(scaled(dg, fl(parts.dh_scales), in.fp8_scales[0], in.fp8_scales[1]), stream);
   // The wgrad operands, transposed per channel and 128 rows: x, w·dy (the row weights applied
   // in fp32 by the quantiser), a, dg, du; then dW_down = (w·dy)ᵀ · a, dW_gate = dgᵀ · x, dW_up = duᵀ · x
-  gemm::launch_quantize_cols(b.x_rows, H, R, H, f + parts.xt, fl(parts.xt_scales), pow2, stream);
-  gemm::launch_quantize_cols(b.dy_rows, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream,
-                             b.row_weight);
-  gemm::launch_quantize_cols(b.wa, I, R, I, f + parts.at, fl(parts.at_scales), pow2, stream);
-  gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream);
+  // (x and dy through the plan's rows in place; only the blocks of rows in use)
+  gemm::launch_quantize_cols(in.x, H, R, H, f + parts.xt, fl(parts.xt_scales), pow2, stream, nullptr, ws.rows,
+                             live_rows);
+  gemm::launch_quantize_cols(dy, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream, b.row_weight,
+                             ws.rows, live_rows);
+  gemm::launch_quantize_cols(b.wa, I, R, I, f + parts.at, fl(parts.at_scales), pow2, stream, nullptr, nullptr,
+                             live_rows);
+  gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream, nullptr, nullptr,
+                             live_rows);
   gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.dh) + I, 2 * I, R, I, f + parts.dut,
-                             fl(parts.dut_scales), pow2, stream);
+                             fl(parts.dut_scales), pow2, stream, nullptr, nullptr, live_rows);
   // dW [mo, no] = aᵀ · b; a column-major gradient (and main_grad) as its row-major transpose
   // dWᵀ = bᵀ · a: the operands swapped, the column stride its row stride
   auto wgrad = [&](const void* a, const float* as, int64_t mo, const void* bb, const float* bs, int64_t no, void* out,

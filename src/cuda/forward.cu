@@ -100,6 +100,19 @@ __global__ void gather_e4m3_rows_kernel(const uint4* __restrict__ q, const float
   });
 }
 
+}  // namespace
+
+void launch_gather_e4m3_rows(const void* q, const float* q_scales, int64_t q_scales_ld, const uint32_t* rows,
+                             const int32_t* expert_offset, int32_t num_local, int64_t hidden, void* ring,
+                             float* scales, int64_t scales_ld, cudaStream_t stream) {
+  gather_e4m3_rows_kernel<<<528, 256, 0, stream>>>(static_cast<const uint4*>(q), q_scales, q_scales_ld, rows,
+                                                   expert_offset, num_local, hidden, static_cast<uint4*>(ring),
+                                                   scales, scales_ld);
+  MOK_CUDA_CHECK(cudaGetLastError());
+}
+
+namespace {
+
 // ---- combine: one warp per token (combine_token_warp), 4 warps per block -------------------------
 __global__ void combine_kernel(plan::RoutingView v, const float* __restrict__ topk_weights,
                                const uint4* __restrict__ slots, const uint4* __restrict__ shared_out,
@@ -164,11 +177,9 @@ void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInput
   // in e4m3 with their scales (half the bytes of a bf16 gather)
   if (T > 0) {
     gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, pow2, stream, t4);
-    gather_e4m3_rows_kernel<<<528, 256, 0, stream>>>(
-        reinterpret_cast<const uint4*>(b + parts.x), scales_at(parts.x_scales), t4, ws.rows, ws.expert_offset,
-        static_cast<int32_t>(El), H, reinterpret_cast<uint4*>(b + parts.ring), scales_at(parts.ring_scales),
-        ws.max_rows);
-    MOK_CUDA_CHECK(cudaGetLastError());
+    launch_gather_e4m3_rows(b + parts.x, scales_at(parts.x_scales), t4, ws.rows, ws.expert_offset,
+                            static_cast<int32_t>(El), H, b + parts.ring, scales_at(parts.ring_scales), ws.max_rows,
+                            stream);
   }
   // Gate/up writing a in e4m3 (and its scales) for down
   gemm::GroupedGemmArgs gu = block_scaled(

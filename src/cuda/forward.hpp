@@ -85,6 +85,12 @@ void set_b_strides(gemm::GroupedGemmArgs& g, const ref::MatrixStrides& s);
 // The routing of this call (EP = 1: its ids; EP >= 2: the group's, in the own region).
 plan::RoutingView routing_of(const DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in);
 void destroy_backward_buffers(BackwardBuffers* b);
+// fp8_block: the plan's rows (rows, expert_offset[num_local] of them) gathered from q [T, hidden]
+// e4m3 quantised once per token (scales [hidden/128, q_scales_ld]) into ring [.., hidden] and
+// scales [hidden/128, scales_ld]; a padding row is zeros with scale 1 (forward.cu)
+void launch_gather_e4m3_rows(const void* q, const float* q_scales, int64_t q_scales_ld, const uint32_t* rows,
+                             const int32_t* expert_offset, int32_t num_local, int64_t hidden, void* ring,
+                             float* scales, int64_t scales_ld, cudaStream_t stream);
 // The phases every call shares (forward.cu): the error check and reset, EP >= 2 publication,
 // routing exchange and start barrier (dy: the backward's); the plan build.
 bool stream_capturing(void* stream);

@@ -207,8 +207,12 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& args, cudaStream_t stre
 // 128 rows (max |v| / 448, 1 for zeros; pow2: its power-of-two ceiling), v / scale rounded to
 // nearest even, saturating; the CPU reference's per-128-row column quantisation, bit for bit.
 // row_weight (or null) [rows] fp32: row i's values times row_weight[i] in fp32 are quantised.
+// plan_rows (or null) [rows]: row i is v's row row_token(plan_rows[i]) (zeros for a padding
+// record: the plan's rows read in place, no gathered copy).  live_rows (or null, device): the
+// 128-row blocks at or past *live_rows are left unwritten (the plan's rows in use).
 void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
-                          cudaStream_t stream, const float* row_weight = nullptr);
+                          cudaStream_t stream, const float* row_weight = nullptr,
+                          const uint32_t* plan_rows = nullptr, const int32_t* live_rows = nullptr);
 
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.

@@ -24,17 +24,26 @@ constexpr int kColTile = 128;
 __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16* __restrict__ v, int64_t ld,
                                                             int64_t rows, int64_t cols, uint8_t* __restrict__ qt,
                                                             float* __restrict__ scales, bool pow2,
-                                                            const float* __restrict__ row_weight) {
+                                                            const float* __restrict__ row_weight,
+                                                            const uint32_t* __restrict__ plan_rows,
+                                                            const int32_t* __restrict__ live_rows) {
   __shared__ __nv_bfloat16 tile[kColTile][kColTile + 8];  // + 8: the column reads' banks
   __shared__ float weight[kColTile];
   const int64_t r0 = int64_t{blockIdx.y} * kColTile, c0 = int64_t{blockIdx.x} * kColTile;
+  if (live_rows != nullptr && r0 >= __ldg(live_rows)) return;  // past the rows in use (block-uniform)
   const int t = threadIdx.x;
   if (t < kColTile) weight[t] = row_weight != nullptr ? __ldg(row_weight + r0 + t) : 1.0f;
-  // Load: 128 rows x 16 uint4 (8 bf16 each), 8 a thread, coalesced along the row
+  // Load: 128 rows x 16 uint4 (8 bf16 each), 8 a thread, coalesced along the row; with plan
+  // rows, row i is v's row of its record's token (zeros for a padding record)
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int idx = i * 256 + t, r = idx / 16, v8 = idx % 16;
-    const uint4 x = __ldg(reinterpret_cast<const uint4*>(v + (r0 + r) * ld + c0) + v8);
+    int64_t src = r0 + r;
+    if (plan_rows != nullptr) {
+      const uint32_t rec = __ldg(plan_rows + r0 + r);
+      src = row_is_pad(rec) ? -1 : row_token(rec);
+    }
+    const uint4 x = src < 0 ? make_uint4(0, 0, 0, 0) : __ldg(reinterpret_cast<const uint4*>(v + src * ld + c0) + v8);
     *reinterpret_cast<uint2*>(&tile[r][v8 * 8]) = make_uint2(x.x, x.y);
     *reinterpret_cast<uint2*>(&tile[r][v8 * 8 + 4]) = make_uint2(x.z, x.w);
   }
@@ -66,7 +75,8 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
 }  // namespace
 
 void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
-                          cudaStream_t stream, const float* row_weight) {
+                          cudaStream_t stream, const float* row_weight, const uint32_t* plan_rows,
+                          const int32_t* live_rows) {
   MOK_CHECK_ARG(rows > 0 && cols > 0 && rows % 128 == 0 && cols % 128 == 0,
                 "quantize columns: [" << rows << ", " << cols << "] must be positive multiples of 128");
   MOK_CHECK_ARG(ld >= cols && ld % 8 == 0 && (reinterpret_cast<uintptr_t>(v) & 15u) == 0 &&
@@ -75,7 +85,8 @@ void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols,
   MOK_CHECK_ARG(rows / 128 <= 65535, "quantize columns: " << rows << " rows (at most 65535 · 128)");
   const dim3 grid(static_cast<unsigned>(cols / 128), static_cast<unsigned>(rows / 128));
   quantize_cols_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(v), ld, rows, cols,
-                                                  static_cast<uint8_t*>(qt), scales, pow2, row_weight);
+                                                  static_cast<uint8_t*>(qt), scales, pow2, row_weight, plan_rows,
+                                                  live_rows);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
