@@ -160,3 +160,45 @@ def test_cuda_backward_writes_framework_layouts_in_place():
         print(f"fp8_block column-major {name} gradient against the row-major one: relative Frobenius {rel:.2e}, "
               f"bitwise {torch.equal(t, ref)}")
         assert rel < 1e-3, (name, rel)
+
+
+@gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_cuda_backward_skewed_experts(pow2):
+    # Experts of every size at once: expert 0 hot (every token's first route, 259 rows: three
+    # 128-row k-blocks of its wgrad, the last partial), expert 1 one row, expert 2 none, expert 3
+    # the rest; the gradients against the CPU reference, the empty expert's weight gradients
+    # exactly zero, and the per-token gradients (dx, d topk_weights) of a prefix of the batch
+    # the same bits as the whole batch's (a token's rows do not depend on the others').
+    n = 259
+    g = torch.Generator().manual_seed(70 + pow2)
+    w = make_weights(g, H, I, E, 0)
+    x = make_x(g, n, H)
+    ids = torch.full((n, K), 3, dtype=torch.int32)
+    ids[:, 0] = 0
+    ids[5, 1] = 1
+    ids[7, 1] = -1  # a masked route
+    tw = torch.randn(n, K, generator=g)
+    tw[3, 0] = 0.0
+    dy = torch.randn(n, H, generator=g).bfloat16()
+    cfg = F.MoKConfig(precision="fp8_block", fp8_pow2_scales=pow2)
+    _, ctx_ref = F.forward(x, ids, tw, **w, config=cfg)
+    ref = F.backward(ctx_ref, dy)
+    wc = {k_: (None if v is None else v.cuda()) for k_, v in w.items()}
+
+    def run(m):
+        _, ctx = F.forward(x[:m].cuda(), ids[:m].cuda(), tw[:m].cuda(), **wc, config=cfg)
+        return F.backward(ctx, dy[:m].cuda())
+
+    got = run(n)
+    for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
+        a, b = getattr(got, name).cpu().double(), getattr(ref, name).double()
+        assert torch.isfinite(a).all(), name
+        rel = ((a - b).norm() / b.norm()).item()
+        print(f"fp8_block CUDA backward, skewed experts (pow2={pow2}), {name}: relative Frobenius {rel:.2e}")
+        assert rel < 1e-2, (name, rel)
+    for name in ("w_gate", "w_up", "w_down"):
+        assert torch.all(getattr(got, name)[2] == 0), f"{name}: the expert without rows has a gradient"
+    assert got.d_topk_weights[7, 1] == 0
+    part = run(100)
+    assert torch.equal(part.dx, got.dx[:100]) and torch.equal(part.d_topk_weights, got.d_topk_weights[:100])
