@@ -24,7 +24,7 @@ case "${STAGE:-fp8}" in
     timeout 120 python3 tools/dev/fp8_breakdown.py ${SHAPES%% *} > "$OUT/breakdown.log" 2>&1
     echo "breakdown rc=$?"; cat "$OUT/breakdown.log" | cut -c1-150 | head -70
     for shape in ${SHAPES:-dsv3}; do
-      timeout 200 python3 tools/sustained.py $shape --fp8 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -24
+      timeout 200 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-base}" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -24
       echo "at $(el) s"
     done ;;
   wgncu)  # ncu of the fp8 wgrad kind and the dgrad-down SwiGLU kind (dsv3: 16 experts x 2048 rows)
