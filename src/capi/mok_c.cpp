@@ -231,9 +231,6 @@ mokResult_t mokCheckSupport(const mokConfig_t* config, int32_t flags) {
     if (!mok::cuda::built()) MOK_FAIL(mokNotSupported, "this libmok was built without its CUDA part (no nvcc)");
     // The backward takes every shape the forward takes; transposed weights, what the fused kernels take
     std::string why = mok::cuda::unsupported_shape(c);
-    if (why.empty() && (flags & MOK_SUPPORT_BACKWARD) != 0 && c.precision == mokPrecisionFP8Block &&
-        c.shared_intermediate > 0)
-      why = "precision fp8_block: the CUDA backward of a shared expert is not built yet (routed experts only)";
     if (why.empty() && (flags & MOK_SUPPORT_TRANSPOSED) != 0)
       why = mok::cuda::unsupported_transposed(c, (flags & MOK_SUPPORT_BACKWARD) != 0);
     if (!why.empty()) MOK_FAIL(mokNotSupported, why);

@@ -126,12 +126,16 @@ MOK_HD Fp8BufferParts fp8_buffer_parts(int64_t max_rows, int64_t H, int64_t I, i
 // (tok [T, H] e4m3, scales [H/128, T4]: dy, and x for a replay), per plan row (R = max_rows)
 // dy (or x) in e4m3 with its scales, dh = [dg | du] in e4m3 with its scales, and the wgrad
 // operands transposed (K-major) in e4m3 with their scales per channel and 128 rows: x [H, R],
-// w·dy [H, R], a [I, R], dg [I, R], du [I, R].
+// w·dy [H, R], a [I, R], dg [I, R], du [I, R].  The shared expert's (I_s > 0) over the T_max
+// tokens (T128: rounded up to 128): dh_s [T, 2I_s] e4m3 with its scales [2I_s/128, T4], and its
+// wgrad operands x [H, T128], dy [H, T128], a_s, dg_s, du_s [I_s, T128] with their scales.
 struct Fp8BwdParts {
   int64_t tok, tok_scales, dy, dy_scales, dh, dh_scales, xt, xt_scales, wdyt, wdyt_scales, at, at_scales, dgt,
-      dgt_scales, dut, dut_scales, total;
+      dgt_scales, dut, dut_scales;
+  int64_t sdh, sdh_scales, sxt, sxt_scales, sdyt, sdyt_scales, sat, sat_scales, sdgt, sdgt_scales, sdut, sdut_scales;
+  int64_t total;
 };
-MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I, int64_t T) {
+MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I, int64_t T, int64_t Is = 0) {
   Fp8BwdParts p{};
   PartAllocator part;
   p.tok = part(T * H);
@@ -150,6 +154,19 @@ MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I, int64_t T) {
   p.dgt_scales = part(R / 128 * I * 4);
   p.dut = part(I * R);
   p.dut_scales = part(R / 128 * I * 4);
+  const int64_t t128 = Is > 0 ? (T + 127) / 128 * 128 : 0, t4 = Is > 0 ? fp8_t4(T) : 0;
+  p.sdh = part(T * 2 * Is);
+  p.sdh_scales = part(2 * Is / 128 * t4 * 4);
+  p.sxt = part(H * t128);
+  p.sxt_scales = part(t128 / 128 * H * 4);
+  p.sdyt = part(H * t128);
+  p.sdyt_scales = part(t128 / 128 * H * 4);
+  p.sat = part(Is * t128);
+  p.sat_scales = part(t128 / 128 * Is * 4);
+  p.sdgt = part(Is * t128);
+  p.sdgt_scales = part(t128 / 128 * Is * 4);
+  p.sdut = part(Is * t128);
+  p.sdut_scales = part(t128 / 128 * Is * 4);
   p.total = part.at;
   return p;
 }

@@ -810,10 +810,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   const int64_t H = c.hidden, I = c.intermediate, k = c.topk, T = in.num_tokens;
   const int64_t El = plan_dims(c).local_experts();
   MOK_CHECK_ARG(ws.ep_size == 1, "config.precision = fp8_block: the CUDA backward runs at EP = 1 so far");
-  MOK_CHECK_ARG(c.shared_intermediate == 0,
-                "config.precision = fp8_block: the CUDA backward of a shared expert is not built yet (routed experts "
-                "only; the CPU reference runs both)");
-  for (int w = 0; w < 3; ++w)
+  for (int w = 0; w < (c.shared_intermediate > 0 ? 6 : 3); ++w)
     MOK_CHECK_ARG(in.fp8_qt[w] != nullptr, "config.precision = fp8_block: the CUDA backward reads the weights' "
                                            "transposed e4m3 copies (mokFp8Weight_t.qt, mok.quantize_weights with "
                                            "transposed=True); weight "
@@ -828,7 +825,10 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   };
   MOK_CHECK_ARG(same_orientation(g.dw_gate, gs.w_gate, g.main_gate, ms.w_gate) &&
                     same_orientation(g.dw_up, gs.w_up, g.main_up, ms.w_up) &&
-                    same_orientation(g.dw_down, gs.w_down, g.main_down, ms.w_down),
+                    same_orientation(g.dw_down, gs.w_down, g.main_down, ms.w_down) &&
+                    same_orientation(g.dws_gate, gs.ws_gate, g.main_s_gate, ms.ws_gate) &&
+                    same_orientation(g.dws_up, gs.ws_up, g.main_s_up, ms.ws_up) &&
+                    same_orientation(g.dws_down, gs.ws_down, g.main_s_down, ms.ws_down),
                 "config.precision = fp8_block: a weight's gradient and main_grad must both be row-major or both "
                 "column-major");
   BackwardBuffers& b = *ws.bwd;
@@ -836,7 +836,8 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   const int64_t R = ws.max_rows;
   const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
   const bool pow2 = c.fp8_pow2_scales != 0;
-  const Fp8BwdParts parts = fp8_bwd_parts(R, H, I, c.max_tokens);
+  const int64_t Is = c.shared_intermediate;
+  const Fp8BwdParts parts = fp8_bwd_parts(R, H, I, c.max_tokens, Is);
   const int64_t t4 = fp8_t4(c.max_tokens);
   if (ws.fp8_bwd == nullptr) {
     void* p = nullptr;
@@ -909,8 +910,16 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
                              fl(parts.dut_scales), pow2, stream, nullptr, nullptr, live_rows);
   // dW [mo, no] = aᵀ · b; a column-major gradient (and main_grad) as its row-major transpose
   // dWᵀ = bᵀ · a: the operands swapped, the column stride its row stride
+  // (rows, experts: the operands' rows and their experts' segments; the routed plan's by default)
+  struct Segments {
+    int64_t rows, experts;
+    const int32_t* offset;
+    const int32_t* count;
+  };
+  const Segments routed{R, El, ws.expert_offset, ws.expert_count};
   auto wgrad = [&](const void* a, const float* as, int64_t mo, const void* bb, const float* bs, int64_t no, void* out,
-                   const ref::MatrixStrides& os, float* main_grad, const ref::MatrixStrides& mgs) {
+                   const ref::MatrixStrides& os, float* main_grad, const ref::MatrixStrides& mgs,
+                   const Segments& seg) {
     if (out == nullptr && main_grad == nullptr) return;
     const bool swap = (out != nullptr ? os : mgs).col_major();
     gemm::GroupedWgradFp8Args w;
@@ -918,7 +927,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     w.a_scales = swap ? bs : as;
     w.b = swap ? a : bb;
     w.b_scales = swap ? as : bs;
-    w.rows = R;
+    w.rows = seg.rows;
     w.mo = swap ? no : mo;
     w.no = swap ? mo : no;
     if (out != nullptr) {
@@ -929,9 +938,9 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
       w.mg_es = mgs.expert_or(mo, no);
       w.mg_rs = swap ? mgs.col : mgs.row_or(no);
     }
-    w.num_experts = El;
-    w.expert_offset = ws.expert_offset;
-    w.expert_count = ws.expert_count;
+    w.num_experts = seg.experts;
+    w.expert_offset = seg.offset;
+    w.expert_count = seg.count;
     w.out = out;
     w.main_grad = main_grad;
     w.timeout_s = c.timeout_s;
@@ -939,11 +948,63 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     gemm::launch_grouped_wgrad_fp8(w, stream);
   };
   wgrad(f + parts.wdyt, fl(parts.wdyt_scales), H, f + parts.at, fl(parts.at_scales), I, g.dw_down, gs.w_down,
-        g.main_down, ms.w_down);
+        g.main_down, ms.w_down, routed);
   wgrad(f + parts.dgt, fl(parts.dgt_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_gate, gs.w_gate,
-        g.main_gate, ms.w_gate);
+        g.main_gate, ms.w_gate, routed);
   wgrad(f + parts.dut, fl(parts.dut_scales), I, f + parts.xt, fl(parts.xt_scales), H, g.dw_up, gs.w_up, g.main_up,
-        ms.w_up);
+        ms.w_up, routed);
+
+  // The shared expert over the tokens themselves (weight 1), the same kinds: its h (saved, or
+  // the replay on x quantised per token, in the routed rows' buffer now free), dgrad down with
+  // the SwiGLU backward on dy quantised per token (tok), dgrad gate/up into its dx rows, and its
+  // weight gradients over the T tokens as one expert (T rounded up to 128 with zero rows)
+  if (Is > 0) {
+    const int32_t sblocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
+    const int64_t t128 = plan::ceil_div(T, 128) * 128;
+    void* const sh_h = saved.shared_h ? saved.shared_h : b.sh_h;
+    if (T > 0) {
+      if (!saved.shared_h) {
+        gemm::launch_quantize_rows(in.x, f + parts.dy, fl(parts.dy_scales), T, H, pow2, stream, R);
+        gemm::launch_grouped_gemm(
+            scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.dy, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is,
+                                                               ws.shared_block, sblocks, b.sh_h),
+                                     256),
+                   fl(parts.dy_scales), in.fp8_scales[3], in.fp8_scales[4]),
+            stream);
+      }
+      gemm::GroupedGemmArgs sdd = scaled(
+          gemm::dgrad_down_swiglu_e4m3_args(f + parts.tok, T, H, in.fp8_qt[5], 1, Is, ws.shared_block, sblocks, sh_h,
+                                            b.ones, f + parts.sdh, fl(parts.sdh_scales), t4, pow2, b.sh_dh, b.sh_a,
+                                            nullptr),
+          fl(parts.tok_scales), in.fp8_scales[5], in.fp8_scales[5]);
+      sdd.a_scales_ld = t4;
+      gemm::launch_grouped_gemm(sdd, stream);
+      gemm::GroupedGemmArgs sdg =
+          scaled(gemm::dgrad_gate_up_e4m3_args(f + parts.sdh, T, Is, in.fp8_qt[3], in.fp8_qt[4], 1, H,
+                                               ws.shared_block, sblocks, ws.shared_out),
+                 fl(parts.sdh_scales), in.fp8_scales[3], in.fp8_scales[4]);
+      sdg.a_scales_ld = t4;
+      gemm::launch_grouped_gemm(sdg, stream);
+      gemm::launch_quantize_cols(in.x, H, t128, H, f + parts.sxt, fl(parts.sxt_scales), pow2, stream, nullptr, nullptr,
+                                 nullptr, T);
+      gemm::launch_quantize_cols(dy, H, t128, H, f + parts.sdyt, fl(parts.sdyt_scales), pow2, stream, nullptr,
+                                 nullptr, nullptr, T);
+      gemm::launch_quantize_cols(b.sh_a, Is, t128, Is, f + parts.sat, fl(parts.sat_scales), pow2, stream, nullptr,
+                                 nullptr, nullptr, T);
+      gemm::launch_quantize_cols(b.sh_dh, 2 * Is, t128, Is, f + parts.sdgt, fl(parts.sdgt_scales), pow2, stream,
+                                 nullptr, nullptr, nullptr, T);
+      gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.sh_dh) + Is, 2 * Is, t128, Is, f + parts.sdut,
+                                 fl(parts.sdut_scales), pow2, stream, nullptr, nullptr, nullptr, T);
+    }
+    // (no tokens: the kind writes zeros, its maps over the outputs)
+    const Segments shared{t128, 1, b.shared_table, b.shared_table + 2};
+    wgrad(f + parts.sdyt, fl(parts.sdyt_scales), H, f + parts.sat, fl(parts.sat_scales), Is, g.dws_down, gs.ws_down,
+          g.main_s_down, ms.ws_down, shared);
+    wgrad(f + parts.sdgt, fl(parts.sdgt_scales), Is, f + parts.sxt, fl(parts.sxt_scales), H, g.dws_gate, gs.ws_gate,
+          g.main_s_gate, ms.ws_gate, shared);
+    wgrad(f + parts.sdut, fl(parts.sdut_scales), Is, f + parts.sxt, fl(parts.sxt_scales), H, g.dws_up, gs.ws_up,
+          g.main_s_up, ms.ws_up, shared);
+  }
   // d topk_weights (0 for masked routes) and dx
   if (T > 0) {
     MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
@@ -952,8 +1013,8 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
                                             g.d_topk_weights);
     MOK_CUDA_CHECK(cudaGetLastError());
     bwd_dx_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
-        v, 0, b.ones, static_cast<const uint4*>(ws.slots), nullptr, T, row_vecs,
-        static_cast<uint4*>(static_cast<void*>(g.dx)));
+        v, 0, b.ones, static_cast<const uint4*>(ws.slots), Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr,
+        T, row_vecs, static_cast<uint4*>(static_cast<void*>(g.dx)));
     MOK_CUDA_CHECK(cudaGetLastError());
   }
 }

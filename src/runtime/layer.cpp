@@ -354,19 +354,19 @@ ref::RankInputs check_forward_args(const mokConfig_t& c, const mokForwardArgs_t&
 ref::RankGrads check_backward_args(const mokConfig_t& c, const mokBackwardArgs_t& a, int32_t device,
                                    const std::string& tag) {
   if (device >= 0 && c.precision == mokPrecisionFP8Block) {
-    // fp8_block's CUDA backward (launches, written in session 25): routed experts, the weights'
-    // transposed copies; named before any launch
-    MOK_CHECK_ARG(c.shared_intermediate == 0,
-                  tag << "config.precision = fp8_block (2): the CUDA backward of a shared expert is not built yet "
-                         "(routed experts only; the CPU reference runs both; docs/precision.md)");
+    // fp8_block's CUDA backward (launches): the weights' transposed copies (the shared expert's
+    // too); named before any launch
     const struct {
       const char* name;
       const mokFp8Weight_t& w;
-    } copies[] = {{"w_gate", a.fwd.fp8.w_gate}, {"w_up", a.fwd.fp8.w_up}, {"w_down", a.fwd.fp8.w_down}};
-    for (const auto& w : copies)
+    } copies[] = {{"w_gate", a.fwd.fp8.w_gate},   {"w_up", a.fwd.fp8.w_up},   {"w_down", a.fwd.fp8.w_down},
+                  {"ws_gate", a.fwd.fp8.ws_gate}, {"ws_up", a.fwd.fp8.ws_up}, {"ws_down", a.fwd.fp8.ws_down}};
+    for (int i = 0; i < (c.shared_intermediate > 0 ? 6 : 3); ++i) {
+      const auto& w = copies[i];
       MOK_CHECK_ARG(present(w.w.qt), tag << "fp8." << w.name
                                          << ".qt: precision fp8_block's CUDA backward reads the weights' transposed "
                                             "e4m3 copies (mok.quantize_weights with transposed=True); absent");
+    }
   }
   const int64_t T = a.fwd.x.shape[0], H = c.hidden, k = c.topk;
   check_tensor(a.dy, tag + "dy", {mokBFloat16}, {T, H}, device);

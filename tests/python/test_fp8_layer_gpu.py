@@ -1,7 +1,7 @@
 """precision="fp8_block" on CUDA (docs/precision.md): the forward against the CPU reference's
 (the same recipe; the tensor cores' fp8 k-block sums keep about 14 bits, so within tolerance),
 bitwise reproducible and batch invariant; the training forward's saved pre-activations those of
-the block-scaled gate/up kind on the same e4m3 rows, bit for bit; the backward (routed experts)
+the block-scaled gate/up kind on the same e4m3 rows, bit for bit; the backward (routed and shared experts)
 against the CPU reference's, bitwise reproducible, the saved h's the replay's bits."""
 import pytest
 import torch
@@ -34,9 +34,6 @@ def test_cuda_forward_is_the_reference(shared, pow2, monkeypatch):
     assert diff < 1e-2, diff
     assert torch.equal(run(T)[0], y)  # bitwise, the copies cached on the workspace
     assert torch.equal(run(20)[0], y[:20])  # a token's row does not depend on the others
-    if shared:  # the CUDA backward takes routed experts only so far, and says so before any launch
-        with pytest.raises(ValueError, match="backward of a shared expert is not built yet"):
-            F.backward(ctx, torch.zeros_like(y))
 
 
 @gpu
@@ -94,14 +91,14 @@ def test_saved_pre_activations_are_the_gate_up_kinds(shared):
 
 
 @gpu
-@pytest.mark.parametrize("pow2", [False, True])
-def test_cuda_backward_is_the_reference(pow2):
+@pytest.mark.parametrize("shared,pow2", [(0, False), (0, True), (128, False)])
+def test_cuda_backward_is_the_reference(shared, pow2):
     # The CUDA backward's launches (written in session 25) against the CPU reference's recipe:
     # every gradient within the tensor cores' fp8 sums (their k-block partials keep about 14
     # bits, so an e4m3 rounding of dh, a, x or w·dy may land one step apart); twice bitwise; the
     # training forward's saved h and the replay the same bits; w = 0 and w < 0 routes included
-    g = torch.Generator().manual_seed(50 + pow2)
-    w = make_weights(g, H, I, E, 0)
+    g = torch.Generator().manual_seed(50 + pow2 + shared)
+    w = make_weights(g, H, I, E, shared)
     x = make_x(g, T, H)
     ids, tw = make_routing(g, T, E, K)
     dy = torch.randn(T, H, generator=g).bfloat16()
@@ -115,7 +112,8 @@ def test_cuda_backward_is_the_reference(pow2):
     again = F.backward(ctx, dy.cuda())
     _, ctx_replay = F.forward(*args, **wc, config=cfg, save_for_backward=False)
     replay = F.backward(ctx_replay, dy.cuda())
-    for name in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"):
+    names = ("dx", "d_topk_weights", "w_gate", "w_up", "w_down") + (("ws_gate", "ws_up", "ws_down") if shared else ())
+    for name in names:
         a, b = getattr(got, name), getattr(ref, name)
         assert torch.isfinite(a.float()).all(), name
         rel = ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()

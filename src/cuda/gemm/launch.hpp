@@ -210,9 +210,11 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& args, cudaStream_t stre
 // plan_rows (or null) [rows]: row i is v's row row_token(plan_rows[i]) (zeros for a padding
 // record: the plan's rows read in place, no gathered copy).  live_rows (or null, device): the
 // 128-row blocks at or past *live_rows are left unwritten (the plan's rows in use).
+// valid_rows (>= 0): v's rows at or past it are read as zeros (v has that many rows).
 void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
                           cudaStream_t stream, const float* row_weight = nullptr,
-                          const uint32_t* plan_rows = nullptr, const int32_t* live_rows = nullptr);
+                          const uint32_t* plan_rows = nullptr, const int32_t* live_rows = nullptr,
+                          int64_t valid_rows = -1);
 
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
                                                             float* __restrict__ scales, bool pow2,
                                                             const float* __restrict__ row_weight,
                                                             const uint32_t* __restrict__ plan_rows,
-                                                            const int32_t* __restrict__ live_rows) {
+                                                            const int32_t* __restrict__ live_rows, int64_t valid_rows) {
   __shared__ __nv_bfloat16 tile[kColTile][kColTile + 8];  // + 8: the column reads' banks
   __shared__ float weight[kColTile];
   const int64_t r0 = int64_t{blockIdx.y} * kColTile, c0 = int64_t{blockIdx.x} * kColTile;
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int idx = i * 256 + t, r = idx / 16, v8 = idx % 16;
-    int64_t src = r0 + r;
+    int64_t src = valid_rows >= 0 && r0 + r >= valid_rows ? -1 : r0 + r;  // (past valid_rows: zeros)
     if (plan_rows != nullptr) {
       const uint32_t rec = __ldg(plan_rows + r0 + r);
       src = row_is_pad(rec) ? -1 : row_token(rec);
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
 
 void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols, void* qt, float* scales, bool pow2,
                           cudaStream_t stream, const float* row_weight, const uint32_t* plan_rows,
-                          const int32_t* live_rows) {
+                          const int32_t* live_rows, int64_t valid_rows) {
   MOK_CHECK_ARG(rows > 0 && cols > 0 && rows % 128 == 0 && cols % 128 == 0,
                 "quantize columns: [" << rows << ", " << cols << "] must be positive multiples of 128");
   MOK_CHECK_ARG(ld >= cols && ld % 8 == 0 && (reinterpret_cast<uintptr_t>(v) & 15u) == 0 &&
@@ -86,7 +86,7 @@ void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols,
   const dim3 grid(static_cast<unsigned>(cols / 128), static_cast<unsigned>(rows / 128));
   quantize_cols_kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(v), ld, rows, cols,
                                                   static_cast<uint8_t*>(qt), scales, pow2, row_weight, plan_rows,
-                                                  live_rows);
+                                                  live_rows, valid_rows);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
