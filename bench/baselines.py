@@ -120,6 +120,41 @@ def torch_ep1_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=No
     return y32.to(x.dtype)
 
 
+def rowwise_fp8(t: torch.Tensor):
+    """t [..., K] -> (e4m3 t / s, s [...] fp32): one scale per row over all of K (max |t| / 448),
+    the scaling torch._scaled_grouped_mm takes."""
+    s = t.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+    return (t.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
+
+
+def torch_fp8_weights(w_gate, w_up, w_down):
+    """The routed weights quantised rowwise for torch_fp8_forward, once (as a training step
+    would cache them): ([E, 2I, H] e4m3, [E, 2I]), ([E, H, I] e4m3, [E, H])."""
+    return rowwise_fp8(torch.cat([w_gate, w_up], dim=1)), rowwise_fp8(w_down)
+
+
+def torch_fp8_forward(x, topk_ids, topk_weights, fp8_weights, shared=None) -> torch.Tensor:
+    """y [T, H] bf16 of the routed layer (EP = 1) through torch's fp8 grouped GEMM: the routes sorted
+    by expert, their rows of x quantised rowwise, torch._scaled_grouped_mm for gate/up, the
+    SwiGLU in bf16 quantised rowwise, torch._scaled_grouped_mm for down, the weighted gather
+    combine of torch_ep1_forward; the shared expert (if any) in bf16.  Forward only (torch's
+    scaled grouped GEMM has no autograd here)."""
+    (qgu, sgu), (qd, sd) = fp8_weights
+    num_tokens, topk = topk_ids.shape
+    perm, token, offs, valid = route_plan(topk_ids, qd.shape[0])
+    weight = torch.where(valid, topk_weights.reshape(-1), 0.0).index_select(0, perm)
+    qa, sa = rowwise_fp8(x.index_select(0, token))
+    gu = torch._scaled_grouped_mm(qa, qgu.transpose(-2, -1), sa, sgu, offs=offs, out_dtype=torch.bfloat16)
+    h = _swiglu(gu) * weight.to(torch.bfloat16).unsqueeze(1)
+    qh, sh = rowwise_fp8(h)
+    rows = torch._scaled_grouped_mm(qh, qd.transpose(-2, -1), sh, sd, offs=offs, out_dtype=torch.bfloat16)
+    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    y32 = rows.index_select(0, inv).view(num_tokens, topk, -1).sum(dim=1, dtype=torch.float32)
+    if shared is not None:
+        y32 = y32 + shared_forward(x, shared)
+    return y32.to(x.dtype)
+
+
 def experts_only(a_rows: torch.Tensor, offs: torch.Tensor, w_gateup: torch.Tensor, w_down: torch.Tensor,
                  h: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The two grouped GEMMs on pre-gathered rows a_rows [N, H]. Given h [N, I], the down GEMM
@@ -378,15 +413,19 @@ def import_mok() -> Tuple[Any, str]:
     return mok, ""
 
 
-def mok_forward(mok, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None, workspace=None):
-    """y of mok.functional.forward (raises NotImplementedError where the kernels are not built)."""
+def mok_forward(mok, x, topk_ids, topk_weights, w_gate, w_up, w_down, shared=None, workspace=None, config=None):
+    """y of mok.functional.forward (raises NotImplementedError where the kernels are not built);
+    config: a mok.functional.MoKConfig (precision) for the workspace made on first use."""
     ws = tuple(shared) if shared is not None else (None, None, None)
-    y, _ = mok.functional.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *ws, workspace=workspace)
+    y, _ = mok.functional.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *ws, workspace=workspace,
+                                  config=config)
     return y
 
 
-def mok_forward_backward(mok, x, topk_ids, topk_weights, w_gate, w_up, w_down, dy, shared=None, workspace=None):
+def mok_forward_backward(mok, x, topk_ids, topk_weights, w_gate, w_up, w_down, dy, shared=None, workspace=None,
+                         config=None):
     """(y, gradients) of mok.functional.forward then backward."""
     ws = tuple(shared) if shared is not None else (None, None, None)
-    y, ctx = mok.functional.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *ws, workspace=workspace)
+    y, ctx = mok.functional.forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, *ws, workspace=workspace,
+                                    config=config)
     return y, mok.functional.backward(ctx, dy)

@@ -32,6 +32,10 @@ from bench import shapes as sh  # noqa: E402
 
 VARIANTS = ("fused/gather", "split/gather", "fused/index_add", "split/index_add")
 RTOL = 1e-2  # relative Frobenius error allowed against float64 (docs/contracts.md §9)
+# fp8 rows (--fp8): the recipe's own e4m3 rounding (docs/precision.md: about 6e-2 on dsv3's
+# output against bf16, about 0.12 on the router gradient of a small layer), checked against
+# float64 with this much room: a broken kernel lands near 1
+RTOL_FP8 = 0.2
 
 
 # ---------------------------------------------------------------------------------------
@@ -100,7 +104,7 @@ class LayerCase:
         return int((self.inputs(0)["topk_ids"] >= 0).sum().item())
 
 
-def make_check(case: LayerCase, tokens: torch.Tensor, *, grads: bool):
+def make_check(case: LayerCase, tokens: torch.Tensor, *, grads: bool, rtol: float = RTOL):
     """Correctness callback: y (and dx, d topk_weights) of the token slice against float64."""
 
     def check(inputs, out):
@@ -111,7 +115,7 @@ def make_check(case: LayerCase, tokens: torch.Tensor, *, grads: bool):
             parts["dx"] = bl.compare(g[0].index_select(0, tokens), ref["dx"])
             parts["d_topk_weights"] = bl.compare(g[1].index_select(0, tokens), ref["d_topk_weights"])
         worst = max(p["rel_fro"] for p in parts.values())
-        return {"ok": worst < RTOL, "rel_fro": worst, "tokens": tokens.numel(), "rtol": RTOL, **parts}
+        return {"ok": worst < rtol, "rel_fro": worst, "tokens": tokens.numel(), "rtol": rtol, **parts}
 
     return check
 
@@ -356,6 +360,56 @@ def bench_mok(h: hz.Harness, case: LayerCase, args, mok_state, group, tokens, se
     mok_state["bwd"] = _mok_status(r)
     if r["status"] == "error":
         mok_state["failed_in"] = group
+    if args.fp8:
+        bench_fp8(h, case, args, mok_state, group, tokens, setup_fwd, setup_fb, models)
+
+
+def bench_fp8(h: hz.Harness, case: LayerCase, args, mok_state, group, tokens, setup_fwd, setup_fb, models):
+    """--fp8: mok in precision fp8_block (forward, forward + backward; its weights quantised once
+    and cached, as a training step between optimizer steps), and torch's fp8 forward pipeline
+    (rowwise torch._scaled_grouped_mm, its weights quantised once too), beside the bf16 rows."""
+    fwd_flops, fwd_bytes, fb_flops, fb_bytes = models
+    mok = mok_state["module"]
+    s = case.shape
+    if s.H % 128 or s.I % 128 or s.I_s % 128:
+        why = f"fp8_block's scale blocks need H, I and I_s multiples of 128 (H = {s.H}, I = {s.I}, I_s = {s.I_s})"
+        for name in ("mok fp8_block fwd", "torch fp8 fwd (rowwise)"):
+            h.skip(name, why, group=group, panel="fwd")
+        return
+    cfg = mok.functional.MoKConfig(precision="fp8_block")
+    weights = tuple(w.detach() for w in (case.w_gate, case.w_up, case.w_down))
+
+    def run_fwd(inp):
+        with torch.no_grad():
+            return bl.mok_forward(mok, inp["x"].detach(), inp["topk_ids"], inp["topk_weights"].detach(), *weights,
+                                  _detach(case.shared), config=cfg)
+
+    r = h.run(hz.Benchmark("mok fp8_block fwd", setup_fwd, run_fwd, flops=fwd_flops, bytes=fwd_bytes,
+                           check=make_check(case, tokens, grads=False, rtol=RTOL_FP8), group=group, panel="fwd"))
+    mok_state["fp8 fwd"] = _mok_status(r)
+    if r["status"] == "ok" and not args.fwd_only:
+        def run_fb(inp):
+            with torch.no_grad():
+                y, g = bl.mok_forward_backward(mok, inp["x"].detach(), inp["topk_ids"], inp["topk_weights"].detach(),
+                                               *weights, inp["dy"], _detach(case.shared), config=cfg)
+            return y, (g.dx, g.d_topk_weights)
+
+        r = h.run(hz.Benchmark("mok fp8_block fwd+bwd", setup_fb, run_fb, flops=fb_flops, bytes=fb_bytes,
+                               check=make_check(case, tokens, grads=True, rtol=RTOL_FP8), group=group,
+                               panel="fwd+bwd"))
+        mok_state["fp8 fwd+bwd"] = _mok_status(r)
+    if not hasattr(torch, "_scaled_grouped_mm") or case.device.type != "cuda":
+        h.skip("torch fp8 fwd (rowwise)", "torch._scaled_grouped_mm runs on CUDA only", group=group, panel="fwd")
+        return
+    fp8_weights = bl.torch_fp8_weights(*weights)
+
+    def run_torch(inp):
+        with torch.no_grad():
+            return bl.torch_fp8_forward(inp["x"].detach(), inp["topk_ids"], inp["topk_weights"].detach(), fp8_weights,
+                                        _detach(case.shared))
+
+    h.run(hz.Benchmark("torch fp8 fwd (rowwise)", setup_fwd, run_torch, flops=fwd_flops, bytes=fwd_bytes,
+                       check=make_check(case, tokens, grads=False, rtol=RTOL_FP8), group=group, panel="fwd"))
 
 
 def _mok_status(record: Dict[str, Any]) -> str:
@@ -383,6 +437,7 @@ def ratios(h: hz.Harness, group: str, best: Dict[str, Optional[str]]) -> Dict[st
     mok_fwd, mok_fb = ms("mok fwd"), ms("mok fwd+bwd")
     bwd = ms(f"torch ep1 bwd {best['fwd+bwd']}")
     mok_bwd, experts_bwd, floor_bwd = ms("mok bwd"), ms("experts only bwd (grouped GEMMs)"), ms("dense-rate floor bwd")
+    fp8_fwd, fp8_fb, torch_fp8 = ms("mok fp8_block fwd"), ms("mok fp8_block fwd+bwd"), ms("torch fp8 fwd (rowwise)")
     return {"torch_fwd_ms": fwd, "torch_fwdbwd_ms": fb,
             "torch_bwd_ms": None if fb is None or fwd_same is None else fb - fwd_same,
             "experts_only_ms": experts, "floor_fwd_ms": floor,
@@ -393,7 +448,12 @@ def ratios(h: hz.Harness, group: str, best: Dict[str, Optional[str]]) -> Dict[st
             "speedup_mok_fwdbwd_vs_torch": div(fb, mok_fb),
             "torch_bwd_alone_ms": bwd, "experts_only_bwd_ms": experts_bwd, "floor_bwd_ms": floor_bwd,
             "mok_bwd_ms": mok_bwd, "speedup_mok_bwd_vs_torch": div(bwd, mok_bwd),
-            "mok_bwd_over_experts": div(mok_bwd, experts_bwd), "mok_bwd_over_floor": div(mok_bwd, floor_bwd)}
+            "mok_bwd_over_experts": div(mok_bwd, experts_bwd), "mok_bwd_over_floor": div(mok_bwd, floor_bwd),
+            # --fp8: mok's fp8_block against its bf16 and against torch's fp8 forward, this run
+            "mok_fp8_fwd_ms": fp8_fwd, "mok_fp8_fwdbwd_ms": fp8_fb, "torch_fp8_fwd_ms": torch_fp8,
+            "speedup_mok_fp8_fwd_vs_mok_bf16": div(mok_fwd, fp8_fwd),
+            "speedup_mok_fp8_fwdbwd_vs_mok_bf16": div(mok_fb, fp8_fb),
+            "speedup_mok_fp8_fwd_vs_torch_fp8": div(torch_fp8, fp8_fwd)}
 
 
 def ratio_table(cases: List[Dict[str, Any]]) -> str:
@@ -409,6 +469,16 @@ def ratio_table(cases: List[Dict[str, Any]]) -> str:
         cells = ["-" if r.get(key) is None else f"{r[key]:.3f}" for key, _ in cols]
         lines.append(c["group"][:22].ljust(22) + "  ".join(x.rjust(9) for x in cells)
                      + "  " + ", ".join(v or "-" for v in c["torch_best_variant"].values()))
+    # --fp8: mok's fp8_block against its bf16 and torch's fp8 forward (the same run)
+    fp8 = [("mok_fp8_fwd_ms", "fp8 fwd"), ("speedup_mok_fp8_fwd_vs_mok_bf16", "bf16/fp8"),
+           ("mok_fp8_fwdbwd_ms", "fp8 f+b"), ("speedup_mok_fp8_fwdbwd_vs_mok_bf16", "bf16/fp8 f+b"),
+           ("torch_fp8_fwd_ms", "torch fp8"), ("speedup_mok_fp8_fwd_vs_torch_fp8", "tfp8/fp8")]
+    if any(c["ratios"].get("mok_fp8_fwd_ms") is not None for c in cases):
+        lines += ["", "group".ljust(22) + "  ".join(c[1].rjust(12) for c in fp8)]
+        for c in cases:
+            r = c["ratios"]
+            cells = ["-" if r.get(key) is None else f"{r[key]:.3f}" for key, _ in fp8]
+            lines.append(c["group"][:22].ljust(22) + "  ".join(x.rjust(12) for x in cells))
     return "\n".join(lines)
 
 
@@ -434,6 +504,8 @@ def parse_args(argv=None):
     p.add_argument("--drop", type=float, default=0.0, help="fraction of routes set to -1")
     p.add_argument("--check-tokens", type=int, default=8, help="tokens checked against float64")
     p.add_argument("--no-mok", action="store_true", help="do not run mok")
+    p.add_argument("--fp8", action="store_true",
+                   help="also mok in precision fp8_block and torch's rowwise fp8 forward (ratios in the JSON)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny shape only (CPU smoke test)")
     args = p.parse_args(argv)
