@@ -135,6 +135,11 @@ struct Fp8BwdParts {
   int64_t sdh, sdh_scales, sxt, sxt_scales, sdyt, sdyt_scales, sat, sat_scales, sdgt, sdgt_scales, sdut, sdut_scales;
   int64_t total;
 };
+// A wgrad operand's transposed e4m3 copy [cols, rows] and its scales [rows/128, cols] fp32
+MOK_HD void fp8_transposed_part(PartAllocator& part, int64_t rows, int64_t cols, int64_t* q, int64_t* scales) {
+  *q = part(cols * rows);
+  *scales = part(rows / 128 * cols * 4);
+}
 MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I, int64_t T, int64_t Is = 0) {
   Fp8BwdParts p{};
   PartAllocator part;
@@ -144,29 +149,19 @@ MOK_HD Fp8BwdParts fp8_bwd_parts(int64_t R, int64_t H, int64_t I, int64_t T, int
   p.dy_scales = part(H / 128 * R * 4);
   p.dh = part(R * 2 * I);
   p.dh_scales = part(2 * I / 128 * R * 4);
-  p.xt = part(H * R);
-  p.xt_scales = part(R / 128 * H * 4);
-  p.wdyt = part(H * R);
-  p.wdyt_scales = part(R / 128 * H * 4);
-  p.at = part(I * R);
-  p.at_scales = part(R / 128 * I * 4);
-  p.dgt = part(I * R);
-  p.dgt_scales = part(R / 128 * I * 4);
-  p.dut = part(I * R);
-  p.dut_scales = part(R / 128 * I * 4);
+  fp8_transposed_part(part, R, H, &p.xt, &p.xt_scales);
+  fp8_transposed_part(part, R, H, &p.wdyt, &p.wdyt_scales);
+  fp8_transposed_part(part, R, I, &p.at, &p.at_scales);
+  fp8_transposed_part(part, R, I, &p.dgt, &p.dgt_scales);
+  fp8_transposed_part(part, R, I, &p.dut, &p.dut_scales);
   const int64_t t128 = Is > 0 ? (T + 127) / 128 * 128 : 0, t4 = Is > 0 ? fp8_t4(T) : 0;
   p.sdh = part(T * 2 * Is);
   p.sdh_scales = part(2 * Is / 128 * t4 * 4);
-  p.sxt = part(H * t128);
-  p.sxt_scales = part(t128 / 128 * H * 4);
-  p.sdyt = part(H * t128);
-  p.sdyt_scales = part(t128 / 128 * H * 4);
-  p.sat = part(Is * t128);
-  p.sat_scales = part(t128 / 128 * Is * 4);
-  p.sdgt = part(Is * t128);
-  p.sdgt_scales = part(t128 / 128 * Is * 4);
-  p.sdut = part(Is * t128);
-  p.sdut_scales = part(t128 / 128 * Is * 4);
+  fp8_transposed_part(part, t128, H, &p.sxt, &p.sxt_scales);
+  fp8_transposed_part(part, t128, H, &p.sdyt, &p.sdyt_scales);
+  fp8_transposed_part(part, t128, Is, &p.sat, &p.sat_scales);
+  fp8_transposed_part(part, t128, Is, &p.sdgt, &p.sdgt_scales);
+  fp8_transposed_part(part, t128, Is, &p.sdut, &p.sdut_scales);
   p.total = part.at;
   return p;
 }

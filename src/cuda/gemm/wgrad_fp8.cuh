@@ -35,6 +35,25 @@ __device__ __forceinline__ WgradTile wgrad_fp8_tile(const WgradParams& p, int ti
   return WgradTile{e, tc.m, tc.n, (count + WgradFp8Tile::kBlockK - 1) / WgradFp8Tile::kBlockK, p.expert_offset[e], 0};
 }
 
+// One 64-register partial (a part's 128 columns from col0 of the stage's) promoted into acc
+// (its 64 registers): acc = fma(partial, float(sa[row] · sb[col]), acc), rows row and row + 8
+template <class T>
+__device__ __forceinline__ void promote_rows_scaled(const StageStorageT<T, PrecisionE4m3Rows>& s, int i, int row,
+                                                    int col0, const float (&part)[64], float* acc) {
+  const int lane_col = (threadIdx.x % 4) * 2;  // and + 1, of each n8 block
+  const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float* sb = &s.sb[i][col0 + 8 * j + lane_col];
+    const float sb0 = ptx::ld_shared_f32(sb), sb1 = ptx::ld_shared_f32(sb + 1);
+    float* const a = acc + j * 4;
+    a[0] = fmaf(part[j * 4 + 0], sa0 * sb0, a[0]);
+    a[1] = fmaf(part[j * 4 + 1], sa0 * sb1, a[1]);
+    a[2] = fmaf(part[j * 4 + 2], sa1 * sb0, a[2]);
+    a[3] = fmaf(part[j * 4 + 3], sa1 * sb1, a[3]);
+  }
+}
+
 // Consumer warpgroup `consumer` (rows 64·consumer .. + 63 of the tile): acc over the tile's
 // k-blocks (at least one), each part's four m64n128k32 MMAs into a fresh partial, promoted as
 //   acc = fma(partial, float(sa[row] · sb[col]), acc)
@@ -48,7 +67,6 @@ __device__ __forceinline__ bool consume_tile_rows_scaled(StageStorageT<T, Precis
   constexpr int kParts = T::kBlockN / 128, kPartRegs = 64;
   const bool warp_leader = threadIdx.x % 32 == 0;
   const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
-  const int lane_col = (threadIdx.x % 4) * 2;  // and + 1, of each n8 block
   float part[kPartRegs];
 #pragma unroll
   for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.0f;
@@ -56,7 +74,6 @@ __device__ __forceinline__ bool consume_tile_rows_scaled(StageStorageT<T, Precis
     if (!s.pipe.consumer_wait(stage, wait)) return false;
     const int i = stage.index;
     const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[i] + consumer * 64 * T::kBlockK);
-    const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
 #pragma unroll
     for (int q = 0; q < kParts; ++q) {
       const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[i] + q * 128 * T::kBlockK);
@@ -66,17 +83,7 @@ __device__ __forceinline__ bool consume_tile_rows_scaled(StageStorageT<T, Precis
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(part);
-#pragma unroll
-      for (int j = 0; j < kPartRegs / 4; ++j) {
-        // columns 128 q + 8 j + lane_col + {0, 1} of the tile
-        const float* sb = &s.sb[i][128 * q + 8 * j + lane_col];
-        const float sb0 = ptx::ld_shared_f32(sb), sb1 = ptx::ld_shared_f32(sb + 1);
-        float* const a = acc + (q * (kPartRegs / 4) + j) * 4;
-        a[0] = fmaf(part[j * 4 + 0], sa0 * sb0, a[0]);
-        a[1] = fmaf(part[j * 4 + 1], sa0 * sb1, a[1]);
-        a[2] = fmaf(part[j * 4 + 2], sa1 * sb0, a[2]);
-        a[3] = fmaf(part[j * 4 + 3], sa1 * sb1, a[3]);
-      }
+      promote_rows_scaled<T>(s, i, row, 128 * q, part, acc + q * kPartRegs);  // the tile's columns 128 q ..
     }
     ptx::fence_regs(acc);
     if (warp_leader) s.pipe.consumer_release(i);
@@ -98,7 +105,6 @@ __device__ __forceinline__ bool consume_tile_rows_scaled_db(StageStorageT<T, Pre
   constexpr int kPartRegs = 64;
   const bool warp_leader = threadIdx.x % 32 == 0;
   const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
-  const int lane_col = (threadIdx.x % 4) * 2;
   float p0[kPartRegs], p1[kPartRegs];
 #pragma unroll
   for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.0f;
@@ -114,17 +120,7 @@ __device__ __forceinline__ bool consume_tile_rows_scaled_db(StageStorageT<T, Pre
   // part (k-block at stage i, its MMAs complete) promoted into acc; the stage released
   auto promote = [&](float (&part)[kPartRegs], int i) {
     ptx::fence_regs(part);
-    const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
-#pragma unroll
-    for (int j = 0; j < kPartRegs / 4; ++j) {
-      const float* sb = &s.sb[i][8 * j + lane_col];
-      const float sb0 = ptx::ld_shared_f32(sb), sb1 = ptx::ld_shared_f32(sb + 1);
-      float* const a = acc + j * 4;
-      a[0] = fmaf(part[j * 4 + 0], sa0 * sb0, a[0]);
-      a[1] = fmaf(part[j * 4 + 1], sa0 * sb1, a[1]);
-      a[2] = fmaf(part[j * 4 + 2], sa1 * sb0, a[2]);
-      a[3] = fmaf(part[j * 4 + 3], sa1 * sb1, a[3]);
-    }
+    promote_rows_scaled<T>(s, i, row, 0, part, acc);
     ptx::fence_regs(acc);
     if (warp_leader) s.pipe.consumer_release(i);
   };
