@@ -424,14 +424,17 @@ __device__ __forceinline__ bool consume_tile(StageStorageT<T, P>& s, PipelineSta
 // Each warp releases the stage once its scales are in registers and its last MMAs retired (the
 // stage's barrier counts a release a warp: StageStorageT::kReleases).  NOTES: a partial is
 // waited for before its promotion (wgmma.wait 0): the other warpgroup's MMAs run meanwhile.
-template <class T, class P>
-__device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
-                                                          int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
-                                                          const WaitContext& wait) {
-  static_assert(P::kBlockScaled && !T::kPingPong, "block-scaled tiles are cooperative");
-  static_assert(T::kBlockN % 128 == 0 && T::kBlockK == 128, "block-scaled parts of 128 columns, k-blocks of 128");
+// The promoted K loop of every fp8 scaled precision (block-scaled here, per-row-scaled for the
+// wgrad kind: gemm/wgrad_fp8.cuh): per k-block, sc = scales_of(i, row) from stage i (before
+// its release), then per part q of 128 columns its four k32 MMAs into the partial, waited for,
+// and promote(sc, i, row, q, part, acc + 64 q) folding the partial into the accumulator.
+template <class T, class P, class ScalesOf, class Promote>
+__device__ __forceinline__ bool consume_tile_promoted(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
+                                                      int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
+                                                      const WaitContext& wait, ScalesOf scales_of, Promote promote) {
+  static_assert(P::kPromoted && !T::kPingPong, "promoted tiles are cooperative");
+  static_assert(T::kBlockN % 128 == 0 && T::kBlockK == 128, "parts of 128 columns, k-blocks of 128");
   constexpr int kParts = T::kBlockN / 128, kPartRegs = 64;  // m64n128: 64 fp32 a thread
-  constexpr int kHalfCols = T::kBlockN / 2;                 // columns of a B half
   const bool warp_leader = threadIdx.x % 32 == 0;
   const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
   float part[kPartRegs];
@@ -441,8 +444,7 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
     if (!s.pipe.consumer_wait(stage, wait)) return false;
     const int i = stage.index;
     const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[i] + consumer * 64 * T::kBlockK);
-    const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
-    const float sb0 = ptx::ld_shared_f32(&s.sb[i][0]), sb1 = ptx::ld_shared_f32(&s.sb[i][1]);
+    const auto sc = scales_of(i, row);
 #pragma unroll
     for (int q = 0; q < kParts; ++q) {
       // The part's four k32 steps: B rows [128 q, 128 q + 128) of the stage, a fresh sum
@@ -453,17 +455,7 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
       ptx::wgmma_commit();
       ptx::wgmma_wait<0>();
       ptx::fence_regs(part);
-#pragma unroll
-      for (int j = 0; j < kPartRegs / 4; ++j) {
-        // columns 128 q + 8 j .. + 7 of the tile: B half (128 q + 8 j) / kHalfCols
-        const bool second = (128 * q + 8 * j) / kHalfCols == 1;
-        const float lo = sa0 * (second ? sb1 : sb0), hi = sa1 * (second ? sb1 : sb0);
-        float* const a = acc + (q * (kPartRegs / 4) + j) * 4;
-        a[0] = fmaf(part[j * 4 + 0], lo, a[0]);
-        a[1] = fmaf(part[j * 4 + 1], lo, a[1]);
-        a[2] = fmaf(part[j * 4 + 2], hi, a[2]);
-        a[3] = fmaf(part[j * 4 + 3], hi, a[3]);
-      }
+      promote(sc, i, row, q, part, acc + q * kPartRegs);
     }
     // The stage is free once the last part's MMAs retired and the warp's scale loads were
     // used (a register dependency, besides the arrival's release order)
@@ -472,6 +464,33 @@ __device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s
     stage.advance();
   }
   return true;
+}
+
+template <class T, class P>
+__device__ __forceinline__ bool consume_tile_block_scaled(StageStorageT<T, P>& s, PipelineState<T::kStages>& stage,
+                                                          int num_k_blocks, int consumer, float (&acc)[T::kAccRegs],
+                                                          const WaitContext& wait) {
+  static_assert(P::kBlockScaled, "block-scaled stages");
+  constexpr int kHalfCols = T::kBlockN / 2;  // columns of a B half
+  // The rows' A scales and the two B halves' block scales of the k-block
+  const auto scales_of = [&s](int i, int row) {
+    return float4{ptx::ld_shared_f32(&s.sa[i][row]), ptx::ld_shared_f32(&s.sa[i][row + 8]),
+                  ptx::ld_shared_f32(&s.sb[i][0]), ptx::ld_shared_f32(&s.sb[i][1])};
+  };
+  const auto promote = [](const float4& sc, int, int, int q, const float (&part)[64], float* acc_q) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      // columns 128 q + 8 j .. + 7 of the tile: B half (128 q + 8 j) / kHalfCols
+      const bool second = (128 * q + 8 * j) / kHalfCols == 1;
+      const float lo = sc.x * (second ? sc.w : sc.z), hi = sc.y * (second ? sc.w : sc.z);
+      float* const a = acc_q + j * 4;
+      a[0] = fmaf(part[j * 4 + 0], lo, a[0]);
+      a[1] = fmaf(part[j * 4 + 1], lo, a[1]);
+      a[2] = fmaf(part[j * 4 + 2], hi, a[2]);
+      a[3] = fmaf(part[j * 4 + 3], hi, a[3]);
+    }
+  };
+  return consume_tile_promoted(s, stage, num_k_blocks, consumer, acc, wait, scales_of, promote);
 }
 
 // ---- epilogues: one consumer's 64 x 256 accumulator tile ------------------------------------

@@ -35,61 +35,44 @@ __device__ __forceinline__ WgradTile wgrad_fp8_tile(const WgradParams& p, int ti
   return WgradTile{e, tc.m, tc.n, (count + WgradFp8Tile::kBlockK - 1) / WgradFp8Tile::kBlockK, p.expert_offset[e], 0};
 }
 
-// One 64-register partial (a part's 128 columns from col0 of the stage's) promoted into acc
-// (its 64 registers): acc = fma(partial, float(sa[row] · sb[col]), acc), rows row and row + 8
+// The rows' A scales of stage i, and one 64-register partial (a part's 128 columns from col0 of
+// the stage's) promoted into acc (its 64 registers): acc = fma(partial, float(sa[row] ·
+// sb[col]), acc), rows row and row + 8
 template <class T>
-__device__ __forceinline__ void promote_rows_scaled(const StageStorageT<T, PrecisionE4m3Rows>& s, int i, int row,
+__device__ __forceinline__ float2 row_scales(const StageStorageT<T, PrecisionE4m3Rows>& s, int i, int row) {
+  return float2{ptx::ld_shared_f32(&s.sa[i][row]), ptx::ld_shared_f32(&s.sa[i][row + 8])};
+}
+template <class T>
+__device__ __forceinline__ void promote_rows_scaled(const StageStorageT<T, PrecisionE4m3Rows>& s, int i, float2 sa,
                                                     int col0, const float (&part)[64], float* acc) {
   const int lane_col = (threadIdx.x % 4) * 2;  // and + 1, of each n8 block
-  const float sa0 = ptx::ld_shared_f32(&s.sa[i][row]), sa1 = ptx::ld_shared_f32(&s.sa[i][row + 8]);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const float* sb = &s.sb[i][col0 + 8 * j + lane_col];
     const float sb0 = ptx::ld_shared_f32(sb), sb1 = ptx::ld_shared_f32(sb + 1);
     float* const a = acc + j * 4;
-    a[0] = fmaf(part[j * 4 + 0], sa0 * sb0, a[0]);
-    a[1] = fmaf(part[j * 4 + 1], sa0 * sb1, a[1]);
-    a[2] = fmaf(part[j * 4 + 2], sa1 * sb0, a[2]);
-    a[3] = fmaf(part[j * 4 + 3], sa1 * sb1, a[3]);
+    a[0] = fmaf(part[j * 4 + 0], sa.x * sb0, a[0]);
+    a[1] = fmaf(part[j * 4 + 1], sa.x * sb1, a[1]);
+    a[2] = fmaf(part[j * 4 + 2], sa.y * sb0, a[2]);
+    a[3] = fmaf(part[j * 4 + 3], sa.y * sb1, a[3]);
   }
 }
 
 // Consumer warpgroup `consumer` (rows 64·consumer .. + 63 of the tile): acc over the tile's
 // k-blocks (at least one), each part's four m64n128k32 MMAs into a fresh partial, promoted as
 //   acc = fma(partial, float(sa[row] · sb[col]), acc)
-// in k-block order from acc = 0 (the reference's order and roundings, src/ref wgrad_fp8).
+// in k-block order from acc = 0 (the reference's order and roundings, src/ref wgrad_fp8): the
+// block-scaled kinds' K loop (tile.cuh consume_tile_promoted) with this promotion.
 template <class T>
 __device__ __forceinline__ bool consume_tile_rows_scaled(StageStorageT<T, PrecisionE4m3Rows>& s,
                                                          PipelineState<T::kStages>& stage, int num_k_blocks,
                                                          int consumer, float (&acc)[T::kAccRegs],
                                                          const WaitContext& wait) {
-  static_assert(!T::kPingPong && T::kBlockN % 128 == 0 && T::kBlockK == 128, "cooperative tiles, k-blocks of 128");
-  constexpr int kParts = T::kBlockN / 128, kPartRegs = 64;
-  const bool warp_leader = threadIdx.x % 32 == 0;
-  const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
-  float part[kPartRegs];
-#pragma unroll
-  for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.0f;
-  for (int kb = 0; kb < num_k_blocks; ++kb) {
-    if (!s.pipe.consumer_wait(stage, wait)) return false;
-    const int i = stage.index;
-    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[i] + consumer * 64 * T::kBlockK);
-#pragma unroll
-    for (int q = 0; q < kParts; ++q) {
-      const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[i] + q * 128 * T::kBlockK);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < T::kBlockK / 32; ++k) ptx::mma_e4m3<128>(part, desc_a + 2 * k, desc_b + 2 * k, k != 0);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      ptx::fence_regs(part);
-      promote_rows_scaled<T>(s, i, row, 128 * q, part, acc + q * kPartRegs);  // the tile's columns 128 q ..
-    }
-    ptx::fence_regs(acc);
-    if (warp_leader) s.pipe.consumer_release(i);
-    stage.advance();
-  }
-  return true;
+  return consume_tile_promoted(
+      s, stage, num_k_blocks, consumer, acc, wait, [&s](int i, int row) { return row_scales<T>(s, i, row); },
+      [&s](float2 sa, int i, int, int q, const float (&part)[64], float* acc_q) {
+        promote_rows_scaled<T>(s, i, sa, 128 * q, part, acc_q);
+      });
 }
 
 // The same at N = 128 with the partials double-buffered across k-blocks: k-block kb + 1's MMAs
@@ -120,7 +103,7 @@ __device__ __forceinline__ bool consume_tile_rows_scaled_db(StageStorageT<T, Pre
   // part (k-block at stage i, its MMAs complete) promoted into acc; the stage released
   auto promote = [&](float (&part)[kPartRegs], int i) {
     ptx::fence_regs(part);
-    promote_rows_scaled<T>(s, i, row, 0, part, acc);
+    promote_rows_scaled<T>(s, i, row_scales<T>(s, i, row), 0, part, acc);
     ptx::fence_regs(acc);
     if (warp_leader) s.pipe.consumer_release(i);
   };
