@@ -419,7 +419,7 @@ void backward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankIn
   p.shared_replay = Is > 0 && !saved.shared_h ? 1 : 0;
   p.slot_by_expert = El <= b.num_macro - 1 ? 1 : 0;
   p.n_acc = static_cast<int32_t>(b.n_acc);
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  p.n_group = gemm::env_tile_n_group();
   const long start_gather = env::get_int(env::kBackwardStartGather);
   MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
                 env::kBackwardStartGather.name << " = " << start_gather << ": minibatches, 0 to 1024");
@@ -871,10 +871,23 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     a.timeout_record = timeout;
     return a;
   };
-  // h: the forward's, or the replay on x quantised per row (in dy's buffers, before dy)
+  // h: the forward's, or the replay on x quantised once per token (in dy's buffers, before dy):
+  // the routed rows gathered from it, and the shared expert's tokens read from it as they are
   void* const h = saved.h ? saved.h : b.h;
+  const int32_t sblocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
+  if (!saved.h) gather_quantized(in.x);
+  else if (Is > 0 && !saved.shared_h)
+    gemm::launch_quantize_rows(in.x, f + parts.tok, fl(parts.tok_scales), T, H, pow2, stream, t4);
+  if (Is > 0 && !saved.shared_h && T > 0) {
+    gemm::GroupedGemmArgs sgu =
+        scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.tok, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is,
+                                                           ws.shared_block, sblocks, b.sh_h),
+                                 256),
+               fl(parts.tok_scales), in.fp8_scales[3], in.fp8_scales[4]);
+    sgu.a_scales_ld = t4;
+    gemm::launch_grouped_gemm(sgu, stream);
+  }
   if (!saved.h) {
-    gather_quantized(in.x);
     gemm::launch_grouped_gemm(
         scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.dy, R, H, in.fp8_q[0], in.fp8_q[1], El, I,
                                                            ws.block_expert, max_blocks, b.h),
@@ -955,23 +968,13 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
         ms.w_up, routed);
 
   // The shared expert over the tokens themselves (weight 1), the same kinds: its h (saved, or
-  // the replay on x quantised per token, in the routed rows' buffer now free), dgrad down with
+  // replayed above on x quantised per token), dgrad down with
   // the SwiGLU backward on dy quantised per token (tok), dgrad gate/up into its dx rows, and its
   // weight gradients over the T tokens as one expert (T rounded up to 128 with zero rows)
   if (Is > 0) {
-    const int32_t sblocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
     const int64_t t128 = plan::ceil_div(T, 128) * 128;
-    void* const sh_h = saved.shared_h ? saved.shared_h : b.sh_h;
+    void* const sh_h = saved.shared_h ? saved.shared_h : b.sh_h;  // (replayed above, beside the routed h)
     if (T > 0) {
-      if (!saved.shared_h) {
-        gemm::launch_quantize_rows(in.x, f + parts.dy, fl(parts.dy_scales), T, H, pow2, stream, R);
-        gemm::launch_grouped_gemm(
-            scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.dy, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is,
-                                                               ws.shared_block, sblocks, b.sh_h),
-                                     256),
-                   fl(parts.dy_scales), in.fp8_scales[3], in.fp8_scales[4]),
-            stream);
-      }
       gemm::GroupedGemmArgs sdd = scaled(
           gemm::dgrad_down_swiglu_e4m3_args(f + parts.tok, T, H, in.fp8_qt[5], 1, Is, ws.shared_block, sblocks, sh_h,
                                             b.ones, f + parts.sdh, fl(parts.sdh_scales), t4, pow2, b.sh_dh, b.sh_a,

@@ -344,7 +344,7 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.num_comm = num_comm;
   p.max_blocks = static_cast<int32_t>(ws.max_blocks);
   p.shared_blocks = Is > 0 ? gemm::tiles_of(T, fused::kBlockM) : 0;
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
+  p.n_group = gemm::env_tile_n_group();
   const long start_gather = env::get_int(env::kForwardStartGather);
   MOK_CHECK_ARG(start_gather >= 0 && start_gather <= 1024,
                 env::kForwardStartGather.name << " = " << start_gather << ": minibatches, 0 to 1024");

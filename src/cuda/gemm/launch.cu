@@ -15,6 +15,10 @@
 namespace mok::gemm {
 
 double env_gemm_timeout_s() { return std::max(0.001, std::strtod(env::get(env::kGemmTimeout).c_str(), nullptr)); }
+int32_t env_tile_n_group() { return static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup))); }
+uint64_t gemm_timeout_ns(double timeout_s) {
+  return static_cast<uint64_t>(std::min<double>(timeout_s, env_gemm_timeout_s()) * 1e9);
+}
 
 namespace {
 
@@ -181,8 +185,8 @@ GroupedGemmParams common_params(const GroupedGemmArgs& g, int block_k) {
   p.out_rows = g.out_rows;
   p.plan_rows = g.plan_rows;
   p.topk = g.topk;
-  p.n_group = static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup)));
-  p.timeout_ns = static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9);
+  p.n_group = env_tile_n_group();
+  p.timeout_ns = gemm_timeout_ns(g.timeout_s);
   p.timeout_record = g.timeout_record;
   return p;
 }
@@ -423,8 +427,7 @@ void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {
   const CUtensorMap map_b = tensor_map_2d(no_rows ? fallback : g.b, no_rows ? 1 : g.rows, g.no, C::kBlockK);
   WgradParams p = wgrad_common_params(
       g.num_experts, g.expert_offset, g.expert_count, g.out, g.acc, g.main_grad, g.accumulate, g.store_acc, g.mo, g.no,
-      static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup))),
-      static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9), g.timeout_record);
+      env_tile_n_group(), gemm_timeout_ns(g.timeout_s), g.timeout_record);
   p.expert_mode = g.expert_mode;
   p.expert_range = g.expert_range;
   p.acc_slot = g.acc_slot;

@@ -175,6 +175,10 @@ void launch_grouped_wgrad(const GroupedWgradArgs& args, cudaStream_t stream);
 
 // MOK_GEMM_TIMEOUT_S: the cap on every grouped-GEMM launch's own wait deadline (seconds)
 double env_gemm_timeout_s();
+// The grouped launches' knobs: N-blocks per raster group (MOK_TILE_N_GROUP, at least 1), and a
+// wait deadline in ns from a call's timeout_s capped by MOK_GEMM_TIMEOUT_S
+int32_t env_tile_n_group();
+uint64_t gemm_timeout_ns(double timeout_s);
 
 // The fp8 wgrad kind (gemm/wgrad_fp8.cuh): out[e] = Σ over expert e's k-blocks of 128 rows of
 // the e4m3 sum promoted with sa · sb.  a [Mo, R] and b [No, R] e4m3 (transposed, K-major), a_scales

@@ -139,8 +139,7 @@ void launch_wgrad_fp8_tiles(const GroupedWgradFp8Args& g, cudaStream_t stream) {
       tensor_map_scales(no_rows ? static_cast<const float*>(fallback) : g.b_scales, r / 128, g.no, T::kBlockN);
   WgradParams p = wgrad_common_params(
       g.num_experts, g.expert_offset, g.expert_count, g.out, g.acc, g.main_grad, g.accumulate, g.store_acc, g.mo, g.no,
-      static_cast<int32_t>(std::max<long>(1, env::get_int(env::kTileNGroup))),
-      static_cast<uint64_t>(std::min<double>(g.timeout_s, env_gemm_timeout_s()) * 1e9), g.timeout_record);
+      env_tile_n_group(), gemm_timeout_ns(g.timeout_s), g.timeout_record);
   p.out_es = g.out_es;
   p.out_rs = g.out_rs;
   p.mg_es = g.mg_es;
