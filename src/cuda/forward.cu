@@ -592,7 +592,7 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   gemm::GroupedGemmArgs g;
   if (call.a_scales != nullptr && call.kind == mokGemmDgradGateUp) {
     // fp8_block's dgrad gate/up: b0 / b1 W_gate's and W_up's transposed copies [E, H, I] (n = H,
-    // k = 2I), a K split (written, not yet run on a GPU)
+    // k = 2I), a K split
     g = gemm::dgrad_gate_up_e4m3_args(call.a, call.a_rows, call.k / 2, call.b0, call.b1, call.num_experts, call.n,
                                       call.block_expert, call.num_m_blocks, call.out);
     g.num_blocks = call.num_blocks;
@@ -604,7 +604,7 @@ void grouped_gemm(const GroupedGemmCall& call, void* stream) {
   }
   if (call.a_scales != nullptr && call.kind == mokGemmDgradDownSwiGLU) {
     // fp8_block's dgrad down with the SwiGLU backward: b0 is W_down's transposed copy [E, I, H]
-    // (n = I, k = H), out dh in e4m3 with out_scales, wa the bf16 a (written, not yet run on a GPU)
+    // (n = I, k = H), out dh in e4m3 with out_scales, wa the bf16 a
     g = gemm::dgrad_down_swiglu_e4m3_args(call.a, call.a_rows, call.k, call.b0, call.num_experts, call.n,
                                           call.block_expert, call.num_m_blocks, call.h, call.row_weight, call.out,
                                           call.out_scales, 0, call.out_scales_pow2, nullptr, call.wa,

@@ -93,7 +93,7 @@ def test_saved_pre_activations_are_the_gate_up_kinds(shared):
 @gpu
 @pytest.mark.parametrize("shared,pow2", [(0, False), (0, True), (128, False)])
 def test_cuda_backward_is_the_reference(shared, pow2):
-    # The CUDA backward's launches (written in session 25) against the CPU reference's recipe:
+    # The CUDA backward's launches against the CPU reference's recipe:
     # every gradient within the tensor cores' fp8 sums (their k-block partials keep about 14
     # bits, so an e4m3 rounding of dh, a, x or w·dy may land one step apart); twice bitwise; the
     # training forward's saved h and the replay the same bits; w = 0 and w < 0 routes included

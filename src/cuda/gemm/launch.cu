@@ -322,7 +322,7 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
   }
   const bool swiglu_bwd = g.epilogue == static_cast<int32_t>(Epilogue::kDgradSwiGLU);
   if (swiglu_bwd && g.operand_bytes == 1) {
-    // fp8_block's dgrad down (written, not yet run on a GPU): K-major on W_down's transposed
+    // fp8_block's dgrad down: K-major on W_down's transposed
     // copy, dh out in e4m3 with its scales (epilogue_dgrad_swiglu_e4m3)
     const int64_t inter = g.n;
     MOK_CHECK_ARG(g.a_scales != nullptr && g.b0_scales != nullptr && g.out_scales != nullptr,

@@ -110,7 +110,7 @@ GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t h
                                        int32_t max_m_blocks, const void* h, const float* row_weight, void* dh,
                                        void* wa, float* dtw_partials);
 
-// fp8_block's dgrad gate/up (written, not yet run on a GPU): dx rows = dh_q [rows, 2I] · [W_gate;
+// fp8_block's dgrad gate/up: dx rows = dh_q [rows, 2I] · [W_gate;
 // W_up][e], on the weights' transposed e4m3 copies w_gate_qt, w_up_qt [E, H, I] (a K split: the
 // gate k-blocks, then the up ones; their scales W_gate's and W_up's, b_scales_transposed), bf16
 // out [rows, H] (kStore, or kScatter set by the caller).  The caller sets a_scales (dh's, [2I/128,
@@ -118,7 +118,7 @@ GroupedGemmArgs dgrad_down_swiglu_args(const void* dy, int64_t a_rows, int64_t h
 GroupedGemmArgs dgrad_gate_up_e4m3_args(const void* dh_q, int64_t a_rows, int64_t inter, const void* w_gate_qt,
                                         const void* w_up_qt, int64_t num_experts, int64_t hidden,
                                         const int32_t* block_expert, int32_t max_m_blocks, void* out);
-// fp8_block's dgrad down with the SwiGLU backward (written, not yet run on a GPU): da = dy_q ·
+// fp8_block's dgrad down with the SwiGLU backward: da = dy_q ·
 // W_downᵀ on W_down's transposed e4m3 copy w_down_qt [E, I, H] (K = H, its scales those of
 // W_down, b_scales_transposed), dh out in e4m3 [rows, 2I] with dh_scales [2I/128, scales_ld]
 // (gemm/epilogue_bwd.cuh epilogue_dgrad_swiglu_e4m3); h [rows, 2I] the saved bf16 pre-activations,
