@@ -291,6 +291,10 @@ def gemm_fp8(args, H, I, k, E, T):
         # forward (saving h) + backward: the second bar (fp8_block >= 1.4x bf16)
         variants[f"mok {prec} layer fwd+bwd"] = (lambda w: lambda: F.backward(
             F.forward(xt, ids, tw, wg, wu, wd, workspace=w, save_for_backward=True)[1], dyt))(lws)
+    # fp8_block's forward as launches (MOK_FORWARD_PATH=unfused: the same tiles), against the
+    # megakernel's fp8 policy above
+    variants["mok fp8_block layer fwd (launches)"] = with_env({"MOK_FORWARD_PATH": "unfused"},
+                                                               lambda: layer["fp8_block"](False))
     if hasattr(torch, "_scaled_grouped_mm"):  # torch's fp8 layer forward (rowwise, weights quantised once)
         fw8 = bl.torch_fp8_weights(wg, wu, wd)
         variants["torch fp8 layer fwd (rowwise)"] = lambda: bl.torch_fp8_forward(xt, ids, tw, fw8)
@@ -357,6 +361,9 @@ def gemm_fp8(args, H, I, k, E, T):
     for tag in ("", " +save h"):
         f8, b16 = ms[f"mok fp8_block layer fwd{tag}"], ms[f"mok bf16 layer fwd{tag}"]
         print(f"  layer forward{tag}: fp8_block {f8:.3f} ms, bf16 {b16:.3f} ms, bf16/fp8 {b16 / f8:.2f}")
+    if "mok fp8_block layer fwd (launches)" in ms:
+        fl, f8 = ms["mok fp8_block layer fwd (launches)"], ms["mok fp8_block layer fwd"]
+        print(f"  layer forward, fp8_block as launches: {fl:.3f} ms, launches / megakernel {fl / f8:.2f}")
     if "torch fp8 layer fwd (rowwise)" in ms:
         t8 = ms["torch fp8 layer fwd (rowwise)"]
         print(f"  layer forward, torch's rowwise fp8 pipeline: {t8:.3f} ms, torch fp8 / mok fp8_block "

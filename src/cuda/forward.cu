@@ -139,6 +139,15 @@ T* device_alloc(size_t count, size_t* total) {
   return static_cast<T*>(p);
 }
 
+// fp8_block's forward buffers (e4m3 rows and their scales, fp8_buffer_parts), allocated at the
+// first fp8 call
+uint8_t* fp8_buffers(DeviceWorkspace& ws, const Fp8BufferParts& parts) {
+  if (ws.fp8_block == nullptr) {
+    size_t unused = 0;
+    ws.fp8_block = device_alloc<uint8_t>(static_cast<size_t>(parts.total), &unused);
+  }
+  return ws.fp8_block;
+}
 
 // fp8_block (docs/precision.md): the layer's forward as launches, the unfused path's sequence
 // in e4m3 with block scales: x quantised once, the plan's rows gathered in e4m3, gate/up writing a in
@@ -152,11 +161,7 @@ void forward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInput
   const int64_t El = plan_dims(c).local_experts();
   const bool pow2 = c.fp8_pow2_scales != 0;
   const Fp8BufferParts parts = fp8_buffer_parts(ws.max_rows, H, I, c.max_tokens, Is);
-  if (ws.fp8_block == nullptr) {
-    size_t unused = 0;
-    ws.fp8_block = device_alloc<uint8_t>(static_cast<size_t>(parts.total), &unused);
-  }
-  uint8_t* const b = ws.fp8_block;
+  uint8_t* const b = fp8_buffers(ws, parts);
   auto scales_at = [&](int64_t offset) { return reinterpret_cast<float*>(b + offset); };
   const int64_t t4 = fp8_t4(c.max_tokens);
   const int32_t max_blocks = static_cast<int32_t>(ws.max_blocks);
@@ -320,8 +325,69 @@ void forward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankI
 
 }
 
+// fp8_block's fused forward (fused::ForwardPolicyFp8): x quantised once per token (the gathers
+// copy its e4m3 rows and scales into the ring, the shared gate/up reads it), then the
+// megakernel on the caller's e4m3 weight copies (in.fp8_q, contiguous [E, N, K]) and their
+// block scales: the launches' tiles (forward_fp8), in one persistent kernel.  p: the call's
+// parameters, the bf16 ones set (forward_fused).
+void forward_fused_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, fused::ForwardParams& p,
+                       cudaStream_t stream) {
+  using Pol = fused::ForwardPolicyFp8;
+  const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
+  const int64_t El = plan_dims(c).local_experts();
+  const Fp8BufferParts parts = fp8_buffer_parts(ws.max_rows, H, I, c.max_tokens, Is);
+  uint8_t* const b = fp8_buffers(ws, parts);
+  const auto scales_at = [&](int64_t offset) { return reinterpret_cast<float*>(b + offset); };
+  const int64_t t4 = fp8_t4(c.max_tokens);
+  if (T > 0)
+    gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, c.fp8_pow2_scales != 0, stream, t4);
+  p.ring = reinterpret_cast<__nv_bfloat16*>(b + parts.ring);  // (e4m3 rows: the kernel reads them as bytes)
+  p.act = reinterpret_cast<__nv_bfloat16*>(b + parts.act);
+  p.shared_act = reinterpret_cast<__nv_bfloat16*>(b + parts.shared_act);
+  p.x8 = b + parts.x;
+  p.x8_scales = scales_at(parts.x_scales);
+  p.x8_ld = t4;
+  p.ring_scales = scales_at(parts.ring_scales);
+  p.act_scales = scales_at(parts.act_scales);
+  p.shared_act_scales = scales_at(parts.shared_act_scales);
+  p.scales_ld = ws.max_rows;
+  for (int i = 0; i < 6; ++i) p.w_scales[i] = in.fp8_scales[i];
+  p.pow2 = c.fp8_pow2_scales != 0 ? 1 : 0;
+
+  // Operand maps of e4m3 (boxes of 128 rows x 128 bytes; B halves of 128 rows), and the
+  // activations' scale maps (boxes of BLOCK_M scales of a k-block)
+  constexpr int kA = fused::kBlockM, kB = Pol::kTileHalfN;
+  fused::MapsWith<Pol::ScaleMaps> m{};
+  m.ring = gemm::tensor_map_2d(p.ring, ws.ring_rows, H, kA, 1);
+  m.w_gate = gemm::tensor_map_2d(in.fp8_q[0], El * I, H, kB, 1);
+  m.w_up = gemm::tensor_map_2d(in.fp8_q[1], El * I, H, kB, 1);
+  m.act = gemm::tensor_map_2d(p.act, ws.ring_rows, I, kA, 1);
+  m.w_down = gemm::tensor_map_2d(in.fp8_q[2], El * H, I, kB, 1);
+  m.ring_s = gemm::tensor_map_scales(p.ring_scales, H / 128, ws.max_rows, kA);
+  m.act_s = gemm::tensor_map_scales(p.act_scales, I / 128, ws.max_rows, kA);
+  if (Is > 0 && T > 0) {
+    m.x = gemm::tensor_map_2d(p.x8, T, H, kA, 1);
+    m.ws_gate = gemm::tensor_map_2d(in.fp8_q[3], Is, H, kB, 1);
+    m.ws_up = gemm::tensor_map_2d(in.fp8_q[4], Is, H, kB, 1);
+    m.shared_act = gemm::tensor_map_2d(p.shared_act, c.max_tokens, Is, kA, 1);
+    m.ws_down = gemm::tensor_map_2d(in.fp8_q[5], H, Is, kB, 1);
+    m.x_s = gemm::tensor_map_scales(p.x8_scales, H / 128, t4, kA);
+    m.shared_act_s = gemm::tensor_map_scales(p.shared_act_scales, Is / 128, t4, kA);
+  } else {
+    m.x = m.ws_gate = m.ws_up = m.ring;
+    m.shared_act = m.act;
+    m.ws_down = m.w_down;
+    m.x_s = m.ring_s;
+    m.shared_act_s = m.act_s;
+  }
+  fused::launch_for_orientation<Pol, Pol>(
+      false, ws.grid, stream, [](auto pol) { return fused::fused_forward_kernel<decltype(pol)>; },
+      [](auto pol) { return fused::kFusedSmemBytes<decltype(pol)>; }, m, p);
+}
+
 void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const plan::RoutingView& v,
                    void* y, cudaStream_t stream, const Saved& save) {
+  const bool fp8 = c.precision == mokPrecisionFP8Block;
   const WeightStacks w = weight_stacks(c, in);
   const int64_t H = c.hidden, I = c.intermediate, Is = c.shared_intermediate, T = in.num_tokens;
   const plan::PlanDims d = plan_dims(c);
@@ -335,8 +401,16 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.hidden = static_cast<int32_t>(H);
   p.inter = static_cast<int32_t>(I);
   p.shared_inter = static_cast<int32_t>(Is);
-  p.gate_up_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_gate));
-  p.down_pitch = static_cast<int32_t>(gemm::matrix_pitch(w.w_down));
+  p.gate_up_pitch = static_cast<int32_t>(fp8 ? I : gemm::matrix_pitch(w.w_gate));  // (e4m3 copies: contiguous)
+  p.down_pitch = static_cast<int32_t>(fp8 ? H : gemm::matrix_pitch(w.w_down));
+  const int64_t k_block = fp8 ? fused::ForwardPolicyFp8::Tile::kBlockK : fused::ForwardPolicyBf16::Tile::kBlockK;
+  static_assert(fused::ForwardPolicyBf16::Tile::kBlockK == fused::ForwardPolicyBf16Transposed::Tile::kBlockK);
+  MOK_CHECK_ARG(H % k_block == 0 && I % k_block == 0 && Is % k_block == 0,
+                "the fused forward: H = " << H << ", I = " << I << " and I_s = " << Is << " must be multiples of "
+                                          << k_block);
+  p.hidden_kb = static_cast<int32_t>(H / k_block);
+  p.inter_kb = static_cast<int32_t>(I / k_block);
+  p.shared_inter_kb = static_cast<int32_t>(Is / k_block);
   p.topk = static_cast<int32_t>(c.topk);
   p.num_tokens = T;
   p.ring_blocks = static_cast<int32_t>(c.macrobatch_size / fused::kBlockM);
@@ -372,6 +446,12 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
   p.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
   p.timeout_record = ws.errors + kRouteErrorWords;
 
+  MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
+  if (fp8) {
+    forward_fused_fp8(ws, c, in, p, stream);
+    return;
+  }
+
   // Tensor maps: operands of the four tile kinds (unused shared maps alias routed ones), all
   // K-major: A boxes of BLOCK_M rows, B halves of the policy's tile N / 2; transposed routed
   // weights N-major, boxes of BLOCK_K rows (their K) as stored
@@ -395,7 +475,6 @@ void forward_fused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
     m.shared_act = m.act;
     m.ws_down = m.w_down;
   }
-  MOK_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, static_cast<size_t>(ws.num_counters) * sizeof(int32_t), stream));
   fused::launch_for_orientation<fused::ForwardPolicyBf16, fused::ForwardPolicyBf16Transposed>(
       w.transposed, ws.grid, stream, [](auto pol) { return fused::fused_forward_kernel<decltype(pol)>; },
       [](auto pol) { return fused::kFusedSmemBytes<decltype(pol)>; }, m, p);
@@ -814,8 +893,9 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
       call_plan(ws, c, in, stream_ptr);
       return;
     case ForwardPhase::kLayer:
-      if (c.precision == mokPrecisionFP8Block) {
-        MOK_CHECK_ARG(ws.ep_size == 1, "config.precision = fp8_block runs at EP = 1 so far");
+      MOK_CHECK_ARG(c.precision != mokPrecisionFP8Block || ws.ep_size == 1,
+                    "config.precision = fp8_block runs at EP = 1 so far");
+      if (c.precision == mokPrecisionFP8Block && use_unfused_path()) {
         forward_fp8(ws, c, in, routing_of(ws, c, in), y, stream, save);
       } else if (use_unfused_path()) {
         MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "

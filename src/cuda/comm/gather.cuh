@@ -9,6 +9,24 @@
 
 namespace mok::cuda::fused {
 
+// What the EP = 1 gathers copy (the start gather, the gather warps): bf16 rows of x, or
+// fp8_block's e4m3 rows of x quantised per token (p.x8, H bytes) and their H / 128 scales.
+__device__ __forceinline__ int64_t gathered_row_bytes(const ForwardParams& p) {
+  return p.x8 != nullptr ? int64_t{p.hidden} : 2 * int64_t{p.hidden};
+}
+__device__ __forceinline__ uint8_t* ring_row_ptr(const ForwardParams& p, int64_t ring_row) {
+  return reinterpret_cast<uint8_t*>(p.ring) + ring_row * gathered_row_bytes(p);
+}
+__device__ __forceinline__ const void* gathered_source(const ForwardParams& p, uint32_t rec) {
+  return p.x8 != nullptr ? static_cast<const void*>(p.x8 + row_token(rec) * p.hidden) : x_row(p, rec);
+}
+// fp8_block: scale k-block kb of the row of record rec (1 for padding: its zeros), into the
+// ring's scale rows (k-block-major, the TMA box of a tile's rows) at ring_row
+__device__ __forceinline__ void gather_scale(const ForwardParams& p, uint32_t rec, int64_t ring_row, int32_t kb) {
+  p.ring_scales[kb * p.scales_ld + ring_row] =
+      row_is_pad(rec) ? 1.0f : __ldg(p.x8_scales + kb * p.x8_ld + row_token(rec));
+}
+
 // Gathers row block b (processing position q) into its ring rows, zeros for padding rows;
 // releases gather_ready[b] per warp once its stores completed.
 __device__ void gather_block(CommWarp& w, const ForwardParams& p, const Geometry& g, int32_t b,
@@ -57,20 +75,24 @@ __device__ uint32_t start_gather(SharedT& sh, const ForwardParams& p, const Geom
                                          int64_t{blockIdx.x} * num_warps + warp, int64_t{gridDim.x} * num_warps);
   const int64_t r0 = run.begin, r1 = run.end;
   if (r0 >= r1) return 0;
-  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
-             {}, static_cast<uint32_t>(p.hidden) * 2};
+  const int64_t row_bytes = gathered_row_bytes(p);
+  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp], {},
+             static_cast<uint32_t>(row_bytes)};
   TraceWriter trace(p, 3);
   const uint64_t t_begin = ptx::globaltimer_ns();
   for (int64_t r = r0; r < r1; ++r) {
     const int32_t b = g.block_at(static_cast<int32_t>(r / kBlockM));
     const int i = static_cast<int>(r % kBlockM);
     const uint32_t rec = p.rows[static_cast<int64_t>(b) * kBlockM + i];
-    __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
+    const int64_t ring_row = g.ring_row(b) + i;
+    uint8_t* dst = ring_row_ptr(p, ring_row);
+    if (p.x8 != nullptr)
+      for (int32_t kb = lane; kb < p.hidden_kb; kb += 32) gather_scale(p, rec, ring_row, kb);
     if (row_is_pad(rec)) {
-      for (int64_t v = lane; v < p.hidden / 8; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+      for (int64_t v = lane; v < row_bytes / 16; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
       continue;
     }
-    copy_row(w, x_row(p, rec), dst, wait);
+    copy_row(w, gathered_source(p, rec), dst, wait);
   }
   if (lane == 0) ptx::bulk_wait<0>();
   ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
@@ -91,23 +113,30 @@ __device__ void local_gather(const ForwardParams& p, const Geometry& g, const Ta
                              const gemm::WaitContext& wait, int64_t gw, int64_t num_gw) {
   int32_t* const gather_ready = counter_of(p, CounterArray::kGatherReady, 0);
   const int lane = threadIdx.x % 32;
-  const int64_t row_vecs = p.hidden / 8;
+  const int64_t row_vecs = gathered_row_bytes(p) / 16;
   Wait waits[kMaxWaits];
   gather_units(p, start_positions(p, g, counts), g.num_blocks, gw, num_gw, [&](int32_t q, int i0) {
     const int32_t b = g.block_at(q);
     if (!wait_counters<kForwardDirection>(p, waits, gather_waits(b, g, counts, waits), wait, WaitSite::kGatherCounter))
       return false;
+    const int64_t row0 = static_cast<int64_t>(b) * kBlockM, ring0 = g.ring_row(b);
     for (int i = i0; i < i0 + kGatherUnitRows; ++i) {
-      const uint32_t rec = p.rows[static_cast<int64_t>(b) * kBlockM + i];
-      uint4* dst = reinterpret_cast<uint4*>(p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden);
+      const uint32_t rec = p.rows[row0 + i];
+      uint4* dst = reinterpret_cast<uint4*>(ring_row_ptr(p, ring0 + i));
       if (row_is_pad(rec)) {
         for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
         continue;
       }
-      const uint4* src = reinterpret_cast<const uint4*>(x_row(p, rec));
+      const uint4* src = static_cast<const uint4*>(gathered_source(p, rec));
 #pragma unroll 4
       for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = __ldg(src + v);
     }
+    // fp8_block: the unit's scales, 8 lanes a k-block (the unit's 8 ring rows: one 32-byte
+    // sector of the k-block's scale row)
+    static_assert(kGatherUnitRows == 8, "a unit's scales of a k-block are 8 lanes' stores");
+    if (p.x8 != nullptr)
+      for (int32_t j = lane; j < kGatherUnitRows * p.hidden_kb; j += 32)
+        gather_scale(p, p.rows[row0 + i0 + j % kGatherUnitRows], ring0 + i0 + j % kGatherUnitRows, j / kGatherUnitRows);
     unit_stored();
     if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], kGatherUnitRows);
     return true;

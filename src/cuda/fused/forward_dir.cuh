@@ -99,7 +99,11 @@ struct ForwardDir : DirBase<ForwardTypes<Pol>> {
                                                  const gemm::WaitContext& wait) {
     // NOTES: row-major weights: every op K-major, its halves apart (the plain tile loop; through
     // produce_load the forward kept the Load's other fields on the stack: 16 bytes more spills)
-    if constexpr (!Pol::kTransposed)
+    if constexpr (Pol::Precision::kBlockScaled)  // the k-block's scales beside its operands
+      return gemm::produce_tile(s, stage, gemm::TileLoad{load.a, load.b0, load.b1, load.a_row, load.b_row, load.b_aux,
+                                                         load.num_k_blocks, load.sa, load.sb0, load.sb1, 1},
+                                wait);
+    else if constexpr (!Pol::kTransposed)
       return gemm::produce_tile(s, stage, gemm::TileLoad{load.a, load.b0, load.b1, load.a_row, load.b_row, load.b_aux,
                                                          load.num_k_blocks},
                                 wait);
@@ -110,6 +114,9 @@ struct ForwardDir : DirBase<ForwardTypes<Pol>> {
   __device__ __forceinline__ static bool consume(typename Pol::Stages& s, typename Pol::Stage& stage, const Task& t,
                                                  int32_t k_blocks, int consumer, float (&acc)[Pol::Tile::kAccRegs],
                                                  const gemm::WaitContext& wait) {
+    // Block-scaled: each k-block's MMAs into a partial, promoted with the stage's scales
+    if constexpr (Pol::Precision::kBlockScaled)
+      return gemm::consume_tile_block_scaled(s, stage, k_blocks, consumer, acc, wait);
     if constexpr (Pol::kTransposed) {
       const bool n_major = Base::visit(t.kind, [](auto op) {
         return decltype(op)::template kOpsFor<true> == gemm::Operands::kBNMajor;

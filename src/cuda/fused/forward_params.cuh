@@ -41,6 +41,8 @@ struct ForwardParams {
   int32_t hidden, inter, shared_inter, topk;
   // Map rows between experts of the weight stacks (gemm::matrix_pitch: I and H when contiguous)
   int32_t gate_up_pitch, down_pitch;
+  // k-blocks of H, I and I_s at the policy's K per k-block (Tile::kBlockK: 64 bf16, 128 e4m3)
+  int32_t hidden_kb, inter_kb, shared_inter_kb;
   int64_t num_tokens;
   int32_t ring_blocks, minibatch_blocks, num_comm;
   int32_t max_blocks, shared_blocks;
@@ -64,7 +66,19 @@ struct ForwardParams {
   __nv_bfloat16* y;           // [T, H]
   __nv_bfloat16* saved_h;     // [max_rows, 2I] or null: [bf16(g) | bf16(u)] per plan row, for the backward
   __nv_bfloat16* saved_shared_h;  // [T, 2I_s] or null: the shared expert's
-  // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
+  // fp8_block (PrecisionFp8Block policies; else null): ring, act and shared_act hold e4m3 rows
+  // (H, I, I_s bytes), their scales [K / 128, ld] fp32 k-block-major beside them; x8 is x
+  // quantised per token [T, H] e4m3 (scales x8_scales [H / 128, x8_ld]), what the gathers copy
+  // and the shared gate/up reads; w_scales the weights' 128 x 128 block scales [E, N / 128,
+  // K / 128] (w_gate, w_up, w_down, ws_gate, ws_up, ws_down); pow2: power-of-two scales of a
+  const uint8_t* x8;
+  const float* x8_scales;
+  float* ring_scales;        // [H / 128, scales_ld]
+  float* act_scales;         // [I / 128, scales_ld]
+  float* shared_act_scales;  // [I_s / 128, x8_ld]
+  int64_t x8_ld, scales_ld;
+  const float* w_scales[6];
+  int32_t pow2;  // EP >= 2: the group's regions (pull from x_of(rank), push to slots_of(rank)); size 1 at EP = 1
   ep::Group group;
   // Timing ring (null = off): kTraceRecorders regions of trace_cap events per block
   mokTraceEvent_t* trace;

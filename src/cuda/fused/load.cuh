@@ -29,6 +29,11 @@ struct Load {
   const CUtensorMap* b0;
   const CUtensorMap* b1;
   int32_t a_row, b_row, b_aux, k_split, num_k_blocks, a_col;
+  // Block-scaled policies (K-major, halves apart): A's scale map (its box at (a_row, kb)) and
+  // the B halves' 128 x 128 block scales of the tile's rows, k-block kb's at sb0[kb], sb1[kb]
+  const CUtensorMap* sa = nullptr;
+  const float* sb0 = nullptr;
+  const float* sb1 = nullptr;
 };
 
 // The producer's loads of one tile, k-block by k-block; after_first() once the first k-block is

@@ -2,8 +2,8 @@
 // and the orientation of the routed experts' weights in memory.  A direction is a template over
 // one (forward_dir.cuh, backward_dir.cuh); the host picks the instantiation per call.
 //
-//   Precision   gemm::PrecisionBf16 (gemm/tile.cuh: the operand element, the MMA step, what a
-//               stage and the tensor maps hold besides the operands)
+//   Precision   gemm::PrecisionBf16, or PrecisionFp8Block below (gemm/tile.cuh: the operand
+//               element, the MMA step, what a stage and the tensor maps hold besides the operands)
 //   TileT       the tile shape (gemm/config.hpp: N, the consumers' schedule), of the precision's
 //               operand bytes; its stage ring and the accumulator follow from it.  The backward's
 //               is 128 x 256 cooperative (tile_sizes.cuh, the tile counts of its schedule); the
@@ -37,10 +37,13 @@ struct Policy {
   using Stage = gemm::PipelineState<Tile::kStages>;     // a role's place in it
   using ScaleMaps = typename Precision::ScaleMaps;      // beside the direction's operand maps
   static constexpr bool kTransposed = kTransposedV;
-  // NOTES: the tile counts of the schedules (tile_sizes.cuh) are the bf16 tile's; a precision
-  // with another K per k-block or tile takes them from here first
-  static_assert(Tile::kBlockK == kBlockK, "the schedules' k-blocks are this precision's");
+  // NOTES: the schedules count tiles of the policy's N (kTileN) and row blocks of kBlockM; K is
+  // the ops' (their k-blocks are the parameters', counted at the policy's Tile::kBlockK by the
+  // host: ForwardParams::hidden_kb ...), so an fp8 tile's 128-byte k-blocks of 128 e4m3 are not
+  // the bf16 tile's 64
   static_assert(Tile::kBlockM == kBlockM && Tile::kElemBytes == Precision::kElemBytes, "a tile of the plan's row blocks");
+  static_assert(!Precision::kBlockScaled || (!kTransposedV && !Tile::kPingPong),
+                "block-scaled policies: row-major (contiguous e4m3 copies of the) weights, cooperative tiles");
   // Transposed gate/up weights are loaded as two N-major halves from their own maps, each whole
   // boxes of kBoxCols columns (load.cuh)
   static_assert(!kTransposed || Tile::kBlockN % (2 * kBlockK) == 0, "transposed weights need tiles of whole-box halves");
@@ -52,6 +55,23 @@ using PolicyBf16Transposed = Policy<gemm::PrecisionBf16, true>;
 using ForwardPolicyBf16 = Policy<gemm::PrecisionBf16, false, gemm::TileConfigPingPong192>;
 using ForwardPolicyBf16Transposed = PolicyBf16Transposed;
 static_assert(sizeof(PolicyBf16::Stages) == sizeof(gemm::StageStorage), "bf16 stages hold no scales");
+
+// fp8_block's forward (docs/precision.md): DeepSeek-V3's block scaling on the same engine.  The
+// activations' scales (per row and 128 of K: [K / 128, rows] k-block-major) come by TMA, a box
+// of BLOCK_M a k-block, from these maps beside the operand maps: the ring's rows (x gathered in
+// e4m3), the act ring's (gate/up's SwiGLU epilogue quantises a), the rank's x quantised per
+// token (the shared gate/up's A) and shared_act's.  The weights' 128 x 128 block scales come
+// from the parameters (cp.async, gemm::produce_tile).
+struct ForwardE4m3ScaleMaps {
+  CUtensorMap ring_s, act_s, x_s, shared_act_s;
+};
+struct PrecisionFp8Block : gemm::PrecisionE4m3Block {
+  using ScaleMaps = ForwardE4m3ScaleMaps;
+};
+// 128 x 256 cooperative tiles (a gate/up tile's 128 channels are one scale block of a, so its
+// epilogue quantises whole blocks), the block-scaled kinds' of the launches (docs/perf.md
+// session 25); row-major e4m3 copies of every weight (mok.quantize_weights' q)
+using ForwardPolicyFp8 = Policy<PrecisionFp8Block, false, gemm::TileConfigE4m3Wide>;
 
 // The host's launch of a fused kernel, instantiated for the routed weights' orientation:
 // kernel_of(Pol{}) is the kernel of policy Pol, smem_of(Pol{}) its dynamic shared memory

@@ -29,6 +29,16 @@
 #endif
 
 namespace mok::cuda::fused::ops {
+#if defined(__CUDACC__)
+// The 128 x 128 block scales of a weight stack [E, rows, K] (e4m3, scales [E, ceil(rows / 128),
+// k_blocks]) for the 128 rows from `row` of expert e: k-block kb's at [kb].  A half past the
+// expert's rows (a partial last tile) reads its last block: its products are never stored.
+__device__ __forceinline__ const float* block_scales(const float* scales, int32_t e, int32_t row, int32_t rows,
+                                                     int32_t k_blocks) {
+  const int32_t nb = (rows + 127) / 128;
+  return scales + (int64_t{e} * nb + min(row / 128, nb - 1)) * k_blocks;
+}
+#endif
 // What every forward op shares: its kind, K-major operands (kTransposedOpsV: its orientation
 // under the transposed policy, for the routed ops that read weights as stored), and one signal
 // at most (its row block in `kSignalsV`'s array; kNone: nothing waits on its tiles).

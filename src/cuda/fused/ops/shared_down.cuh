@@ -15,13 +15,20 @@ struct SharedDown : OpBase<TaskKind::kSharedDown, CounterArray::kNone> {
 #if defined(__CUDACC__)
   __device__ __forceinline__ static int32_t k_blocks(const ForwardParams& p, const Geometry&, const TaskCounts&,
                                                      const TaskInfo&) {
-    return p.shared_inter / kBlockK;
+    return p.shared_inter_kb;
   }
   template <class Pol, class MapsArg>
   __device__ __forceinline__ static Load load(const MapsArg& maps, const ForwardParams& p, const Geometry& g,
                                                         const TaskCounts& c, const TaskInfo& t) {
-    return Load{static_cast<int32_t>(kOps), &maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM,
-                t.n_block * Pol::kTileN, Pol::kTileHalfN, kHalvesApart, k_blocks(p, g, c, t), 0};
+    const int32_t n0 = t.n_block * Pol::kTileN;
+    Load l{static_cast<int32_t>(kOps), &maps.shared_act, &maps.ws_down, &maps.ws_down, t.block * kBlockM, n0,
+           Pol::kTileHalfN, kHalvesApart, k_blocks(p, g, c, t), 0};
+    if constexpr (Pol::Precision::kBlockScaled) {  // shared_act's scales, W_s_down's two blocks
+      l.sa = &maps.shared_act_s;
+      l.sb0 = block_scales(p.w_scales[5], 0, n0, p.hidden, p.shared_inter_kb);
+      l.sb1 = block_scales(p.w_scales[5], 0, n0 + Pol::kTileHalfN, p.hidden, p.shared_inter_kb);
+    }
+    return l;
   }
   template <class Pol, int kRegs>
   __device__ __forceinline__ static void epilogue(const float (&acc)[kRegs], int consumer, const ForwardParams& p,
