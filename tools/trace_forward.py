@@ -1,7 +1,7 @@
 """Timing ring of the fused forward (or, --backward, the fused backward): where the time of one
 call goes, per role.
 
-    python3 tools/trace_forward.py [shape] [--minibatch R] [--out DIR] [--backward]
+    python3 tools/trace_forward.py [shape] [--minibatch R] [--out DIR] [--backward] [--fp8]
 
 Runs the fused forward on a shape of docs/benchmarks.md with MOK_TRACE=1, reads the ring
 (mokWorkspaceReadTrace), prints a summary (tile time by kind, producer waits, gather
@@ -149,6 +149,7 @@ def main():
     ap.add_argument("--warm", type=int, default=3, help="untraced calls first (sustained load: 30+)")
     ap.add_argument("--backward", action="store_true", help="trace the fused backward (of the saving forward)")
     ap.add_argument("--ring-all", action="store_true", help="the ring for every routed row (MACROBATCH_ALL_ROWS)")
+    ap.add_argument("--fp8", action="store_true", help="precision fp8_block (the forward's fp8 policy)")
     args = ap.parse_args()
     H, I, k, E, T = SHAPES[args.shape]
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -158,7 +159,10 @@ def main():
          (torch.randn(E, I, H, device="cuda", generator=g) / H ** 0.5).bfloat16(),
          (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()]
     cfg = F.MoKConfig(minibatch_size=args.minibatch,
-                      macrobatch_size=F.MACROBATCH_ALL_ROWS if args.ring_all else 0)
+                      macrobatch_size=F.MACROBATCH_ALL_ROWS if args.ring_all else 0,
+                      precision="fp8_block" if args.fp8 else "bf16")
+    if args.fp8 and args.backward:
+        raise SystemExit("--fp8: the fp8_block backward is launches (no fused backward to trace)")
     ws = F.create_workspace(H, I, E, k, max_tokens=T, device="cuda", config=cfg)
     if args.backward:
         dy = (torch.randn(T, H, device="cuda", generator=g) * 0.1).bfloat16()
@@ -174,12 +178,12 @@ def main():
     end.record()
     end.synchronize()
     what = "backward" if args.backward else "forward"
-    print(f"{args.shape}: fused {what} {start.elapsed_time(end):.3f} ms (traced call, "
+    print(f"{args.shape}: fused {what} {start.elapsed_time(end):.3f} ms (traced call, {cfg.precision}, "
           f"minibatch {args.minibatch})")
     ev = ws.read_trace()
     t0 = summarize(ev, KINDS_BWD if args.backward else KINDS)
     os.makedirs(args.out, exist_ok=True)
-    draw(ev, t0, os.path.join(args.out, f"trace_{what}_{args.shape}.png"))
+    draw(ev, t0, os.path.join(args.out, f"trace_{what}_{args.shape}{'_fp8' if args.fp8 else ''}.png"))
 
 
 if __name__ == "__main__":

@@ -46,11 +46,6 @@ inline constexpr Knob kGemmTimeout{"MOK_GEMM_TIMEOUT_S", "60",
                                    "grouped-GEMM launches (mokGroupedGemm, mokGroupedWgrad): seconds every wait "
                                    "of the kernel may take before it gives up (tests set it low)"};
 
-// EXPERIMENT (session 26; A/B on the next device call, then removed): the fp8 wgrad kind's tile
-inline constexpr Knob kTmpWgradFp8Tile{"MOK_TMP_WGRAD_FP8_TILE", "256",
-                                       "fp8 wgrad kind: 256 (128 x 256, a part's MMAs then its promotion) or 128 "
-                                       "(128 x 128, the next k-block's MMAs in flight while one is promoted)"};
-
 inline std::string get(const Knob& k) {
   const char* v = std::getenv(k.name);
   return (v && *v) ? std::string(v) : std::string(k.fallback);

@@ -82,6 +82,21 @@ PY
       ncu -i /tmp/ncu_$kind.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src_$kind.csv.xz"
       grep -E "Duration|Throughput|Warp Cycles Per Issued|Bank" "$OUT/ncu_details_$kind.csv" | cut -c1-160 | head -16
     done ;;
+  trace8)  # the fused forward's timing ring, bf16 and fp8_block, after 30 calls of load; ncu of the fp8 one
+    build OFF
+    timeout 120 python3 -m pytest -q tests/python/test_fp8_wgrad.py > "$OUT/pytest_wgrad.log" 2>&1
+    echo "pytest wgrad rc=$? $(tail -1 "$OUT/pytest_wgrad.log")"
+    for a in "" "--fp8" "--fp8 --ring-all"; do
+      timeout 120 python3 tools/trace_forward.py dsv3 --warm 30 --out "$OUT" $a > "$OUT/trace$(echo $a | tr -d ' -').log" 2>&1
+      echo "trace $a rc=$?"; grep -vE "^\s*$" "$OUT/trace$(echo $a | tr -d ' -').log" | cut -c1-170 | head -30
+    done
+    timeout 240 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SourceCounters -k regex:fused_forward --launch-skip 2 --launch-count 1 \
+      -o /tmp/ncu_fwd8 -f python3 tools/trace_forward.py dsv3 --warm 3 --fp8 --out /tmp > "$OUT/ncu_run_fwd8.log" 2>&1
+    echo "ncu fwd8 rc=$? at $(el) s"; tail -2 "$OUT/ncu_run_fwd8.log"
+    ncu -i /tmp/ncu_fwd8.ncu-rep --page details --csv > "$OUT/ncu_details_fwd8.csv" 2>&1
+    ncu -i /tmp/ncu_fwd8.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src_fwd8.csv.xz"
+    grep -E "Duration|Throughput|Warp Cycles Per Issued|Bank|Pipe" "$OUT/ncu_details_fwd8.csv" | cut -c1-160 | head -20 ;;
   e2e8)
     build OFF
     timeout ${E2E_TIMEOUT:-480} python3 bench/bench_e2e.py --models qwen3 --impls grouped_mm,mok,mok_fp8 --steps 200 \

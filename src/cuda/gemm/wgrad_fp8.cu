@@ -10,7 +10,6 @@
 #include "cuda/gemm/quantize.cuh"
 #include "cuda/gemm/tensor_map.hpp"
 #include "cuda/gemm/wgrad_fp8.cuh"
-#include "runtime/env.hpp"
 
 namespace mok::gemm {
 namespace {
@@ -90,12 +89,8 @@ void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols,
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
-namespace {
-template <class T>
-void launch_wgrad_fp8_tiles(const GroupedWgradFp8Args& g, cudaStream_t stream);
-}  // namespace
-
 void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream) {
+  using T = WgradFp8Tile;
   MOK_CHECK_ARG(g.mo > 0 && g.mo % 128 == 0 && g.no > 0 && g.no % 128 == 0,
                 "grouped wgrad (fp8): Mo = " << g.mo << " and No = " << g.no << " must be positive multiples of 128");
   MOK_CHECK_ARG(g.rows % 128 == 0, "grouped wgrad (fp8): R = " << g.rows << " rows must be a multiple of 128");
@@ -114,15 +109,6 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream)
                 "grouped wgrad (fp8): main_grad must be 8-byte aligned with even strides (rs = " << g.mg_rs
                                                                                                  << ", es = " << g.mg_es << ")");
   if (g.num_experts == 0) return;
-  if (env::get_int(env::kTmpWgradFp8Tile) == 128)
-    launch_wgrad_fp8_tiles<TileConfigE4m3>(g, stream);
-  else
-    launch_wgrad_fp8_tiles<WgradFp8Tile>(g, stream);
-}
-
-namespace {
-template <class T>
-void launch_wgrad_fp8_tiles(const GroupedWgradFp8Args& g, cudaStream_t stream) {
   int device = 0, sms = 0;
   MOK_CUDA_CHECK(cudaGetDevice(&device));
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -155,6 +141,5 @@ void launch_wgrad_fp8_tiles(const GroupedWgradFp8Args& g, cudaStream_t stream) {
   grouped_wgrad_fp8_kernel<T><<<grid, T::kThreads, smem, stream>>>(map_a, map_b, map_sa, map_sb, p);
   MOK_CUDA_CHECK(cudaGetLastError());
 }
-}  // namespace
 
 }  // namespace mok::gemm

@@ -75,63 +75,6 @@ __device__ __forceinline__ bool consume_tile_rows_scaled(StageStorageT<T, Precis
       });
 }
 
-// The same at N = 128 with the partials double-buffered across k-blocks: k-block kb + 1's MMAs
-// are issued (into the other partial) before kb's promotion, so the warpgroup's own MMAs keep
-// the tensor cores busy while it promotes (acc 64 + two partials of 64 registers).  The same
-// promotions in the same order: the same bits as any tile shape's.
-template <class T>
-__device__ __forceinline__ bool consume_tile_rows_scaled_db(StageStorageT<T, PrecisionE4m3Rows>& s,
-                                                            PipelineState<T::kStages>& stage, int num_k_blocks,
-                                                            int consumer, float (&acc)[T::kAccRegs],
-                                                            const WaitContext& wait) {
-  static_assert(!T::kPingPong && T::kBlockN == 128 && T::kBlockK == 128, "cooperative 128 x 128 tiles");
-  constexpr int kPartRegs = 64;
-  const bool warp_leader = threadIdx.x % 32 == 0;
-  const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
-  float p0[kPartRegs], p1[kPartRegs];
-#pragma unroll
-  for (int i = 0; i < T::kAccRegs; ++i) acc[i] = 0.0f;
-  // k-block kb's MMAs into part (its stage waited for first), committed as one group
-  auto issue = [&](float (&part)[kPartRegs], int i) {
-    const uint64_t desc_a = ptx::desc_kmajor_sw128(s.a[i] + consumer * 64 * T::kBlockK);
-    const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[i]);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < T::kBlockK / 32; ++k) ptx::mma_e4m3<128>(part, desc_a + 2 * k, desc_b + 2 * k, k != 0);
-    ptx::wgmma_commit();
-  };
-  // part (k-block at stage i, its MMAs complete) promoted into acc; the stage released
-  auto promote = [&](float (&part)[kPartRegs], int i) {
-    ptx::fence_regs(part);
-    promote_rows_scaled<T>(s, i, row_scales<T>(s, i, row), 0, part, acc);
-    ptx::fence_regs(acc);
-    if (warp_leader) s.pipe.consumer_release(i);
-  };
-  // One k-block: wait and issue the next (into `next`), then finish this one (in `cur`)
-  auto step = [&](float (&cur)[kPartRegs], float (&next)[kPartRegs], int kb, int& i) -> bool {
-    const int this_stage = i;
-    stage.advance();
-    if (kb + 1 < num_k_blocks) {
-      if (!s.pipe.consumer_wait(stage, wait)) return false;
-      i = stage.index;
-      issue(next, i);
-      ptx::wgmma_wait<1>();  // this k-block's group done, the next one's in flight
-    } else {
-      ptx::wgmma_wait<0>();
-    }
-    promote(cur, this_stage);
-    return true;
-  };
-  if (!s.pipe.consumer_wait(stage, wait)) return false;
-  int i = stage.index;
-  issue(p0, i);
-  for (int kb = 0; kb < num_k_blocks; kb += 2) {
-    if (!step(p0, p1, kb, i)) return false;
-    if (kb + 1 < num_k_blocks && !step(p1, p0, kb + 1, i)) return false;
-  }
-  return true;  // (stage advanced once a k-block: at the next tile's first)
-}
-
 // map_a / map_b: qa [Mo, R], qb [No, R] e4m3 (boxes of 128 rows x 128 of K); map_sa / map_sb:
 // their scales [R/128, Mo] and [R/128, No] (boxes of 128 and 256 fp32).  p as the bf16 wgrad
 // kind's (wgrad_layout<WgradFp8Tile>; no per-expert tables, no split outputs).
@@ -187,11 +130,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       epilogue_wgrad<true, false, T>(acc, consumer, p, t);
       continue;
     }
-    if constexpr (T::kBlockN == 128) {
-      if (!consume_tile_rows_scaled_db<T>(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
-    } else if (!consume_tile_rows_scaled<T>(s, stage, t.num_k_blocks, consumer, acc, wait)) {
-      return;
-    }
+    if (!consume_tile_rows_scaled<T>(s, stage, t.num_k_blocks, consumer, acc, wait)) return;
     epilogue_wgrad<false, false, T>(acc, consumer, p, t);
   }
 }
