@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 27's device calls (issue 23, fp8).  STAGE=fp8: the tree built with its tests; the fp8
+# Session 27's device calls (issue 23, fp8; they replace session 26's s26.sh: its STAGE=fp8, wgncu and e2e8 are here).  STAGE=fp8: the tree built with its tests; the fp8
 # GPU tests (every fp8 kind, the quantisers, the layer's CUDA forward (the megakernel's fp8
 # policy, bit for bit the launches) and backward against the CPU reference), the bf16 fused
 # layer's GPU tests (BF16_TESTS), the layer's time kernel by kernel
