@@ -85,7 +85,8 @@ enum class WaitSite : int32_t {
   kRowCopy = 13,          // comm warp `detail`: one x or dy row's bulk load into its staging row
   kGridBarrier = 14,      // the end phase: every block arrived (`detail`: the round, 1 = EP's second)
   kPingPongTurn = 15,     // ping-pong GEMM consumer `detail`: the other finished its tile's K loop
-  kLastWaitSite = kPingPongTurn,
+  kMmaTurn = 16,          // promoted (fp8) GEMM consumer `detail`: the other issued its part's MMAs
+  kLastWaitSite = kMmaTurn,
 };
 
 // The detail of a counter wait: the direction, its counter array (cuda/fused/schedule.cuh,

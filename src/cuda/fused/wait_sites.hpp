@@ -76,6 +76,9 @@ inline std::string describe_timeout(const int64_t* t) {
     case WaitSite::kPingPongTurn:
       s << "consumer " << detail << " (ping-pong): waiting for the other consumer to finish its tile's K loop";
       break;
+    case WaitSite::kMmaTurn:
+      s << "consumer " << detail << " (block-scaled): waiting for the other consumer to issue its part's MMAs";
+      break;
     case WaitSite::kGridBarrier:
       s << "end phase: waiting for every block to arrive" << (detail > 0 ? " (EP: the second arrival)" : "")
         << ", " << expected << " arrivals";

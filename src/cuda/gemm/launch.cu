@@ -378,9 +378,13 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
     int device = 0, sms = 0;
     MOK_CUDA_CHECK(cudaGetDevice(&device));
     MOK_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (scales == 3 && swiglu_bwd)
-      return launch_tiles<TileConfigE4m3Wide, false, true, PrecisionE4m3Block>(g, sms, stream);
-    if (scales == 3) return launch_tiles<TileConfigE4m3Wide, false, false, PrecisionE4m3Block>(g, sms, stream);
+    // The MMA turns (tile.cuh kMmaTurns) where they measured faster: every block-scaled kind but
+    // down's scatter epilogue (docs/perf.md session 28)
+    using Turns = MmaTurns<PrecisionE4m3Block>;
+    if (scales == 3 && swiglu_bwd) return launch_tiles<TileConfigE4m3Wide, false, true, Turns>(g, sms, stream);
+    if (scales == 3 && g.epilogue == static_cast<int32_t>(Epilogue::kScatter))
+      return launch_tiles<TileConfigE4m3Wide, false, false, PrecisionE4m3Block>(g, sms, stream);
+    if (scales == 3) return launch_tiles<TileConfigE4m3Wide, false, false, Turns>(g, sms, stream);
     return launch_tiles<TileConfigE4m3, false>(g, sms, stream);
   }
   if (g.max_m_blocks == 0 || g.num_n_blocks == 0) return;

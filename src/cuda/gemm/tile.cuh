@@ -130,6 +130,10 @@ struct RowScales {
 };
 // kPromoted: each k-block's MMA sum is promoted into the fp32 accumulator with the stage's
 // scales, and each warp of a reader releases the stage (it read the scales itself);
+// kMmaTurns (promoted only): the two consumers issue their parts' MMAs in turns
+// (consume_tile_promoted), each once the other's are issued; what it buys depends on the kind
+// (docs/perf.md session 28: +5 % the dgrad kinds, -3 % the wgrad kind and the scatter
+// epilogue's down, -7 % the fused forward), so the kinds choose (MmaTurns);
 // kStageFills: the arrivals that fill a stage (the producer's, and cp.async's for E4m3Block)
 struct PrecisionBf16 {
   static constexpr int kElemBytes = 2;
@@ -162,6 +166,7 @@ struct PrecisionE4m3Block : PrecisionE4m3 {
   using StageScales = BlockScales<T>;  // (ScaleMaps: the standalone launches pass A's scale map)
   static constexpr bool kBlockScaled = true;
   static constexpr bool kPromoted = true;
+  static constexpr bool kMmaTurns = false;
   static constexpr int kStageFills = 2;
   template <class T>
   static constexpr uint32_t kScaleTxBytes = T::kBlockM * sizeof(float);  // A's; B's come by cp.async
@@ -171,6 +176,7 @@ struct PrecisionE4m3Rows : PrecisionE4m3 {
   template <class T>
   using StageScales = RowScales<T>;
   static constexpr bool kPromoted = true;
+  static constexpr bool kMmaTurns = false;
   static constexpr int kStageFills = 1;
   template <class T>
   static constexpr uint32_t kScaleTxBytes = (T::kBlockM + T::kBlockN) * sizeof(float);
@@ -178,6 +184,11 @@ struct PrecisionE4m3Rows : PrecisionE4m3 {
 // The precision of a tile shape's operand bytes (the standalone launches name shapes only)
 template <class T>
 using PrecisionOf = std::conditional_t<T::kElemBytes == 1, PrecisionE4m3, PrecisionBf16>;
+// A promoted precision whose consumers issue their MMAs in turns (kMmaTurns above)
+template <class P>
+struct MmaTurns : P {
+  static constexpr bool kMmaTurns = true;
+};
 
 // The stage ring of one tile shape T (config.hpp) in precision Prec (below: the operands' element,
 // and what a stage holds besides them, its StageScales: a base, empty for bf16, so that the
@@ -198,7 +209,9 @@ struct StageStorageT : Prec::template StageScales<T> {
   Pipeline<T::kStages> pipe;  // the stages' full/empty barriers
   // Ping-pong: turn[c] completes a phase when the other consumer has passed every stage wait of
   // its tile, so that consumer c waits on its next tile's stages at most one phase ahead of
-  // their barriers (an mbarrier's parity cannot tell phase p from p + 2)
+  // their barriers (an mbarrier's parity cannot tell phase p from p + 2).  Promoted, with MMA
+  // turns (cooperative): turn[c] completes a phase when the other consumer's four warps have
+  // issued a part's MMAs, consumer 0's first part's turn at init (consume_tile_promoted).
   uint64_t turn[2];
 
   // Arrivals that fill a stage: the producer's with the TMA bytes, and a block-scaled stage's
@@ -209,6 +222,12 @@ struct StageStorageT : Prec::template StageScales<T> {
     if constexpr (T::kPingPong) {
       ptx::mbar_init(&turn[0], 1);
       ptx::mbar_init(&turn[1], 1);
+    } else if constexpr (Prec::kPromoted) {
+      if constexpr (Prec::kMmaTurns) {
+        ptx::mbar_init(&turn[0], 4);
+        ptx::mbar_init(&turn[1], 4);
+        for (int w = 0; w < 4; ++w) ptx::mbar_arrive(&turn[0]);
+      }
     }
   }
 };
@@ -435,6 +454,13 @@ __device__ __forceinline__ bool consume_tile_promoted(StageStorageT<T, P>& s, Pi
   static_assert(P::kPromoted && !T::kPingPong, "promoted tiles are cooperative");
   static_assert(T::kBlockN % 128 == 0 && T::kBlockK == 128, "parts of 128 columns, k-blocks of 128");
   constexpr int kParts = T::kBlockN / 128, kPartRegs = 64;  // m64n128: 64 fp32 a thread
+  // The MMA turns (P::kMmaTurns): each warpgroup's n-th part waits for phase n of its turn
+  // barrier (consumer 0: the init's, then consumer 1's part n - 1 issued; consumer 1: consumer 0's
+  // part n issued), so the two warpgroups' parts reach the tensor cores alternately rather than
+  // at once.  Whether that is faster is the kind's (measured: docs/perf.md session 28).  n's
+  // parity from the stage: the k-blocks so far are the stage's index modulo 2 when the ring is
+  // even.
+  static_assert(!P::kMmaTurns || kParts % 2 == 0 || T::kStages % 2 == 0, "the turns' parity from the stage");
   const bool warp_leader = threadIdx.x % 32 == 0;
   const int row = consumer * 64 + ((threadIdx.x / 32) % 4) * 16 + (threadIdx.x % 32) / 4;  // and row + 8
   float part[kPartRegs];
@@ -449,10 +475,17 @@ __device__ __forceinline__ bool consume_tile_promoted(StageStorageT<T, P>& s, Pi
     for (int q = 0; q < kParts; ++q) {
       // The part's four k32 steps: B rows [128 q, 128 q + 128) of the stage, a fresh sum
       const uint64_t desc_b = ptx::desc_kmajor_sw128(s.b[i] + q * 128 * T::kBlockK);
+      if constexpr (P::kMmaTurns) {
+        const uint32_t parity = static_cast<uint32_t>((i & 1) * kParts + q) & 1u;
+        if (!wait_barrier_warp(&s.turn[consumer], parity, wait, WaitSite::kMmaTurn, consumer)) return false;
+      }
       ptx::wgmma_fence();
 #pragma unroll
       for (int k = 0; k < T::kBlockK / 32; ++k) ptx::mma_e4m3<128>(part, desc_a + 2 * k, desc_b + 2 * k, k != 0);
       ptx::wgmma_commit();
+      if constexpr (P::kMmaTurns) {
+        if (warp_leader) ptx::mbar_arrive(&s.turn[consumer ^ 1]);
+      }
       ptx::wgmma_wait<0>();
       ptx::fence_regs(part);
       promote(sc, i, row, q, part, acc + q * kPartRegs);

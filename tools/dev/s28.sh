@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 27's device calls (issue 23, fp8; they replace session 26's s26.sh: its STAGE=fp8, wgncu and e2e8 are here).  STAGE=fp8: the tree built with its tests; the fp8
+# Session 28's device calls (issue 23, fp8; session 27's s27.sh with STAGE a list of stages run
+# in order, e.g. STAGE="fp8 wgncu", the tree built once).  STAGE=fp8: the tree built with its tests; the fp8
 # GPU tests (every fp8 kind, the quantisers, the layer's CUDA forward (the megakernel's fp8
 # policy, bit for bit the launches) and backward against the CPU reference), the bf16 fused
 # layer's GPU tests (BF16_TESTS), the layer's time kernel by kernel
@@ -8,12 +9,15 @@
 # STAGE=e2e8: bench_e2e's qwen3 model in grouped_mm, mok and mok_fp8, 200 steps (parity, PNG).
 # STAGE=one: the library and one pytest selection (PYTEST).  Logs under $OUT, packed.
 source "$(dirname "$0")/device_env.sh"
-build() {  # $1: ON builds the tests too
+build() {  # $1: ON builds the tests too (once a call: a later stage's build is skipped)
+  [ -n "${BUILT:-}" ] && return 0
+  BUILT=1
   cmake -S . -B build -G Ninja -DMOK_BUILD_TESTS=$1 -DMOK_CUDA=ON >"$OUT/build.log" 2>&1 &&
     ninja -C build $([ "$1" = ON ] || echo mok) >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -30 "$OUT/build.log"; exit 1; }
   echo "== built at $(el) s"
 }
-case "${STAGE:-fp8}" in
+for st in ${STAGE:-fp8}; do
+case "$st" in
   fp8)
     build ON
     timeout 120 build/tests/cpp/test_gemm_gpu --gtest_filter='*E4m3*' > "$OUT/gtest_fp8.log" 2>&1
@@ -72,15 +76,18 @@ else:
         ops.dgrad_down_swiglu_fp8(qx, sx, fw["w_down"].qt, fw["w_down"].scales, be, h, rw)
 torch.cuda.synchronize()
 PY
-    for kind in ${KINDS:-swiglu wgrad}; do
+    # KINDS: kinds, each optionally with its environment (kind:VAR=value,VAR2=value)
+    for spec in ${KINDS:-swiglu wgrad}; do
+      kind=${spec%%:*}; envs=""; [ "$spec" = "$kind" ] || envs=$(echo "${spec#*:}" | tr ',' ' ')
+      tag=$(echo "$spec" | tr -c 'A-Za-z0-9_\n' '_')
       k=$([ $kind = wgrad ] && echo wgrad_fp8 || echo grouped_gemm_kernel)
-      timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+      env $envs timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section SourceCounters -k regex:$k --launch-skip 2 --launch-count 1 \
-        -o /tmp/ncu_$kind -f python3 /tmp/k8.py $kind > "$OUT/ncu_run_$kind.log" 2>&1
-      echo "ncu $kind rc=$? at $(el) s"; tail -2 "$OUT/ncu_run_$kind.log"
-      ncu -i /tmp/ncu_$kind.ncu-rep --page details --csv > "$OUT/ncu_details_$kind.csv" 2>&1
-      ncu -i /tmp/ncu_$kind.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src_$kind.csv.xz"
-      grep -E "Duration|Throughput|Warp Cycles Per Issued|Bank" "$OUT/ncu_details_$kind.csv" | cut -c1-160 | head -16
+        -o /tmp/ncu_$tag -f python3 /tmp/k8.py $kind > "$OUT/ncu_run_$tag.log" 2>&1
+      echo "ncu $spec rc=$? at $(el) s"; tail -2 "$OUT/ncu_run_$tag.log"
+      ncu -i /tmp/ncu_$tag.ncu-rep --page details --csv > "$OUT/ncu_details_$tag.csv" 2>&1
+      ncu -i /tmp/ncu_$tag.ncu-rep --page source --csv --print-source sass 2>/dev/null | xz -T4 > "$OUT/ncu_src_$tag.csv.xz"
+      grep -E "Duration|Throughput|Warp Cycles Per Issued|Bank|Pipe" "$OUT/ncu_details_$tag.csv" | cut -c1-160 | head -20
     done ;;
   trace8)  # the fused forward's timing ring, bf16 and fp8_block, after 30 calls of load; ncu of the fp8 one
     build OFF
@@ -105,4 +112,5 @@ PY
     build OFF
     timeout 200 python3 -m pytest -q -x $PYTEST 2>&1 | grep -E "^E  |passed|failed" | cut -c1-600 | head -14 ;;
 esac
+done
 [ -n "${NOPACK:-}" ] || (cd "$OUT" && find . -type f ! -name logs.tar.xz | tar -cJf logs.tar.xz -T - && find . -type f ! -name logs.tar.xz -delete)
