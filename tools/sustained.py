@@ -262,6 +262,20 @@ def gemm_fp8(args, H, I, k, E, T):
     variants["torch quantise a rows"] = lambda: fp8.quantize_rows(act)
     qx_buf, sx_buf = torch.empty_like(qx), torch.empty_like(sx)
     variants["mok quantise x rows"] = lambda: ops.quantize_rows_fp8(x, qx_buf, sx_buf)
+    # The wgrad operands' column quantiser on x (every knob: its kernel may be one)
+    qcols = {}
+    if mok._lib.has_symbol("mokGroupedWgradBlockScaled"):
+        qxt_buf, sxt_buf = torch.empty(H, M, dtype=torch.float8_e4m3fn, device=dev), torch.empty(M // 128, H, device=dev)
+        for vname, env in knobs.items():
+            fn = with_env(env, lambda: ops.quantize_cols_fp8(x, qxt_buf, sxt_buf))
+            variants[f"mok[{vname}] quantise x cols"] = fn
+            qxt_buf.view(torch.uint8).fill_(0xFF)
+            fn()
+            got = (qxt_buf.view(torch.uint8).clone(), sxt_buf.clone())
+            if qcols and not (torch.equal(got[0], next(iter(qcols.values()))[0]) and
+                              torch.equal(got[1], next(iter(qcols.values()))[1])):
+                print(f"  quantise x cols: variant {vname} differs (not bit for bit)")
+            qcols[vname] = got
     # The experts' chain, launch after launch: fp8 (x quantised, gate/up writing a in e4m3 for
     # down, down) against bf16 (gate/up, down): the forward's GEMM work in each precision
     qa_buf, sa_buf = torch.empty(M, I, dtype=torch.float8_e4m3fn, device=dev), torch.empty(I // 128, M, device=dev)
@@ -351,6 +365,9 @@ def gemm_fp8(args, H, I, k, E, T):
     print(f"  separate quantisation passes (torch): x {ms['torch quantise x rows']:.3f} ms, "
           f"a {ms['torch quantise a rows']:.3f} ms; mok's one-kernel quantiser, x {ms['mok quantise x rows']:.3f} ms "
           f"({M * H * 3 / ms['mok quantise x rows'] / 1e6:.0f} GB/s)")
+    for vname in qcols:
+        t = ms[f"mok[{vname}] quantise x cols"]
+        print(f"  quantise x cols [{vname}]: {t:.3f} ms ({M * H * 3 / t / 1e6:.0f} GB/s)")
     if "mok quantise weights" in ms:
         wbytes = 3 * E * H * I * (2 + 1 + 1)  # bf16 read, q and qt written
         print(f"  weights quantised (q and qt, every routed weight): {ms['mok quantise weights']:.3f} ms "

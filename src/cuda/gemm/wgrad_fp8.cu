@@ -15,7 +15,8 @@ namespace mok::gemm {
 namespace {
 
 // One 256-thread block per 128 x 128 tile (rows r0.., columns c0..) of v: the tile in shared
-// memory, each column's max |v| over its 128 rows (two threads a column, 64 rows each), its scale
+// memory, each column's max |v| over its 128 rows (two threads a column, 64 rows each, in two
+// warps), its scale
 // (e4m3_block_scale: max / 448, 1 for zeros; pow2: its power-of-two ceiling), and the column's
 // 128 rows as e4m3 (v / s, nearest even, saturating) into row c of qt: 64 contiguous bytes a
 // thread.  With row_weight, v's rows times their weights (fp32) are quantised: w·dy.  The CPU reference's quantize_columns (src/ref), bit for bit.
@@ -28,6 +29,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
                                                             const int32_t* __restrict__ live_rows, int64_t valid_rows) {
   __shared__ __nv_bfloat16 tile[kColTile][kColTile + 8];  // + 8: the column reads' banks
   __shared__ float weight[kColTile];
+  __shared__ float half_amax[2][kColTile];
   const int64_t r0 = int64_t{blockIdx.y} * kColTile, c0 = int64_t{blockIdx.x} * kColTile;
   if (live_rows != nullptr && r0 >= __ldg(live_rows)) return;  // past the rows in use (block-uniform)
   const int t = threadIdx.x;
@@ -47,13 +49,19 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
     *reinterpret_cast<uint2*>(&tile[r][v8 * 8 + 4]) = make_uint2(x.z, x.w);
   }
   __syncthreads();
-  const int c = t / 2, h = t % 2;  // column c, rows 64 h .. 64 h + 63
+  // Column c, rows 64 h .. 64 h + 63: a warp's lanes take 32 consecutive columns of one half, so
+  // their reads are one 64-byte piece of a row (no bank conflict; with a column's halves on
+  // neighbouring lanes, rows r and r + 64 shared banks: 3 % slower, docs/perf.md session 28), and
+  // the halves' maxima meet in shared memory
+  const int c = t % kColTile, h = t / kColTile;
   // v[r0 + r, c0 + c], times the row's weight in fp32 (exact for w = 1)
   const auto value = [&](int r) { return __fmul_rn(__bfloat162float(tile[r][c]), weight[r]); };
   float amax = 0.0f;
 #pragma unroll 8
   for (int r = 0; r < 64; ++r) amax = fmaxf(amax, fabsf(value(64 * h + r)));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  half_amax[h][c] = amax;
+  __syncthreads();
+  amax = fmaxf(half_amax[0][c], half_amax[1][c]);
   const float s = e4m3_block_scale(amax, pow2);
   const E4m3Divisor d = e4m3_divisor(s);
   if (h == 0) scales[(r0 / kColTile) * cols + c0 + c] = s;
