@@ -115,6 +115,15 @@ class VirtualGroup:
             raise ValueError(f"rank {rank} w_gate holds {local} experts; rank-local weights of this group hold "
                              f"num_experts / ep_size = {self.dims.num_experts // self.ep_size}")
 
+    def _context(self, rank: int, inputs: RankInputs, transposed: bool = False):
+        """Rank `rank`'s forward context; precision fp8_block: its local weights' e4m3 copies (the
+        backward's transposed ones too), kept on its workspace while the weights' versions say
+        they are current, as mok.functional keeps them."""
+        from .functional import _fp8_weights
+        ctx = _rank_context(inputs)
+        ctx.fp8 = _fp8_weights(self.workspaces[rank], ctx.weights, inputs.x, transposed=transposed)
+        return ctx
+
     def _issue(self, rank_ids: Sequence[int], args: Sequence[_lib.mokForwardArgs]) -> None:
         def group_call(handles, streams):
             arg_array = (_lib.mokForwardArgs * self.ep_size)(*args)
@@ -165,7 +174,7 @@ class VirtualGroup:
         ys, args = [], []
         for s, rank in enumerate(ranks):
             ys.append(_alloc((rank.x.shape[0], self.dims.hidden), torch.bfloat16, self.device))
-            args.append(_forward_args(views, _rank_context(rank), ys[-1], _rank_tag(self.ep_size, s)))
+            args.append(_forward_args(views, self._context(s, rank), ys[-1], _rank_tag(self.ep_size, s)))
         self._issue(list(range(self.ep_size)), args)
         return ys
 
@@ -187,7 +196,7 @@ class VirtualGroup:
         views = _lib.Views()
         out, args = [], []
         for s, rank in enumerate(ranks):
-            ctx = _rank_context(rank)
+            ctx = self._context(s, rank, transposed=True)
             dx, d_topk_weights, grads = _grad_buffers(rank.x, rank.topk_ids, ctx.weights)
             args.append(_backward_args(views, ctx, dys[s], dx, d_topk_weights, grads,
                                        _check_main_grads(main_grads[s]), _rank_tag(self.ep_size, s)))
@@ -209,7 +218,7 @@ class VirtualGroup:
         self._precheck(rank, inputs)
         views = _lib.Views()
         y = _alloc((inputs.x.shape[0], self.dims.hidden), torch.bfloat16, self.device)
-        self._issue([rank], [_forward_args(views, _rank_context(inputs), y, _rank_tag(self.ep_size, rank))])
+        self._issue([rank], [_forward_args(views, self._context(rank, inputs), y, _rank_tag(self.ep_size, rank))])
         return y
 
     def check_errors(self, wait: bool = True) -> None:

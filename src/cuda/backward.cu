@@ -34,6 +34,7 @@
 #include "cuda/fused/backward_kernel.cuh"
 #include "cuda/fused/schedule_bwd.cuh"
 #include "cuda/gemm/launch.hpp"
+#include "cuda/gemm/quantize.cuh"
 #include "cuda/gemm/tensor_map.hpp"
 #include "cuda/gemm/config.hpp"
 #include "plan/plan.hpp"
@@ -124,6 +125,37 @@ __global__ void bwd_push_kernel(ep::Group g, const uint32_t* __restrict__ rows,
                  (row_token(rec) * topk + row_slot(rec)) * row_vecs;
     const uint4* from = dx_rows + i * row_vecs;
     for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = from[v];
+  });
+}
+
+// ---- fp8_block at EP >= 2: x or dy of every plan row from its source rank's region, its bf16
+// row kept (the wgrad operands' column quantisers read it) and, q given, the same loads
+// quantised per row and 128 channels (gemm::quantize_row_warp: the bits of EP = 1's per-token
+// quantisation) into q [rows, H] e4m3 and scales [H/128, scales_ld]; a padding row is zeros with
+// scale 1, as gather_e4m3_rows writes it
+__global__ void bwd_gather_quantize_kernel(ep::Group g, bool dy, const uint32_t* __restrict__ rows,
+                                           const int32_t* __restrict__ expert_offset, int32_t num_local,
+                                           int64_t hidden, __nv_bfloat16* __restrict__ copy, uint8_t* __restrict__ q,
+                                           float* __restrict__ scales, int64_t scales_ld, bool pow2) {
+  for_each_plan_row(rows, expert_offset, num_local, [&](int64_t i, uint32_t rec, int lane) {
+    __nv_bfloat16* const dst = copy + i * hidden;
+    if (row_is_pad(rec)) {
+      for (int64_t v = lane; v < hidden / 8; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
+      if (q != nullptr) {
+        for (int64_t v = lane; v < hidden / 16; v += 32)
+          reinterpret_cast<uint4*>(q + i * hidden)[v] = make_uint4(0, 0, 0, 0);
+        for (int64_t kb = lane; kb < hidden / 128; kb += 32) scales[kb * scales_ld + i] = 1.0f;
+      }
+      return;
+    }
+    const int s = row_rank(rec);
+    const __nv_bfloat16* const src = (dy ? ep::dy_of(g, s) : ep::x_of(g, s)) + row_token(rec) * hidden;
+    if (q != nullptr) {
+      gemm::quantize_row_warp(src, q + i * hidden, scales, scales_ld, i, hidden, pow2, dst);
+    } else {
+      for (int64_t v = lane; v < hidden / 8; v += 32)
+        reinterpret_cast<uint4*>(dst)[v] = __ldg(reinterpret_cast<const uint4*>(src) + v);
+    }
   });
 }
 
@@ -603,6 +635,7 @@ void prepare_backward(DeviceWorkspace& ws, const mokConfig_t& c) {
   cudaFuncAttributes a;
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_gather_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_push_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_gather_quantize_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_tables_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dtw_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, bwd_dx_kernel));
@@ -793,7 +826,8 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
   }
 }
 
-// fp8_block's backward as launches (EP = 1, routed experts):
+// fp8_block's backward as launches (routed and shared experts; EP >= 2 as the bf16 launches:
+// rows pulled from their source ranks, dx rows and d topk_weights pushed home, the end barrier):
 // the CPU reference's recipe (src/ref expert_backward_fp8, docs/precision.md) on the GPU kinds:
 //   the route weights of the plan's rows; h the forward's saved pre-activations (or the gate/up
 //   replay on x quantised once per token, its rows gathered in e4m3); dy likewise, quantised per
@@ -809,7 +843,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   const DeviceGuard guard(ws.device);
   const int64_t H = c.hidden, I = c.intermediate, k = c.topk, T = in.num_tokens;
   const int64_t El = plan_dims(c).local_experts();
-  MOK_CHECK_ARG(ws.ep_size == 1, "config.precision = fp8_block: the CUDA backward runs at EP = 1 so far");
+  const bool ep = ws.ep_size > 1;
   for (int w = 0; w < (c.shared_intermediate > 0 ? 6 : 3); ++w)
     MOK_CHECK_ARG(in.fp8_qt[w] != nullptr, "config.precision = fp8_block: the CUDA backward reads the weights' "
                                            "transposed e4m3 copies (mokFp8Weight_t.qt, mok.quantize_weights with "
@@ -851,15 +885,26 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   uint8_t* const f = ws.fp8_bwd;
   auto fl = [&](int64_t offset) { return reinterpret_cast<float*>(f + offset); };
   const int64_t row_vecs = H * 2 / 16;
-  // The ones (dx's combine weights) and the route weights of the plan's rows; x and dy are read
-  // in place (no bf16 row copies): quantised once per token, then their rows gathered in e4m3
-  gather_backward_rows(ws, c, in, dy, ep::Group{}, stream, /*copy_rows=*/false);
+  // The ones (dx's combine weights) and the route weights of the plan's rows (EP >= 2: from the
+  // rows' source ranks).  EP = 1: x and dy are read in place (no bf16 row copies), quantised once
+  // per token, then their rows gathered in e4m3.  EP >= 2: each row of x and dy pulled once from
+  // its source rank's region, kept in bf16 (x_rows, dy_rows: the column quantisers' input) and
+  // quantised from the same loads (bwd_gather_quantize_kernel; the same bits per row)
+  const ep::Group group = ep ? ep_group(ws) : ep::Group{};
+  gather_backward_rows(ws, c, in, dy, group, stream, /*copy_rows=*/false);
   const int32_t* const live_rows = ws.expert_offset + El;  // the plan's rows in use (device)
   auto gather_quantized = [&](const void* src) {  // src [T, H] bf16 -> the plan's rows at parts.dy
     gemm::launch_quantize_rows(src, f + parts.tok, fl(parts.tok_scales), T, H, pow2, stream, t4);
     if (T > 0)
       launch_gather_e4m3_rows(f + parts.tok, fl(parts.tok_scales), t4, ws.rows, ws.expert_offset,
                               static_cast<int32_t>(El), H, f + parts.dy, fl(parts.dy_scales), R, stream);
+  };
+  auto pull_rows = [&](bool of_dy, bool quantize) {  // EP >= 2: x or dy rows (and e4m3 at parts.dy)
+    bwd_gather_quantize_kernel<<<528, 256, 0, stream>>>(
+        group, of_dy, ws.rows, ws.expert_offset, static_cast<int32_t>(El), H,
+        static_cast<__nv_bfloat16*>(of_dy ? b.dy_rows : b.x_rows), quantize ? f + parts.dy : nullptr,
+        quantize ? fl(parts.dy_scales) : nullptr, R, pow2);
+    MOK_CUDA_CHECK(cudaGetLastError());
   };
   auto scaled = [&](gemm::GroupedGemmArgs a, const float* a_scales, const float* b0s, const float* b1s) {
     a.operand_bytes = 1;
@@ -875,9 +920,15 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   // the routed rows gathered from it, and the shared expert's tokens read from it as they are
   void* const h = saved.h ? saved.h : b.h;
   const int32_t sblocks = static_cast<int32_t>(plan::ceil_div(T, gemm::TileConfig::kBlockM));
-  if (!saved.h) gather_quantized(in.x);
-  else if (Is > 0 && !saved.shared_h)
+  if (ep) {
+    if (Is > 0 && !saved.shared_h)
+      gemm::launch_quantize_rows(in.x, f + parts.tok, fl(parts.tok_scales), T, H, pow2, stream, t4);
+    pull_rows(false, !saved.h);
+  } else if (!saved.h) {
+    gather_quantized(in.x);
+  } else if (Is > 0 && !saved.shared_h) {
     gemm::launch_quantize_rows(in.x, f + parts.tok, fl(parts.tok_scales), T, H, pow2, stream, t4);
+  }
   if (Is > 0 && !saved.shared_h && T > 0) {
     gemm::GroupedGemmArgs sgu =
         scaled(gemm::with_tile_n(gemm::gate_up_preact_args(f + parts.tok, T, H, in.fp8_q[3], in.fp8_q[4], 1, Is,
@@ -896,25 +947,40 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
         stream);
   }
   // dy per row and 128 of H; dgrad down with the SwiGLU backward: dh in e4m3 and bf16, a, partials
-  gather_quantized(dy);
+  if (ep) {
+    pull_rows(true, true);
+    if (Is > 0)  // the shared expert's dy, its own tokens per token (tok)
+      gemm::launch_quantize_rows(dy, f + parts.tok, fl(parts.tok_scales), T, H, pow2, stream, t4);
+  } else {
+    gather_quantized(dy);
+  }
   gemm::GroupedGemmArgs dd = gemm::dgrad_down_swiglu_e4m3_args(
       f + parts.dy, R, H, in.fp8_qt[2], El, I, ws.block_expert, max_blocks, h, b.row_weight, f + parts.dh,
       fl(parts.dh_scales), R, pow2, b.dh, b.wa, b.dtw_partials);
   gemm::launch_grouped_gemm(scaled(dd, fl(parts.dy_scales), in.fp8_scales[2], in.fp8_scales[2]), stream);
-  // dgrad gate/up on the two transposed copies, each row into its route slot
+  // dgrad gate/up on the two transposed copies, each row into its route slot (EP >= 2: rows in
+  // plan order, then pushed to their home ranks' slots, as the bf16 launches)
   gemm::GroupedGemmArgs dg = gemm::dgrad_gate_up_e4m3_args(f + parts.dh, R, I, in.fp8_qt[0], in.fp8_qt[1], El, H,
-                                                           ws.block_expert, max_blocks, ws.slots);
-  dg.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
-  dg.plan_rows = ws.rows;
-  dg.topk = static_cast<int32_t>(k);
+                                                           ws.block_expert, max_blocks, ep ? b.dx_rows : ws.slots);
+  if (!ep) {
+    dg.epilogue = static_cast<int32_t>(gemm::Epilogue::kScatter);
+    dg.plan_rows = ws.rows;
+    dg.topk = static_cast<int32_t>(k);
+  }
   gemm::launch_grouped_gemm(scaled(dg, fl(parts.dh_scales), in.fp8_scales[0], in.fp8_scales[1]), stream);
+  if (ep) {
+    bwd_push_kernel<<<528, 256, 0, stream>>>(group, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+                                             static_cast<int32_t>(k), row_vecs, static_cast<const uint4*>(b.dx_rows));
+    MOK_CUDA_CHECK(cudaGetLastError());
+  }
   // The wgrad operands, transposed per channel and 128 rows: x, w·dy (the row weights applied
   // in fp32 by the quantiser), a, dg, du; then dW_down = (w·dy)ᵀ · a, dW_gate = dgᵀ · x, dW_up = duᵀ · x
   // (x and dy through the plan's rows in place; only the blocks of rows in use)
-  gemm::launch_quantize_cols(in.x, H, R, H, f + parts.xt, fl(parts.xt_scales), pow2, stream, nullptr, ws.rows,
-                             live_rows);
-  gemm::launch_quantize_cols(dy, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream, b.row_weight,
-                             ws.rows, live_rows);
+  // (EP >= 2: the pulled bf16 rows, in plan order)
+  gemm::launch_quantize_cols(ep ? b.x_rows : in.x, H, R, H, f + parts.xt, fl(parts.xt_scales), pow2, stream, nullptr,
+                             ep ? nullptr : ws.rows, live_rows);
+  gemm::launch_quantize_cols(ep ? b.dy_rows : dy, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream,
+                             b.row_weight, ep ? nullptr : ws.rows, live_rows);
   gemm::launch_quantize_cols(b.wa, I, R, I, f + parts.at, fl(parts.at_scales), pow2, stream, nullptr, nullptr,
                              live_rows);
   gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream, nullptr, nullptr,
@@ -1008,17 +1074,25 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     wgrad(f + parts.sdut, fl(parts.sdut_scales), Is, f + parts.sxt, fl(parts.sxt_scales), H, g.dws_up, gs.ws_up,
           g.main_s_up, ms.ws_up, shared);
   }
-  // d topk_weights (0 for masked routes) and dx
-  if (T > 0) {
-    MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
-    bwd_dtw_kernel<<<264, 256, 0, stream>>>(ep::Group{}, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
+  // d topk_weights (0 for masked routes; EP >= 2: pushed home, the start zeroed them) and dx
+  if (T > 0 && !ep) MOK_CUDA_CHECK(cudaMemsetAsync(g.d_topk_weights, 0, static_cast<size_t>(T * k) * sizeof(float), stream));
+  if (T > 0 || ep) {
+    bwd_dtw_kernel<<<264, 256, 0, stream>>>(group, ws.rows, ws.expert_offset, static_cast<int32_t>(El),
                                             b.dtw_partials, static_cast<int32_t>(I / 128), static_cast<int32_t>(k),
                                             g.d_topk_weights);
     MOK_CUDA_CHECK(cudaGetLastError());
+  }
+  // EP >= 2: every rank's pushes (dx rows, d topk_weights) landed in this rank's region
+  if (ep) ep_end(ws, c, timeout, stream);
+  if (T > 0) {
     bwd_dx_kernel<<<static_cast<unsigned>((T + 3) / 4), 128, 0, stream>>>(
-        v, 0, b.ones, static_cast<const uint4*>(ws.slots), Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr,
-        T, row_vecs, static_cast<uint4*>(static_cast<void*>(g.dx)));
+        v, static_cast<int>(ws.ep_rank), b.ones, static_cast<const uint4*>(ws.slots),
+        Is > 0 ? static_cast<const uint4*>(ws.shared_out) : nullptr, T, row_vecs,
+        static_cast<uint4*>(static_cast<void*>(g.dx)));
     MOK_CUDA_CHECK(cudaGetLastError());
+    if (ep)
+      MOK_CUDA_CHECK(cudaMemcpyAsync(g.d_topk_weights, ws.regions[ws.ep_rank] + ws.sym.dtw,
+                                     static_cast<size_t>(T * k) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
   }
 }
 

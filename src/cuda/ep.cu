@@ -1,6 +1,7 @@
 // EP >= 2, the start of a call: the routing exchange and the start barrier.
 //
-//   1. x of this call into this rank's region (peers pull from it), stream-ordered copy;
+//   1. x of this call into this rank's region (peers pull from it), stream-ordered copy
+//      (fp8_block's forward: quantised per token into it instead);
 //   2. ep_exchange_kernel: this rank's T and topk_ids (as int64) into routing[rank] and
 //      tokens[rank] of every region of the group (unicast stores, no multicast);
 //   3. ep_start_kernel: bumps the call's sequence number q, publishes q in every region's
@@ -19,6 +20,7 @@
 #include "cuda/comm/ep.cuh"
 #include "cuda/ep.hpp"
 #include "cuda/forward.hpp"
+#include "cuda/gemm/launch.hpp"
 #include "runtime/errors.hpp"
 
 namespace mok::cuda {
@@ -103,9 +105,15 @@ void ep_start(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& 
   const int64_t T = in.num_tokens, H = c.hidden, k = c.topk;
   const ep::Group g = ep_group(ws);
   uint8_t* own = ws.regions[ws.ep_rank];
-  if (T > 0)
+  if (T > 0 && c.precision == mokPrecisionFP8Block && dy == nullptr) {
+    // fp8_block's forward: x quantised per token into the region (e4m3 rows, their scales at
+    // x8_scales), which the peers' gathers pull as they are: half the bf16 bytes
+    gemm::launch_quantize_rows(in.x, own + ws.sym.x, reinterpret_cast<float*>(own + ws.sym.x8_scales), T, H,
+                               c.fp8_pow2_scales != 0, stream, fp8_t4(c.max_tokens));
+  } else if (T > 0) {
     MOK_CUDA_CHECK(cudaMemcpyAsync(own + ws.sym.x, in.x, static_cast<size_t>(T * H * 2), cudaMemcpyDeviceToDevice,
                                    stream));
+  }
   if (dy != nullptr && T > 0) {
     // The backward: dy and the weights for the experts' owners, d topk_weights zeroed (masked
     // routes get no push) -- all before the start barrier that lets the peers in

@@ -339,13 +339,22 @@ void forward_fused_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Ran
   uint8_t* const b = fp8_buffers(ws, parts);
   const auto scales_at = [&](int64_t offset) { return reinterpret_cast<float*>(b + offset); };
   const int64_t t4 = fp8_t4(c.max_tokens);
-  if (T > 0)
-    gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, c.fp8_pow2_scales != 0, stream, t4);
+  if (ws.ep_size > 1) {
+    // x quantised per token into the own region by the call's start (ep_start), before the
+    // start barrier lets the peers pull its rows
+    uint8_t* const own = ws.regions[ws.ep_rank];
+    p.x8 = own + ws.sym.x;
+    p.x8_scales = reinterpret_cast<const float*>(own + ws.sym.x8_scales);
+  } else {
+    if (T > 0)
+      gemm::launch_quantize_rows(in.x, b + parts.x, scales_at(parts.x_scales), T, H, c.fp8_pow2_scales != 0, stream,
+                                 t4);
+    p.x8 = b + parts.x;
+    p.x8_scales = scales_at(parts.x_scales);
+  }
   p.ring = reinterpret_cast<__nv_bfloat16*>(b + parts.ring);  // (e4m3 rows: the kernel reads them as bytes)
   p.act = reinterpret_cast<__nv_bfloat16*>(b + parts.act);
   p.shared_act = reinterpret_cast<__nv_bfloat16*>(b + parts.shared_act);
-  p.x8 = b + parts.x;
-  p.x8_scales = scales_at(parts.x_scales);
   p.x8_ld = t4;
   p.ring_scales = scales_at(parts.ring_scales);
   p.act_scales = scales_at(parts.act_scales);
@@ -893,9 +902,9 @@ void forward_phase(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInp
       call_plan(ws, c, in, stream_ptr);
       return;
     case ForwardPhase::kLayer:
-      MOK_CHECK_ARG(c.precision != mokPrecisionFP8Block || ws.ep_size == 1,
-                    "config.precision = fp8_block runs at EP = 1 so far");
       if (c.precision == mokPrecisionFP8Block && use_unfused_path()) {
+        MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "
+                                           << ws.ep_size << "); the fused forward runs fp8_block at any EP");
         forward_fp8(ws, c, in, routing_of(ws, c, in), y, stream, save);
       } else if (use_unfused_path()) {
         MOK_CHECK_ARG(ws.ep_size == 1, "MOK_FORWARD_PATH=unfused runs at EP = 1 only (this workspace has ep_size = "

@@ -68,9 +68,6 @@ void check_config(const mokConfig_t& c) {
   MOK_CHECK_ARG(c.precision == mokPrecisionBF16 || c.precision == mokPrecisionFP8Block,
                 "config.precision = " << c.precision << ": bf16 (0) and fp8_block (2) are implemented, not mxfp8 (1)");
   if (c.precision == mokPrecisionFP8Block) {
-    MOK_CHECK_ARG(c.device < 0 || c.ep_size == 1,
-                  "config.precision = fp8_block (2) on CUDA runs at EP = 1 so far (config.ep_size = "
-                      << c.ep_size << "; docs/precision.md)");
     MOK_CHECK_ARG(c.hidden % 128 == 0 && c.intermediate % 128 == 0 && c.shared_intermediate % 128 == 0,
                   "config.precision = fp8_block (2): hidden = " << c.hidden << ", intermediate = " << c.intermediate
                                                                 << " and shared_intermediate = " << c.shared_intermediate
@@ -155,7 +152,8 @@ std::string describe_buffers(const mokConfig_t& c) {
     os << "  symmetric region (per rank, same map on every rank; mokSymmetricBytes) = " << l.bytes << " B:\n"
        << "    flags_start, flags_end, tokens = 3 x 64 x 8 B (1 KB aligned each)\n"
        << "    routing = P*align1K(T_max*k*8) = " << c.ep_size << "*" << l.routing_rank_stride << " B\n"
-       << "    x       = T_max*H*2 = " << c.max_tokens * c.hidden * 2 << " B\n"
+       << "    x       = T_max*H*2 = " << c.max_tokens * c.hidden * 2
+       << " B (fp8_block's forward: x quantised per token, T_max*H e4m3 then [H/128, T_max] f32 scales)\n"
        << "    slots   = T_max*k*H*2 = " << c.max_tokens * c.topk * c.hidden * 2 << " B (backward: dx rows)\n"
        << "    dy      = T_max*H*2 = " << c.max_tokens * c.hidden * 2 << " B (backward)\n"
        << "    weights, dtw = 2 x T_max*k*4 = " << 2 * c.max_tokens * c.topk * 4 << " B (backward)\n";

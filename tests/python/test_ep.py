@@ -480,6 +480,94 @@ class TestVirtualRanks:
                     f"rank {r} {name}: transposed weights differ from row-major ones"
 
 
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+class TestVirtualRanksFp8:
+    """precision fp8_block at EP >= 2 on virtual ranks: each rank quantises its x per token into
+    its region and the comm blocks pull the e4m3 rows and their scales; the backward pulls x and
+    dy once per row, quantised in the pull, and pushes dx rows and d topk_weights home.  Every
+    token's y, dx and d topk_weights, and every routed weight gradient, are EP = 1's bits (the
+    same rows per expert, in the same order: the same 128-row column blocks of the wgrad
+    operands); the shared expert's gradients are those of EP = 1 over the rank's own tokens."""
+    pytestmark = GPU
+
+    @staticmethod
+    def _config(pow2, **kw):
+        return F.MoKConfig(precision="fp8_block", fp8_pow2_scales=pow2, timeout_s=20, **kw)
+
+    @pytest.mark.parametrize("P,E,k,I_s,kind,pow2,ring", [
+        (2, 16, 4, 0, "uniform", False, 0), (2, 32, 8, 256, "empty_rank", True, 0),
+        (4, 16, 4, 256, "one_rank", False, 256), (4, 32, 8, 0, "uneven", True, 256),
+        (8, 16, 4, 256, "masked", False, 0), (4, 16, 4, 0, "all_empty", False, 0)])
+    def test_forward_and_backward_equal_ep1_bitwise(self, gen, monkeypatch, P, E, k, I_s, kind, pow2, ring):
+        import mok.config
+        monkeypatch.setattr(mok.config, "poison_outputs", True)  # every output starts as NaN
+        H, I = 512, 256
+        counts = _token_counts(kind, P)
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, P, H, I, E, k, counts, kind, I_s)]
+        dys = [make_x(gen, T, H).cuda() for T in counts]
+        # ring 256: minibatches of 128 rows, every rank's routed rows wrap the forward's ring
+        config = self._config(pow2, **(dict(minibatch_size=128, macrobatch_size=ring) if ring else {}))
+        with F.create_virtual_group(H, I, E, k, max(max(counts), 1), I_s, ep_size=P, config=config) as group:
+            ys = group.forward(ranks)
+            grads = group.backward(ranks, dys)
+            ys2, grads2 = group.forward(ranks), group.backward(ranks, dys)
+            group.check_errors()
+        for r in range(P):
+            _assert_bitwise(f"rank {r} y, two runs", ys2[r], ys[r])
+            for name in ("dx", "d_topk_weights", *ROUTED, *(SHARED if I_s else ())):
+                assert torch.equal(_bits(getattr(grads2[r], name)), _bits(getattr(grads[r], name))), \
+                    f"rank {r} {name}: two runs differ"
+        # EP = 1 with every expert local, every rank's tokens in one call
+        weights = {n: torch.cat([getattr(rk, n) for rk in ranks]) for n in ROUTED}
+        weights.update({n: getattr(ranks[0], n) for n in SHARED})
+        x, ids, tw = (torch.cat([getattr(rk, n) for rk in ranks]) for n in ("x", "topk_ids", "topk_weights"))
+        ep1 = dataclasses.replace(config, num_blocks=0)
+        y1, _ = F.forward(x, ids, tw, **weights, config=ep1)
+        g1 = F.backward(F.recompute_forward_context(x, ids, tw, **weights, config=ep1), torch.cat(dys))
+        for r, (y, dx, dtw) in enumerate(zip(torch.split(y1, counts), torch.split(g1.dx, counts),
+                                             torch.split(g1.d_topk_weights, counts))):
+            _assert_bitwise(f"rank {r} y vs EP=1", ys[r], y)
+            _assert_bitwise(f"rank {r} dx vs EP=1", grads[r].dx, dx)
+            assert torch.equal(grads[r].d_topk_weights, dtw), f"rank {r} d topk_weights differ from EP=1"
+            assert torch.isfinite(ys[r].float()).all() and torch.isfinite(grads[r].dx.float()).all()
+        E_l = E // P
+        for r in range(P):
+            for name in ROUTED:
+                want = getattr(g1, name)[r * E_l:(r + 1) * E_l]
+                assert torch.equal(_bits(getattr(grads[r], name)), _bits(want)), f"rank {r} {name} differs from EP=1"
+            if I_s and counts[r] > 0:
+                # The shared expert over the rank's own tokens: EP = 1 on those tokens alone
+                sl = slice(sum(counts[:r]), sum(counts[:r + 1]))
+                gr = F.backward(F.recompute_forward_context(x[sl], ids[sl], tw[sl], **weights, config=ep1), dys[r])
+                for name in SHARED:
+                    assert torch.equal(_bits(getattr(grads[r], name)), _bits(getattr(gr, name))), \
+                        f"rank {r} {name} differs from EP=1 over its tokens"
+
+    def test_against_the_bf16_group(self, gen):
+        # The fp8 group's outputs against the bf16 group's (the same inputs): block-scaled e4m3
+        # keeps y and dx within a few percent (relative Frobenius), reported
+        P, H, I, E, k, I_s = 4, 512, 256, 16, 4, 256
+        counts = TS[:P]
+        ranks = [_to_cuda(r) for r in _make_ranks(gen, P, H, I, E, k, counts, "uniform", I_s)]
+        dys = [make_x(gen, T, H).cuda() for T in counts]
+        out = {}
+        for prec in ("bf16", "fp8_block"):
+            with F.create_virtual_group(H, I, E, k, max(counts), I_s, ep_size=P,
+                                        config=F.MoKConfig(precision=prec)) as group:
+                out[prec] = (group.forward(ranks), group.backward(ranks, dys))
+                group.check_errors()
+        for r in range(P):
+            for name, a, b in [("y", out["fp8_block"][0][r], out["bf16"][0][r]),
+                               ("dx", out["fp8_block"][1][r].dx, out["bf16"][1][r].dx),
+                               ("dW_down", out["fp8_block"][1][r].w_down, out["bf16"][1][r].w_down)]:
+                rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+                print(f"rank {r} {name}: fp8_block against bf16, relative Frobenius {rel:.3e}")
+                assert rel < 0.08, f"rank {r} {name}: {rel}"
+
+
 # ---------------------------------------------------------------------------------------
 # Every visible GPU (2, 4 or 8): a real EP group over PyTorch symmetric memory
 

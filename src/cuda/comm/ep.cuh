@@ -35,6 +35,12 @@ __device__ __forceinline__ int64_t* flag_end(const Group& g, int owner, int of_r
 __device__ __forceinline__ const __nv_bfloat16* x_of(const Group& g, int s) {
   return reinterpret_cast<const __nv_bfloat16*>(region(g, s) + g.layout.x);
 }
+// fp8_block's forward: rank s's x quantised per token (e4m3 rows of H bytes) and their scales
+// ([H/128, ld] k-block-major, ld the forward's x8_ld), in place of its bf16 x
+__device__ __forceinline__ const uint8_t* x8_of(const Group& g, int s) { return region(g, s) + g.layout.x; }
+__device__ __forceinline__ const float* x8_scales_of(const Group& g, int s) {
+  return reinterpret_cast<const float*>(region(g, s) + g.layout.x8_scales);
+}
 __device__ __forceinline__ __nv_bfloat16* slots_of(const Group& g, int s) {
   return reinterpret_cast<__nv_bfloat16*>(region(g, s) + g.layout.slots);
 }

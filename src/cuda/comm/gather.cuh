@@ -9,8 +9,9 @@
 
 namespace mok::cuda::fused {
 
-// What the EP = 1 gathers copy (the start gather, the gather warps): bf16 rows of x, or
-// fp8_block's e4m3 rows of x quantised per token (p.x8, H bytes) and their H / 128 scales.
+// What the gathers copy (the start gather, the EP = 1 gather warps, the EP >= 2 comm blocks):
+// bf16 rows of x, or fp8_block's e4m3 rows of x quantised per token by the row's source rank
+// (H bytes: at EP >= 2 the pull moves half the bf16 bytes) and their H / 128 scales.
 __device__ __forceinline__ int64_t gathered_row_bytes(const ForwardParams& p) {
   return p.x8 != nullptr ? int64_t{p.hidden} : 2 * int64_t{p.hidden};
 }
@@ -18,13 +19,12 @@ __device__ __forceinline__ uint8_t* ring_row_ptr(const ForwardParams& p, int64_t
   return reinterpret_cast<uint8_t*>(p.ring) + ring_row * gathered_row_bytes(p);
 }
 __device__ __forceinline__ const void* gathered_source(const ForwardParams& p, uint32_t rec) {
-  return p.x8 != nullptr ? static_cast<const void*>(p.x8 + row_token(rec) * p.hidden) : x_row(p, rec);
+  return p.x8 != nullptr ? static_cast<const void*>(x8_row(p, rec)) : x_row(p, rec);
 }
 // fp8_block: scale k-block kb of the row of record rec (1 for padding: its zeros), into the
 // ring's scale rows (k-block-major, the TMA box of a tile's rows) at ring_row
 __device__ __forceinline__ void gather_scale(const ForwardParams& p, uint32_t rec, int64_t ring_row, int32_t kb) {
-  p.ring_scales[kb * p.scales_ld + ring_row] =
-      row_is_pad(rec) ? 1.0f : __ldg(p.x8_scales + kb * p.x8_ld + row_token(rec));
+  p.ring_scales[kb * p.scales_ld + ring_row] = row_is_pad(rec) ? 1.0f : x8_scale(p, rec, kb);
 }
 
 // Gathers row block b (processing position q) into its ring rows, zeros for padding rows;
@@ -32,21 +32,24 @@ __device__ __forceinline__ void gather_scale(const ForwardParams& p, uint32_t re
 __device__ void gather_block(CommWarp& w, const ForwardParams& p, const Geometry& g, int32_t b,
                              const gemm::WaitContext& wait, int32_t* gather_ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, num_warps = blockDim.x / 32;
-  const int64_t row_vecs = p.hidden / 8;
+  const int64_t row_vecs = gathered_row_bytes(p) / 16;
   int32_t rows_done = 0;
   for (int i = warp; i < kBlockM; i += num_warps, ++rows_done) {
     const uint32_t rec = p.rows[static_cast<int64_t>(b) * kBlockM + i];
-    __nv_bfloat16* dst = p.ring + static_cast<int64_t>(g.ring_row(b) + i) * p.hidden;
+    const int64_t ring_row = g.ring_row(b) + i;
+    uint8_t* dst = ring_row_ptr(p, ring_row);
+    if (p.x8 != nullptr)  // fp8_block: the row's scales (1 for padding), generic stores
+      for (int32_t kb = lane; kb < p.hidden_kb; kb += 32) gather_scale(p, rec, ring_row, kb);
     if (row_is_pad(rec)) {
       // Padding rows are zeros (generic stores)
       for (int64_t v = lane; v < row_vecs; v += 32) reinterpret_cast<uint4*>(dst)[v] = make_uint4(0, 0, 0, 0);
       continue;
     }
-    copy_row(w, x_row(p, rec), dst, wait);
+    copy_row(w, gathered_source(p, rec), dst, wait);
   }
   // Publish this warp's rows of block b once its stores completed
   if (lane == 0) ptx::bulk_wait<0>();
-  ptx::fence_proxy_async_global();  // every lane: its generic zero-row stores
+  ptx::fence_proxy_async_global();  // every lane: its generic stores (zero rows, scales)
   __syncwarp();
   if (lane == 0) ptx::red_release_gpu_add(&gather_ready[b], rows_done);
 }
@@ -149,8 +152,9 @@ template <class SharedT>
 __device__ void comm_gather(SharedT& sh, const ForwardParams& p, const Geometry& g, const gemm::WaitContext& wait,
                             int32_t* gather_ready, const TaskCounts& counts, uint32_t phase) {
   const int warp = threadIdx.x / 32;
-  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * p.hidden * 2, &sh.gather_bar[warp],
-             {0, phase}, static_cast<uint32_t>(p.hidden) * 2};
+  const int64_t row_bytes = gathered_row_bytes(p);
+  CommWarp w{reinterpret_cast<uint8_t*>(&sh.stages) + static_cast<size_t>(warp) * row_bytes, &sh.gather_bar[warp],
+             {0, phase}, static_cast<uint32_t>(row_bytes)};
   TraceWriter trace(p, 3, kTraceAfterStartGather);
   Wait waits[kMaxWaits];
   for (int32_t q = start_positions(p, g, counts) + static_cast<int32_t>(blockIdx.x); q < g.num_blocks; q += p.num_comm) {

@@ -21,6 +21,18 @@ __device__ __forceinline__ const __nv_bfloat16* x_row(const P& p, uint32_t rec) 
   const __nv_bfloat16* x = p.group.size > 1 ? ep::x_of(p.group, row_rank(rec)) : p.x;
   return x + row_token(rec) * p.hidden;
 }
+// fp8_block's forward: the e4m3 row of x of a plan record (H bytes: x quantised per token by
+// its source rank) and the scale of its k-block kb (the scales k-block-major at p.x8_ld)
+template <class P>
+__device__ __forceinline__ const uint8_t* x8_row(const P& p, uint32_t rec) {
+  const uint8_t* x8 = p.group.size > 1 ? ep::x8_of(p.group, row_rank(rec)) : p.x8;
+  return x8 + row_token(rec) * p.hidden;
+}
+template <class P>
+__device__ __forceinline__ float x8_scale(const P& p, uint32_t rec, int32_t kb) {
+  const float* s = p.group.size > 1 ? ep::x8_scales_of(p.group, row_rank(rec)) : p.x8_scales;
+  return __ldg(s + kb * p.x8_ld + row_token(rec));  // (written before the call's start barrier)
+}
 // The backward's dy row of a plan record, and its route's weight, from its source rank.
 template <class P>
 __device__ __forceinline__ const __nv_bfloat16* dy_row(const P& p, uint32_t rec) {

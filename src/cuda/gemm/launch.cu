@@ -407,6 +407,13 @@ void load_backward_kernels() {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<true, TileConfigPingPong, true>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<false, TileConfigPingPong192>));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_kernel<true, TileConfigPingPong192>));
+  // fp8_block's (the tiles launch_grouped_gemm picks for e4m3 with block scales), its
+  // quantisers and its wgrad kind
+  using Turns = MmaTurns<PrecisionE4m3Block>;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfigE4m3Wide, true, Turns>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfigE4m3Wide, false, PrecisionE4m3Block>));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_gemm_kernel<false, TileConfigE4m3Wide, false, Turns>));
+  load_fp8_kernels();
 }
 
 void launch_grouped_wgrad(const GroupedWgradArgs& g, cudaStream_t stream) {

@@ -252,5 +252,9 @@ void launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStream_t stream)
 // (CUDA_MODULE_LOADING=LAZY, the default) a kernel's first launch waited while a virtual peer
 // spun in its barrier kernel, until that barrier's deadline.  prepare_backward calls it.
 void load_backward_kernels();
+// fp8_block's quantisers (rows, columns) and its wgrad kind, for the same reason
+// (load_backward_kernels calls it)
+void load_fp8_kernels();
+void load_quantize_rows_kernel();  // (quantize.cu's part of it)
 
 }  // namespace mok::gemm

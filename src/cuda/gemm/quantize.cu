@@ -97,6 +97,11 @@ void launch_quantize_rows(const void* x, void* q, float* scales, int64_t rows, i
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+void load_quantize_rows_kernel() {
+  cudaFuncAttributes a;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, quantize_rows_kernel));
+}
+
 void launch_quantize_blocks(const QuantizeBlocksArgs& a, cudaStream_t stream) {
   MOK_CHECK_ARG(a.rows > 0 && a.cols > 0 && a.rows % 128 == 0 && a.cols % 128 == 0,
                 "quantize blocks: [" << a.rows << ", " << a.cols << "] must be whole 128 x 128 blocks");

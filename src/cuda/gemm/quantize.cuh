@@ -40,9 +40,12 @@ __device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float v0, float v1, const
 // channels (eight a lane: one 16-byte load), the two halves consecutive blocks, and kUnroll
 // such pairs' loads are in flight before any of their math (one block at a time left the
 // kernel latency-bound: 0.35 ms for dsv3's x, 15x its bytes' time, docs/perf.md session 26).
+// copy (optional, 16-byte aligned): the bf16 row stored there too, from the same loads (the EP >= 2
+// backward's gathers keep the bf16 rows for the wgrad operands).  src is read through the
+// non-coherent path: it must not change during the kernel.
 __device__ __forceinline__ void quantize_row_warp(const __nv_bfloat16* __restrict__ src, uint8_t* __restrict__ q,
                                                   float* __restrict__ scales, int64_t scales_ld, int64_t row,
-                                                  int64_t n, bool pow2) {
+                                                  int64_t n, bool pow2, __nv_bfloat16* __restrict__ copy = nullptr) {
   constexpr int kUnroll = 4;
   const int lane = threadIdx.x % 32, half = lane / 16, sub = lane % 16;
   const int64_t blocks = n / 128;
@@ -77,6 +80,7 @@ __device__ __forceinline__ void quantize_row_warp(const __nv_bfloat16* __restric
         packed[j] = static_cast<uint32_t>(e4m3x2(v[4 * j], v[4 * j + 1], d)) |
                     (static_cast<uint32_t>(e4m3x2(v[4 * j + 2], v[4 * j + 3], d)) << 16);
       if (kb < blocks) {
+        if (copy != nullptr) *reinterpret_cast<uint4*>(copy + kb * 128 + sub * 8) = raw[u];
         uint8_t* const dst = q + kb * 128 + sub * 8;
         if (q8) {
           *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);

@@ -150,4 +150,11 @@ void launch_grouped_wgrad_fp8(const GroupedWgradFp8Args& g, cudaStream_t stream)
   MOK_CUDA_CHECK(cudaGetLastError());
 }
 
+void load_fp8_kernels() {
+  cudaFuncAttributes a;
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, quantize_cols_kernel));
+  MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_fp8_kernel<WgradFp8Tile>));
+  load_quantize_rows_kernel();
+}
+
 }  // namespace mok::gemm

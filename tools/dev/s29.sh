@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Session 28's device calls (issue 23, fp8; session 27's s27.sh with STAGE a list of stages run
-# in order, e.g. STAGE="fp8 wgncu", the tree built once).  STAGE=fp8: the tree built with its tests; the fp8
+# Session 29's device calls (issue 23, fp8; STAGE a list of stages run in order, e.g.
+# STAGE="ep8 fp8", the tree built once).  STAGE=ep8: fp8_block at EP >= 2 on virtual ranks
+# (test_ep.py's TestVirtualRanksFp8), then the bf16 EP tests (pytest, gtest EpGpu) as regressions.  STAGE=fp8: the tree built with its tests; the fp8
 # GPU tests (every fp8 kind, the quantisers, the layer's CUDA forward (the megakernel's fp8
 # policy, bit for bit the launches) and backward against the CPU reference), the bf16 fused
 # layer's GPU tests (BF16_TESTS), the layer's time kernel by kernel
@@ -45,6 +46,16 @@ case "$st" in
       timeout 200 python3 tools/sustained.py $shape --fp8 --variants "${FP8_VARIANTS:-base}" 2>&1 | tee "$OUT/fp8_$shape.log" | grep -vE "^\s*$" | tail -24
       echo "at $(el) s"
     done ;;
+  ep8)
+    build ON
+    timeout 240 python3 -m pytest -q -x -s tests/python/test_ep.py -k Fp8 > "$OUT/pytest_ep8.log" 2>&1
+    echo "pytest ep fp8 rc=$? $(tail -1 "$OUT/pytest_ep8.log") at $(el) s"
+    grep -E "^FAILED|^E  |relative Frobenius" "$OUT/pytest_ep8.log" | cut -c1-300 | head -24
+    timeout 200 python3 -m pytest -q tests/python/test_ep.py -k "not Fp8 and not MultiGPU" > "$OUT/pytest_ep.log" 2>&1
+    echo "pytest ep bf16 rc=$? $(tail -1 "$OUT/pytest_ep.log") at $(el) s"
+    grep -E "^FAILED|^E  " "$OUT/pytest_ep.log" | cut -c1-300 | head -12
+    timeout ${EPGTEST_TIMEOUT:-120} build/tests/cpp/test_ep_gpu --gtest_filter="${EPGTEST:-*}" > "$OUT/gtest_ep.log" 2>&1
+    echo "gtest ep rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/gtest_ep.log" | tr '\n' ' ') at $(el) s" ;;
   wgncu)  # ncu of the fp8 wgrad kind and the dgrad-down SwiGLU kind (dsv3: 16 experts x 2048 rows)
     build OFF
     cat > /tmp/k8.py <<'PY'
