@@ -305,6 +305,13 @@ def gemm_fp8(args, H, I, k, E, T):
         # forward (saving h) + backward: the second bar (fp8_block >= 1.4x bf16)
         variants[f"mok {prec} layer fwd+bwd"] = (lambda w: lambda: F.backward(
             F.forward(xt, ids, tw, wg, wu, wd, workspace=w, save_for_backward=True)[1], dyt))(lws)
+        # the other choice of what the backward keeps: nothing (h recomputed by the replay kind)
+        variants[f"mok {prec} layer fwd+bwd (recompute h)"] = (lambda w: lambda: (
+            F.forward(xt, ids, tw, wg, wu, wd, workspace=w, save_for_backward=False),
+            F.backward(F.recompute_forward_context(xt, ids, tw, wg, wu, wd, workspace=w), dyt)))(lws)
+        saved = F.forward(xt, ids, tw, wg, wu, wd, workspace=lws, save_for_backward=True)[1].saved
+        kept = sum(t.numel() * t.element_size() for t in saved if t is not None)
+        print(f"  {prec}: the training forward keeps h, {kept / 2**20:.1f} MiB ({kept / T / 1024:.1f} KiB a token)")
     # fp8_block's forward as launches (MOK_FORWARD_PATH=unfused: the same tiles), against the
     # megakernel's fp8 policy above
     variants["mok fp8_block layer fwd (launches)"] = with_env({"MOK_FORWARD_PATH": "unfused"},
