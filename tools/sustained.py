@@ -395,6 +395,9 @@ def gemm_fp8(args, H, I, k, E, T):
     if "mok fp8_block layer fwd+bwd" in ms:
         f8, b16 = ms["mok fp8_block layer fwd+bwd"], ms["mok bf16 layer fwd+bwd"]
         print(f"  layer forward+backward: fp8_block {f8:.3f} ms, bf16 {b16:.3f} ms, bf16/fp8 {b16 / f8:.2f}")
+        r8, r16 = ms["mok fp8_block layer fwd+bwd (recompute h)"], ms["mok bf16 layer fwd+bwd (recompute h)"]
+        print(f"  layer forward+backward, h recomputed: fp8_block {r8:.3f} ms ({r8 / f8:.3f} of h saved), "
+              f"bf16 {r16:.3f} ms ({r16 / b16:.3f}), bf16/fp8 {r16 / r8:.2f}")
 
 
 def backward_rows(args, H, I, k, E, T):
