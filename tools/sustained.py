@@ -312,6 +312,14 @@ def gemm_fp8(args, H, I, k, E, T):
         saved = F.forward(xt, ids, tw, wg, wu, wd, workspace=lws, save_for_backward=True)[1].saved
         kept = sum(t.numel() * t.element_size() for t in saved if t is not None)
         print(f"  {prec}: the training forward keeps h, {kept / 2**20:.1f} MiB ({kept / T / 1024:.1f} KiB a token)")
+    # fp8_block's forward + backward under each further knob set (--variants), its gradients
+    # checked bit for bit against the first's
+    fb8 = variants["mok fp8_block layer fwd+bwd"]
+    for vname, env in list(knobs.items())[1:]:
+        variants[f"mok fp8_block layer fwd+bwd [{vname}]"] = with_env(env, fb8)
+        a, b = fb8(), with_env(env, fb8)()
+        same = all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("dx", "d_topk_weights", "w_gate", "w_up", "w_down"))
+        print(f"  fp8_block fwd+bwd [{vname}]: gradients {'bit for bit' if same else 'DIFFER from'} the first knob set's")
     # fp8_block's forward as launches (MOK_FORWARD_PATH=unfused: the same tiles), against the
     # megakernel's fp8 policy above
     variants["mok fp8_block layer fwd (launches)"] = with_env({"MOK_FORWARD_PATH": "unfused"},
@@ -395,6 +403,9 @@ def gemm_fp8(args, H, I, k, E, T):
     if "mok fp8_block layer fwd+bwd" in ms:
         f8, b16 = ms["mok fp8_block layer fwd+bwd"], ms["mok bf16 layer fwd+bwd"]
         print(f"  layer forward+backward: fp8_block {f8:.3f} ms, bf16 {b16:.3f} ms, bf16/fp8 {b16 / f8:.2f}")
+        for vname in list(knobs)[1:]:
+            v8 = ms[f"mok fp8_block layer fwd+bwd [{vname}]"]
+            print(f"  layer forward+backward [{vname}]: fp8_block {v8:.3f} ms ({v8 / f8:.3f} of the first knob set's)")
         r8, r16 = ms["mok fp8_block layer fwd+bwd (recompute h)"], ms["mok bf16 layer fwd+bwd (recompute h)"]
         print(f"  layer forward+backward, h recomputed: fp8_block {r8:.3f} ms ({r8 / f8:.3f} of h saved), "
               f"bf16 {r16:.3f} ms ({r16 / b16:.3f}), bf16/fp8 {r16 / r8:.2f}")

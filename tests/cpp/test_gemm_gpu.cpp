@@ -564,6 +564,127 @@ TEST(GemmGpu, E4m3BlockScaledGateUpQuantisesA) {
 }
 
 // Block scales are all three or none, and A's rows a multiple of 4 (its scales' TMA rows)
+// fp8_block's SwiGLU backward as a pass of its own (the dgrad-down kind storing da in fp32,
+// Epilogue::kStoreF32, then gemm::launch_swiglu_bwd_fp8) against the kind's SwiGLU-backward
+// epilogue followed by the three column quantisers, as the layer's backward ran them: dh in
+// e4m3 and its row scales, the router-gradient partials, a, dg and du quantised per column and
+// 128 rows, bit for bit.  Routed: rows of weight 0 and zero h (padding), negative weights, a
+// block past the rows in use left untouched; shared: rows past T (valid_rows) as zeros, the
+// row scales at ld = T rounded up to 4, weight 1.  fp32 and power-of-two scales.
+void check_swiglu_pass(bool pow2, bool shared) {
+  const int64_t H = 384, I = 256, E = shared ? 1 : 2;
+  const std::vector<int32_t> blk = shared ? std::vector<int32_t>{0, 0} : std::vector<int32_t>{1, 0, 1, -1};
+  const int64_t M = static_cast<int64_t>(blk.size()) * 128, KB = H / 128, NB = I / 128;
+  const int64_t live = shared ? M : 3 * 128, T = shared ? 200 : M, ld = shared ? (T + 3) / 4 * 4 : M;
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_real_distribution<float> scale(0.25f, 4.0f), weight(-1.0f, 1.0f);
+  std::vector<uint8_t> a, b;
+  std::vector<float> av, bv;
+  fill_e4m3_quarters(rng, static_cast<size_t>(M * H), &a, &av);
+  fill_e4m3_quarters(rng, static_cast<size_t>(E * I * H), &b, &bv);
+  std::vector<float> sa(static_cast<size_t>(KB * M)), sb(static_cast<size_t>(E * KB * NB));
+  for (auto& x : sa) x = scale(rng);
+  for (auto& x : sb) x = scale(rng);
+  std::vector<bf16_t> h = random_bf16(rng, static_cast<size_t>(M * 2 * I), 3.0f);
+  std::vector<float> rw(static_cast<size_t>(M), 1.0f);
+  if (!shared)
+    for (int64_t r = 0; r < M; ++r) {
+      rw[static_cast<size_t>(r)] = r % 7 == 3 ? 0.0f : weight(rng);
+      if (r % 7 == 3)  // a padding row: weight 0, h 0
+        std::fill(h.begin() + r * 2 * I, h.begin() + (r + 1) * 2 * I, bf16_t{0});
+    }
+  const std::vector<int32_t> live_rows = {static_cast<int32_t>(live)};
+  DeviceBuffer da_(a), db(b), dblk(blk), dsa(sa), dsb(sb), dh_(h), drw(rw), dlive(live_rows);
+  const auto* be = static_cast<const int32_t*>(dblk.ptr);
+  const int32_t mb = static_cast<int32_t>(blk.size());
+  const size_t q_bytes = static_cast<size_t>(M * 2 * I), s_bytes = static_cast<size_t>(2 * I / 128 * ld) * 4;
+  const size_t p_bytes = static_cast<size_t>(M * I / 128) * 4, t_bytes = static_cast<size_t>(I * M);
+  const size_t ts_bytes = static_cast<size_t>(M / 128 * I) * 4;
+  struct Outs {
+    DeviceBuffer q, s, part, at, ats, dgt, dgts, dut, duts;
+  };
+  auto outs = [&] {
+    return Outs{DeviceBuffer(q_bytes), DeviceBuffer(s_bytes), DeviceBuffer(p_bytes),  DeviceBuffer(t_bytes),
+                DeviceBuffer(ts_bytes), DeviceBuffer(t_bytes), DeviceBuffer(ts_bytes), DeviceBuffer(t_bytes),
+                DeviceBuffer(ts_bytes)};
+  };
+  Outs old = outs(), now = outs();
+  const int32_t* live_ptr = shared ? nullptr : static_cast<const int32_t*>(dlive.ptr);
+  auto scaled = [&](gemm::GroupedGemmArgs g) {
+    g.a_scales = static_cast<const float*>(dsa.ptr);
+    g.a_scales_ld = M;
+    g.b0_scales = g.b1_scales = static_cast<const float*>(dsb.ptr);
+    g.b_scales_transposed = true;
+    g.operand_bytes = 1;
+    return g;
+  };
+  // The kind's epilogue, then the column passes over its bf16 dh and a
+  DeviceBuffer dh_bf16(static_cast<size_t>(M * 2 * I) * 2), a_bf16(static_cast<size_t>(M * I) * 2);
+  gemm::launch_grouped_gemm(
+      scaled(gemm::dgrad_down_swiglu_e4m3_args(da_.ptr, T, H, db.ptr, E, I, be, mb, dh_.ptr,
+                                               static_cast<const float*>(drw.ptr), old.q.ptr,
+                                               static_cast<float*>(old.s.ptr), ld, pow2, dh_bf16.ptr, a_bf16.ptr,
+                                               shared ? nullptr : static_cast<float*>(old.part.ptr))),
+      nullptr);
+  const int64_t valid = shared ? T : -1;
+  const auto* dhb = static_cast<const bf16_t*>(dh_bf16.ptr);
+  gemm::launch_quantize_cols(a_bf16.ptr, I, M, I, old.at.ptr, static_cast<float*>(old.ats.ptr), pow2, nullptr, nullptr,
+                             nullptr, live_ptr, valid);
+  gemm::launch_quantize_cols(dhb, 2 * I, M, I, old.dgt.ptr, static_cast<float*>(old.dgts.ptr), pow2, nullptr, nullptr,
+                             nullptr, live_ptr, valid);
+  gemm::launch_quantize_cols(dhb + I, 2 * I, M, I, old.dut.ptr, static_cast<float*>(old.duts.ptr), pow2, nullptr,
+                             nullptr, nullptr, live_ptr, valid);
+  // da in fp32, then the pass
+  DeviceBuffer da32(static_cast<size_t>(M * I) * 4);
+  gemm::GroupedGemmArgs d = gemm::down_args(da_.ptr, T, H, db.ptr, E, I, be, mb, da32.ptr);
+  d.epilogue = static_cast<int32_t>(gemm::Epilogue::kStoreF32);
+  gemm::launch_grouped_gemm(scaled(d), nullptr);
+  gemm::SwiGLUBwdFp8Args sp;
+  sp.da = static_cast<const float*>(da32.ptr);
+  sp.h = dh_.ptr;
+  sp.row_weight = shared ? nullptr : static_cast<const float*>(drw.ptr);
+  sp.rows = M;
+  sp.inter = I;
+  sp.valid_rows = valid;
+  sp.live_rows = live_ptr;
+  sp.dh_q = now.q.ptr;
+  sp.dh_scales = static_cast<float*>(now.s.ptr);
+  sp.scales_ld = ld;
+  sp.dtw_partials = shared ? nullptr : static_cast<float*>(now.part.ptr);
+  sp.at = now.at.ptr;
+  sp.at_scales = static_cast<float*>(now.ats.ptr);
+  sp.dgt = now.dgt.ptr;
+  sp.dgt_scales = static_cast<float*>(now.dgts.ptr);
+  sp.dut = now.dut.ptr;
+  sp.dut_scales = static_cast<float*>(now.duts.ptr);
+  sp.pow2 = pow2;
+  gemm::launch_swiglu_bwd_fp8(sp, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  const char* names[] = {"dh e4m3", "dh scales", "router partials", "a cols", "a col scales", "dg cols",
+                         "dg col scales", "du cols", "du col scales"};
+  const DeviceBuffer* o[] = {&old.q, &old.s, &old.part, &old.at, &old.ats, &old.dgt, &old.dgts, &old.dut, &old.duts};
+  const DeviceBuffer* n[] = {&now.q, &now.s, &now.part, &now.at, &now.ats, &now.dgt, &now.dgts, &now.dut, &now.duts};
+  for (int i = 0; i < 9; ++i) {
+    const std::vector<uint8_t> want = o[i]->get<uint8_t>(), got = n[i]->get<uint8_t>();
+    int64_t differ = 0, written = 0;
+    for (size_t j = 0; j < want.size(); ++j) {
+      differ += want[j] != got[j];
+      written += want[j] != 0xFF;
+    }
+    EXPECT_EQ(differ, 0) << names[i] << ": bytes differing from the kind's epilogue and the column passes";
+    if (!(shared && i == 2)) EXPECT_GT(written, 0) << names[i] << ": nothing written";  // (shared: no partials)
+  }
+}
+
+TEST(GemmGpu, E4m3SwiGLUBackwardPassIsTheEpilogueAndColumnPasses) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (bool shared : {false, true})
+    for (bool pow2 : {false, true}) {
+      SCOPED_TRACE(std::string(shared ? "shared" : "routed") + (pow2 ? ", pow2" : ", fp32 scales"));
+      check_swiglu_pass(pow2, shared);
+    }
+}
+
 TEST(GemmGpu, E4m3BlockScalesChecked) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::vector<int32_t> blk = {0};

@@ -77,6 +77,8 @@ enum class Epilogue : int32_t {
   kGateUpPreact = 4,  // gate/up without the SwiGLU: out = h = [bf16(g) | bf16(u)], g at ch, u at out_ld/2 + ch
   kSwiGLUE4m3 = 5,    // block-scaled 128 x 256 gate/up: a = silu(gate) * up quantised per row and 128 channels
                       // (tile.cuh epilogue_swiglu_e4m3): out e4m3 [rows, I], out_scales [I/128, rows]
+  kStoreF32 = 6,      // block-scaled kinds: out[row, col] = acc in fp32 (out_ld floats a row): the fp8
+                      // dgrad-down kind's da, which the SwiGLU-backward pass reads (swiglu_bwd_fp8.cu)
 };
 
 // Tiles of `tile` covering n (model dimensions are multiples of 64, tiles 128 or 256 wide:

@@ -197,6 +197,31 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu(const float (&acc)[kRegs],
 //   dh[r, ·] = bf16(dg) | bf16(du), a_out[r, i] = bf16(a)   (optional: the wgrad operands)
 // A chunk's 128 channels of a row are in the four lanes of its quad (16 n8 blocks, 2 columns
 // each): three maxima by two xor-shuffles each, the partial likewise.  Rows below valid_rows.
+// One element of it (the order of record above): g, u its pre-activations, w its route weight,
+// da its unweighted gradient (the fast reciprocal in the sigmoid: no slow-path branch; 0 for g
+// below about -88)
+struct SwiGLUBwdE4m3Elem {
+  float dg, du, a;
+};
+__device__ __forceinline__ SwiGLUBwdE4m3Elem swiglu_bwd_e4m3_elem(float g, float u, float w, float da) {
+  const float sg = __fdividef(1.0f, __fadd_rn(1.0f, __expf(-g)));
+  const float sl = __fmul_rn(g, sg);
+  const float dsilu = __fmul_rn(sg, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg))));
+  const float wda = __fmul_rn(w, da);
+  return SwiGLUBwdE4m3Elem{__fmul_rn(__fmul_rn(wda, u), dsilu), __fmul_rn(wda, sl), __fmul_rn(sl, u)};
+}
+// The max over a quad's four lanes (two xor-shuffles; every lane of the warp runs them)
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+// The router-gradient partial: sum + da0 · a_deq0 + da1 · a_deq1 in that order, a_deq the pair's
+// e4m3 a (qa) times its scale s_a
+__device__ __forceinline__ float dtw_add_pair(float sum, float da0, float da1, __nv_fp8x2_storage_t qa, float s_a) {
+  const float2 a_deq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(qa, __NV_E4M3)));
+  sum = __fadd_rn(sum, __fmul_rn(da0, __fmul_rn(a_deq.x, s_a)));
+  return __fadd_rn(sum, __fmul_rn(da1, __fmul_rn(a_deq.y, s_a)));
+}
 struct SwiGLUBwdE4m3Args {
   const __nv_bfloat16* h;   // [rows, 2I]
   uint8_t* dh_q;            // [rows, 2I] e4m3
@@ -216,10 +241,6 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
   static_assert(kChunks >= 1 && kBlocks == kChunks * kChunkBlocks, "a tile holds whole 128-channel chunks");
   const int t = threadIdx.x & 3;
   const int64_t inter = e.inter, ld_h = 2 * inter, n_chunks = inter / 128;
-  const auto quad_max = [](float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-  };
   // NOTES: one rolled loop over (half, chunk), da picked from the accumulator with selects so
   // every acc index stays static, and h read again in each pass.  Unrolled (four bodies of two
   // passes each, 16,000 instructions, more than the instruction caches hold beside the K loop)
@@ -243,18 +264,10 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
     const int64_t row = row0 + r;
     const float w = live ? weight(r) : 0.0f;
     const __nv_bfloat16* const h_row = e.h + row * ld_h + col + 2 * t;
-    struct Elem {
-      float dg, du, a;
-    };
+    using Elem = SwiGLUBwdE4m3Elem;
     // (h read again in each pass: words kept across both passes spilled the K loop)
     auto elem_of = [&](uint32_t gw, uint32_t uw, int n8, int x) {
-      const float g = x ? bf16_hi(gw) : bf16_lo(gw), u = x ? bf16_hi(uw) : bf16_lo(uw);
-      // (the fast reciprocal: no slow-path branch; 0 for g below about -88)
-      const float sg = __fdividef(1.0f, __fadd_rn(1.0f, __expf(-g)));
-      const float sl = __fmul_rn(g, sg);
-      const float dsilu = __fmul_rn(sg, __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, sg))));
-      const float wda = __fmul_rn(w, da_of(n8, x));
-      return Elem{__fmul_rn(__fmul_rn(wda, u), dsilu), __fmul_rn(wda, sl), __fmul_rn(sl, u)};
+      return swiglu_bwd_e4m3_elem(x ? bf16_hi(gw) : bf16_lo(gw), x ? bf16_hi(uw) : bf16_lo(uw), w, da_of(n8, x));
     };
     float amax_g = 0.0f, amax_u = 0.0f, amax_a = 0.0f;
 #pragma unroll
@@ -279,9 +292,7 @@ __device__ __forceinline__ void epilogue_dgrad_swiglu_e4m3(const float (&acc)[kR
       const uint32_t gw = ptx::ld_global_b32_pred(h_row + n8 * 8, live);
       const uint32_t uw = ptx::ld_global_b32_pred(h_row + inter + n8 * 8, live);
       const Elem v0 = elem_of(gw, uw, n8, 0), v1 = elem_of(gw, uw, n8, 1);
-      const float2 a_deq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(e4m3x2(v0.a, v1.a, d_a), __NV_E4M3)));
-      sum = __fadd_rn(sum, __fmul_rn(da_of(n8, 0), __fmul_rn(a_deq.x, s_a)));
-      sum = __fadd_rn(sum, __fmul_rn(da_of(n8, 1), __fmul_rn(a_deq.y, s_a)));
+      sum = dtw_add_pair(sum, da_of(n8, 0), da_of(n8, 1), e4m3x2(v0.a, v1.a, d_a), s_a);
       if (!live) continue;
       *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + n8 * 8) = e4m3x2(v0.dg, v1.dg, d_g);
       *reinterpret_cast<__nv_fp8x2_storage_t*>(qg + inter + n8 * 8) = e4m3x2(v0.du, v1.du, d_u);

@@ -233,6 +233,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           case Epilogue::kStore:
             epilogue_store(acc[j], slab, p.out, p.out_ld, row0, p.out_rows, int64_t{n_block} * C::kBlockN);
             break;
+          case Epilogue::kStoreF32:
+            if constexpr (Prec::kBlockScaled)
+              epilogue_store_f32(acc[j], slab, reinterpret_cast<float*>(p.out), p.out_ld, row0, p.out_rows,
+                                 int64_t{n_block} * C::kBlockN);
+            break;
           case Epilogue::kScatter:
             epilogue_scatter(acc[j], slab, [&](uint32_t) { return p.out; }, p.out_ld, p.plan_rows + row0, p.topk,
                              int64_t{n_block} * C::kBlockN);

@@ -350,6 +350,9 @@ void launch_grouped_gemm(const GroupedGemmArgs& g, cudaStream_t stream) {
                   "grouped GEMM (e4m3): tile N = " << g.tile_n
                                                    << "; e4m3 runs 128 x 256 tiles with block scales and 128 x 128 "
                                                       "without (with_tile_n)");
+    if (g.epilogue == static_cast<int32_t>(Epilogue::kStoreF32))
+      MOK_CHECK_ARG(scales == 3 && (reinterpret_cast<uintptr_t>(g.out) & 7u) == 0 && g.out_ld % 2 == 0,
+                    "grouped GEMM (e4m3 fp32 out): needs the block scales, out 8-byte aligned and an even out_ld");
     if (g.epilogue == static_cast<int32_t>(Epilogue::kSwiGLUE4m3)) {
       MOK_CHECK_ARG(scales == 3 && g.tile_n == 256 && g.out_scales != nullptr,
                     "grouped GEMM (e4m3 SwiGLU quantised): needs the block scales, tile N = 256 and out_scales");

@@ -220,6 +220,34 @@ void launch_quantize_cols(const void* v, int64_t ld, int64_t rows, int64_t cols,
                           const uint32_t* plan_rows = nullptr, const int32_t* live_rows = nullptr,
                           int64_t valid_rows = -1);
 
+// fp8_block's SwiGLU backward as a pass of its own over da (the block-scaled dgrad-down kind's
+// fp32 output, Epilogue::kStoreF32), in place of the kind's SwiGLU-backward epilogue and the
+// column quantisers of a, dg and du: per 128 rows x 128 channels, the epilogue's values and
+// roundings (epilogue_bwd.cuh: dh_q and its row scales, the router-gradient partials in the
+// same order) and, from the same values rounded to bf16, a, dg and du quantised per channel and
+// 128 rows as launch_quantize_cols writes them (transposed [I, rows] e4m3, scales [rows/128, I]):
+// bit for bit the epilogue then the three column passes.
+struct SwiGLUBwdFp8Args {
+  const float* da = nullptr;         // [rows, I] fp32
+  const void* h = nullptr;           // [rows, 2I] bf16: g | u
+  const float* row_weight = nullptr; // [rows] (null: 1, the shared expert)
+  int64_t rows = 0, inter = 0;       // rows: a multiple of 128; I: of 128
+  int64_t valid_rows = -1;           // rows past it are zeros and write nothing (-1: all)
+  const int32_t* live_rows = nullptr;  // device word: row blocks from it on are skipped (null: none)
+  void* dh_q = nullptr;              // [rows, 2I] e4m3
+  float* dh_scales = nullptr;        // [2I/128, scales_ld]
+  int64_t scales_ld = 0;
+  float* dtw_partials = nullptr;     // [rows, I/128] or null
+  void* at = nullptr;                // [I, rows] e4m3 (a), scales [rows/128, I]
+  float* at_scales = nullptr;
+  void* dgt = nullptr;               // dg's, likewise
+  float* dgt_scales = nullptr;
+  void* dut = nullptr;               // du's
+  float* dut_scales = nullptr;
+  bool pow2 = false;
+};
+void launch_swiglu_bwd_fp8(const SwiGLUBwdFp8Args& args, cudaStream_t stream);
+
 // fp8_block's activation quantiser (gemm/quantize.cuh): x [rows, n] bf16 (n % 128 == 0) ->
 // q [rows, n] e4m3 and scales [n / 128, rows] fp32, as mok.fp8.quantize_rows computes them.
 // pow2: power-of-two scales (UE8M0).  scales_ld (0: rows): the scales' leading dimension.
@@ -256,5 +284,6 @@ void load_backward_kernels();
 // (load_backward_kernels calls it)
 void load_fp8_kernels();
 void load_quantize_rows_kernel();  // (quantize.cu's part of it)
+void load_swiglu_bwd_fp8_kernel();  // (swiglu_bwd_fp8.cu's)
 
 }  // namespace mok::gemm

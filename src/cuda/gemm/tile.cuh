@@ -668,6 +668,24 @@ __device__ __forceinline__ void epilogue_store(const float (&acc)[kRegs], int co
   }
 }
 
+// fp32 rows: lane pair (n8 block, 2t) as one 8-byte store; each warp store writes 32 bytes
+// (a whole sector) of each of its 8 rows.  Rows below rows_limit, columns below ld.
+template <int kRegs>
+__device__ __forceinline__ void epilogue_store_f32(const float (&acc)[kRegs], int consumer, float* out, int64_t ld,
+                                                   int64_t row0, int64_t rows_limit, int64_t col0) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + fragment_row(consumer, half);
+    if (row >= rows_limit) continue;
+    float* const dst = out + row * ld + col0 + 2 * t;
+#pragma unroll
+    for (int n8 = 0; n8 < kRegs / 4; ++n8)
+      if (col0 + n8 * 8 + 2 * t < ld)
+        *reinterpret_cast<float2*>(dst + n8 * 8) = make_float2(acc[n8 * 4 + half * 2], acc[n8 * 4 + half * 2 + 1]);
+  }
+}
+
 // Each tile row r goes to slots(rec)[token*k + j] of its plan row record (slots(rec): the
 // slot array of the record's home rank; EP >= 2 pushes to a peer); padding rows are skipped.
 template <int kRegs, typename Slots>

@@ -155,6 +155,7 @@ void load_fp8_kernels() {
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, quantize_cols_kernel));
   MOK_CUDA_CHECK(cudaFuncGetAttributes(&a, grouped_wgrad_fp8_kernel<WgradFp8Tile>));
   load_quantize_rows_kernel();
+  load_swiglu_bwd_fp8_kernel();
 }
 
 }  // namespace mok::gemm
