@@ -954,13 +954,11 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   } else {
     gather_quantized(dy);
   }
-  // TEMPORARY (session 29 A/B): MOK_TMP_SWIGLU_PASS=0 runs the kind's SwiGLU-backward epilogue
-  // and the three column passes instead of the fp32 da and the SwiGLU pass
-  const char* pass_env = std::getenv("MOK_TMP_SWIGLU_PASS");
-  const bool swiglu_pass = pass_env == nullptr || pass_env[0] != '0';
   // da = dy · W_down in fp32 (into dh's bytes: [R, 2I] bf16 is [R, I] fp32), then the SwiGLU
   // backward's pass: dh in e4m3 and its scales, the router-gradient partials, and a, dg, du
-  // quantised per channel and 128 rows for the wgrad kind (launch_swiglu_bwd_fp8)
+  // quantised per channel and 128 rows for the wgrad kind (launch_swiglu_bwd_fp8; the same bits
+  // as the dgrad-down kind's SwiGLU-backward epilogue then three column passes, 5.6 % faster on
+  // dsv3's forward + backward: docs/perf.md session 29)
   auto dgrad_down_f32 = [&](const void* a, int64_t a_rows, const void* w_qt, int64_t experts, int64_t n,
                             const int32_t* block_expert, int32_t blocks, void* da) {
     gemm::GroupedGemmArgs d = gemm::down_args(a, a_rows, H, w_qt, experts, n, block_expert, blocks, da);
@@ -969,36 +967,38 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
     d.epilogue = static_cast<int32_t>(gemm::Epilogue::kStoreF32);
     return d;
   };
-  if (swiglu_pass) {
-    gemm::launch_grouped_gemm(scaled(dgrad_down_f32(f + parts.dy, R, in.fp8_qt[2], El, I, ws.block_expert, max_blocks,
-                                                    b.dh),
-                                     fl(parts.dy_scales), in.fp8_scales[2], in.fp8_scales[2]),
-                              stream);
+  // (parts: the e4m3 outputs' offsets in the fp8 buffers -- dh, then a, dg, du transposed -- and
+  // their scales')
+  auto swiglu_pass = [&](void* da, const void* hh, const float* rw, int64_t rows, int64_t inter, int64_t valid,
+                         const int32_t* live, int64_t scales_ld, float* partials, const int64_t (&q)[4],
+                         const int64_t (&qs)[4]) {
     gemm::SwiGLUBwdFp8Args sp;
-    sp.da = static_cast<const float*>(b.dh);
-    sp.h = h;
-    sp.row_weight = b.row_weight;
-    sp.rows = R;
-    sp.inter = I;
-    sp.live_rows = live_rows;
-    sp.dh_q = f + parts.dh;
-    sp.dh_scales = fl(parts.dh_scales);
-    sp.scales_ld = R;
-    sp.dtw_partials = b.dtw_partials;
-    sp.at = f + parts.at;
-    sp.at_scales = fl(parts.at_scales);
-    sp.dgt = f + parts.dgt;
-    sp.dgt_scales = fl(parts.dgt_scales);
-    sp.dut = f + parts.dut;
-    sp.dut_scales = fl(parts.dut_scales);
+    sp.da = static_cast<const float*>(da);
+    sp.h = hh;
+    sp.row_weight = rw;
+    sp.rows = rows;
+    sp.inter = inter;
+    sp.valid_rows = valid;
+    sp.live_rows = live;
+    sp.dh_q = f + q[0];
+    sp.dh_scales = fl(qs[0]);
+    sp.scales_ld = scales_ld;
+    sp.dtw_partials = partials;
+    sp.at = f + q[1];
+    sp.at_scales = fl(qs[1]);
+    sp.dgt = f + q[2];
+    sp.dgt_scales = fl(qs[2]);
+    sp.dut = f + q[3];
+    sp.dut_scales = fl(qs[3]);
     sp.pow2 = pow2;
     gemm::launch_swiglu_bwd_fp8(sp, stream);
-  } else {
-    gemm::GroupedGemmArgs dd = gemm::dgrad_down_swiglu_e4m3_args(
-        f + parts.dy, R, H, in.fp8_qt[2], El, I, ws.block_expert, max_blocks, h, b.row_weight, f + parts.dh,
-        fl(parts.dh_scales), R, pow2, b.dh, b.wa, b.dtw_partials);
-    gemm::launch_grouped_gemm(scaled(dd, fl(parts.dy_scales), in.fp8_scales[2], in.fp8_scales[2]), stream);
-  }
+  };
+  gemm::launch_grouped_gemm(scaled(dgrad_down_f32(f + parts.dy, R, in.fp8_qt[2], El, I, ws.block_expert, max_blocks,
+                                                  b.dh),
+                                   fl(parts.dy_scales), in.fp8_scales[2], in.fp8_scales[2]),
+                            stream);
+  swiglu_pass(b.dh, h, b.row_weight, R, I, -1, live_rows, R, b.dtw_partials, {parts.dh, parts.at, parts.dgt, parts.dut},
+              {parts.dh_scales, parts.at_scales, parts.dgt_scales, parts.dut_scales});
   // dgrad gate/up on the two transposed copies, each row into its route slot (EP >= 2: rows in
   // plan order, then pushed to their home ranks' slots, as the bf16 launches)
   gemm::GroupedGemmArgs dg = gemm::dgrad_gate_up_e4m3_args(f + parts.dh, R, I, in.fp8_qt[0], in.fp8_qt[1], El, H,
@@ -1022,14 +1022,6 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
                              ep ? nullptr : ws.rows, live_rows);
   gemm::launch_quantize_cols(ep ? b.dy_rows : dy, H, R, H, f + parts.wdyt, fl(parts.wdyt_scales), pow2, stream,
                              b.row_weight, ep ? nullptr : ws.rows, live_rows);
-  if (!swiglu_pass) {
-    gemm::launch_quantize_cols(b.wa, I, R, I, f + parts.at, fl(parts.at_scales), pow2, stream, nullptr, nullptr,
-                               live_rows);
-    gemm::launch_quantize_cols(b.dh, 2 * I, R, I, f + parts.dgt, fl(parts.dgt_scales), pow2, stream, nullptr, nullptr,
-                               live_rows);
-    gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.dh) + I, 2 * I, R, I, f + parts.dut,
-                               fl(parts.dut_scales), pow2, stream, nullptr, nullptr, live_rows);
-  }
   // dW [mo, no] = aᵀ · b; a column-major gradient (and main_grad) as its row-major transpose
   // dWᵀ = bᵀ · a: the operands swapped, the column stride its row stride
   // (rows, experts: the operands' rows and their experts' segments; the routed plan's by default)
@@ -1083,39 +1075,15 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
   if (Is > 0) {
     const int64_t t128 = plan::ceil_div(T, 128) * 128;
     void* const sh_h = saved.shared_h ? saved.shared_h : b.sh_h;  // (replayed above, beside the routed h)
-    if (T > 0 && swiglu_pass) {
+    if (T > 0) {
       gemm::GroupedGemmArgs sdd =
           scaled(dgrad_down_f32(f + parts.tok, T, in.fp8_qt[5], 1, Is, ws.shared_block, sblocks, b.sh_dh),
                  fl(parts.tok_scales), in.fp8_scales[5], in.fp8_scales[5]);
       sdd.a_scales_ld = t4;
       gemm::launch_grouped_gemm(sdd, stream);
-      gemm::SwiGLUBwdFp8Args sp;
-      sp.da = static_cast<const float*>(b.sh_dh);
-      sp.h = sh_h;
-      sp.rows = t128;
-      sp.inter = Is;
-      sp.valid_rows = T;
-      sp.dh_q = f + parts.sdh;
-      sp.dh_scales = fl(parts.sdh_scales);
-      sp.scales_ld = t4;
-      sp.at = f + parts.sat;
-      sp.at_scales = fl(parts.sat_scales);
-      sp.dgt = f + parts.sdgt;
-      sp.dgt_scales = fl(parts.sdgt_scales);
-      sp.dut = f + parts.sdut;
-      sp.dut_scales = fl(parts.sdut_scales);
-      sp.pow2 = pow2;
-      gemm::launch_swiglu_bwd_fp8(sp, stream);
-    } else if (T > 0) {
-      gemm::GroupedGemmArgs sdd = scaled(
-          gemm::dgrad_down_swiglu_e4m3_args(f + parts.tok, T, H, in.fp8_qt[5], 1, Is, ws.shared_block, sblocks, sh_h,
-                                            b.ones, f + parts.sdh, fl(parts.sdh_scales), t4, pow2, b.sh_dh, b.sh_a,
-                                            nullptr),
-          fl(parts.tok_scales), in.fp8_scales[5], in.fp8_scales[5]);
-      sdd.a_scales_ld = t4;
-      gemm::launch_grouped_gemm(sdd, stream);
-    }
-    if (T > 0) {
+      swiglu_pass(b.sh_dh, sh_h, nullptr, t128, Is, T, nullptr, t4, nullptr,
+                  {parts.sdh, parts.sat, parts.sdgt, parts.sdut},
+                  {parts.sdh_scales, parts.sat_scales, parts.sdgt_scales, parts.sdut_scales});
       gemm::GroupedGemmArgs sdg =
           scaled(gemm::dgrad_gate_up_e4m3_args(f + parts.sdh, T, Is, in.fp8_qt[3], in.fp8_qt[4], 1, H,
                                                ws.shared_block, sblocks, ws.shared_out),
@@ -1126,14 +1094,6 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
                                  nullptr, T);
       gemm::launch_quantize_cols(dy, H, t128, H, f + parts.sdyt, fl(parts.sdyt_scales), pow2, stream, nullptr,
                                  nullptr, nullptr, T);
-      if (!swiglu_pass) {
-        gemm::launch_quantize_cols(b.sh_a, Is, t128, Is, f + parts.sat, fl(parts.sat_scales), pow2, stream, nullptr,
-                                   nullptr, nullptr, T);
-        gemm::launch_quantize_cols(b.sh_dh, 2 * Is, t128, Is, f + parts.sdgt, fl(parts.sdgt_scales), pow2, stream,
-                                   nullptr, nullptr, nullptr, T);
-        gemm::launch_quantize_cols(static_cast<const __nv_bfloat16*>(b.sh_dh) + Is, 2 * Is, t128, Is, f + parts.sdut,
-                                   fl(parts.sdut_scales), pow2, stream, nullptr, nullptr, nullptr, T);
-      }
     }
     // (no tokens: the kind writes zeros, its maps over the outputs)
     const Segments shared{t128, 1, b.shared_table, b.shared_table + 2};
