@@ -35,6 +35,20 @@ __device__ __forceinline__ __nv_fp8x2_storage_t e4m3x2(float v0, float v1, const
   return __nv_cvt_float2_to_fp8x2(make_float2(e4m3_divide(v0, d), e4m3_divide(v1, d)), __NV_SATFINITE, __NV_E4M3);
 }
 
+// Sixteen values of a column, value(r0) .. value(r0 + 15), as e4m3 of divisor d in one 16-byte
+// word: the column quantisers' store unit (quantize_cols, the SwiGLU-backward pass)
+template <class Value>
+__device__ __forceinline__ uint4 e4m3x16(Value value, int r0, const E4m3Divisor& d) {
+  uint32_t word[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int r = r0 + 4 * j;
+    word[j] = static_cast<uint32_t>(e4m3x2(value(r), value(r + 1), d)) |
+              (static_cast<uint32_t>(e4m3x2(value(r + 2), value(r + 3), d)) << 16);
+  }
+  return make_uint4(word[0], word[1], word[2], word[3]);
+}
+
 // The row's n channels (n % 128 == 0) from src (16-byte aligned) into q (n bytes, 4-byte
 // aligned) and scales; every lane of the warp calls it.  A half-warp takes a block of 128
 // channels (eight a lane: one 16-byte load), the two halves consecutive blocks, and kUnroll

@@ -124,16 +124,8 @@ __global__ void __launch_bounds__(256, 1) swiglu_bwd_fp8_kernel(const SwiGLUBwdF
     const E4m3Divisor d = e4m3_divisor(s);
     if (hc == 0) out_scales[x][(r0 / kBlock) * inter + c0 + c] = s;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {  // 16 bytes at a time
-      uint32_t word[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int r = 64 * hc + 16 * q + 4 * j;
-        word[j] = static_cast<uint32_t>(e4m3x2(value(r), value(r + 1), d)) |
-                  (static_cast<uint32_t>(e4m3x2(value(r + 2), value(r + 3), d)) << 16);
-      }
-      *reinterpret_cast<uint4*>(&qcols[c][64 * hc + 16 * q]) = make_uint4(word[0], word[1], word[2], word[3]);
-    }
+    for (int q = 0; q < 4; ++q)
+      *reinterpret_cast<uint4*>(&qcols[c][64 * hc + 16 * q]) = e4m3x16(value, 64 * hc + 16 * q, d);
     __syncthreads();  // the staging written; half_amax read
 #pragma unroll
     for (int i = 0; i < kBlock * 8 / 256; ++i) {

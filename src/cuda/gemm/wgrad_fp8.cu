@@ -67,16 +67,7 @@ __global__ void __launch_bounds__(256) quantize_cols_kernel(const __nv_bfloat16*
   if (h == 0) scales[(r0 / kColTile) * cols + c0 + c] = s;
   uint8_t* dst = qt + (c0 + c) * rows + r0 + 64 * h;
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {  // 16 bytes at a time
-    uint32_t word[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int r = 64 * h + 16 * w + 4 * j;
-      word[j] = static_cast<uint32_t>(e4m3x2(value(r), value(r + 1), d)) |
-                (static_cast<uint32_t>(e4m3x2(value(r + 2), value(r + 3), d)) << 16);
-    }
-    *reinterpret_cast<uint4*>(dst + 16 * w) = make_uint4(word[0], word[1], word[2], word[3]);
-  }
+  for (int w = 0; w < 4; ++w) *reinterpret_cast<uint4*>(dst + 16 * w) = e4m3x16(value, 64 * h + 16 * w, d);
 }
 
 }  // namespace
