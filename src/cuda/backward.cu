@@ -832,12 +832,12 @@ void backward_unfused(DeviceWorkspace& ws, const mokConfig_t& c, const ref::Rank
 //   the route weights of the plan's rows; h the forward's saved pre-activations (or the gate/up
 //   replay on x quantised once per token, its rows gathered in e4m3); dy likewise, quantised per
 //   token and 128 of H and its rows gathered in e4m3;
-//   dgrad down on W_down's transposed copy, its epilogue the SwiGLU backward: dh in e4m3 (the
-//   dgrad gate/up kind's A), bf16 dh and a (the wgrad operands), the router-gradient partials;
-//   dgrad gate/up on W_gate's and W_up's transposed copies (a K split), scattered to the route
-//   slots; the wgrad operands (x, w·dy, a, dg, du; x and dy read through the plan's rows in
-//   place) quantised per channel and 128 rows, transposed, and the fp8 wgrad kind per weight;
-//   d topk_weights and dx as the bf16 launches.
+//   dgrad down on W_down's transposed copy, da stored in fp32, then the SwiGLU-backward pass:
+//   dh in e4m3 (the dgrad gate/up kind's A), the router-gradient partials, and a, dg, du
+//   quantised per channel and 128 rows (wgrad operands); dgrad gate/up on W_gate's and W_up's
+//   transposed copies (a K split), scattered to the route slots; x and w·dy quantised per
+//   channel and 128 rows (x and dy read through the plan's rows in place; EP >= 2 the pulled
+//   rows), and the fp8 wgrad kind per weight; d topk_weights and dx as the bf16 launches.
 void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInputs& in, const ref::RankGrads& g,
                   const void* dy, cudaStream_t stream, const Saved& saved, int64_t* timeout) {
   const DeviceGuard guard(ws.device);
@@ -946,7 +946,7 @@ void backward_fp8(DeviceWorkspace& ws, const mokConfig_t& c, const ref::RankInpu
                fl(parts.dy_scales), in.fp8_scales[0], in.fp8_scales[1]),
         stream);
   }
-  // dy per row and 128 of H; dgrad down with the SwiGLU backward: dh in e4m3 and bf16, a, partials
+  // dy per row and 128 of H (the shared expert's per token)
   if (ep) {
     pull_rows(true, true);
     if (Is > 0)  // the shared expert's dy, its own tokens per token (tok)
